@@ -1,0 +1,1 @@
+"""Code shared by the router and the workers: engine, model, layers, ops, KV transfer, config."""

@@ -1,0 +1,1 @@
+"""Model building blocks: attention (backend registry), rotary, norm, activation, embedding, sampler."""
