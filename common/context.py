@@ -1,0 +1,41 @@
+"""The per-forward context: what attention layers need to know about the current batch.
+
+Set for exactly one forward by ``forward_context(...)``, a context manager that always resets,
+so no stale batch metadata survives an exception.
+"""
+from __future__ import annotations
+
+from contextlib import contextmanager
+from dataclasses import dataclass
+from collections.abc import Iterator
+
+import torch
+
+
+@dataclass
+class ForwardContext:
+    is_prefill: bool
+    slot_mapping: torch.Tensor            # [num_tokens] int32: where each new token's KV goes
+    context_lens: torch.Tensor            # [B] int32: tokens of context incl. the new ones
+    block_tables: torch.Tensor            # [B, max_blocks] int32, padded with -1
+    cu_seqlens_q: torch.Tensor | None = None   # [B+1] int32 (prefill)
+    max_seqlen_q: int = 1
+
+
+_current: ForwardContext | None = None
+
+
+def get_forward_context() -> ForwardContext:
+    if _current is None:
+        raise RuntimeError("no forward context is set: run the model inside forward_context(...)")
+    return _current
+
+
+@contextmanager
+def forward_context(ctx: ForwardContext) -> Iterator[ForwardContext]:
+    global _current
+    previous, _current = _current, ctx
+    try:
+        yield ctx
+    finally:
+        _current = previous

@@ -1,0 +1,150 @@
+"""The engine loop: requests in, one scheduled step at a time, tokens out.
+
+Used in-process by the offline ``LLM`` and by the workers. Never imports gRPC or protobuf.
+"""
+from __future__ import annotations
+
+import json
+import logging
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from common.config import EngineConfig
+from common.engine.block_manager import BlockManager
+from common.engine.model_runner import ModelRunner
+from common.engine.sampling_params import InvalidParameter, SamplingParams
+from common.engine.scheduler import Scheduler, SchedulerConfig
+from common.engine.sequence import FinishReason, Sequence
+from common.loader import ModelSource, resolve_model
+
+logger = logging.getLogger(__name__)
+DEFAULT_MAX_MODEL_LEN = 8192
+
+
+@dataclass
+class StepOutput:
+    """What one step did: each sequence that got a token, and which finished."""
+
+    is_prefill: bool
+    seqs: list[Sequence] = field(default_factory=list)
+    new_token_ids: list[int] = field(default_factory=list)
+    finished: list[Sequence] = field(default_factory=list)
+    num_computed_tokens: int = 0   # prompt tokens computed (prefill) or sequences decoded
+
+
+class LLMEngine:
+    def __init__(self, config: EngineConfig, source: ModelSource | None = None,
+                 kv_event_sink: Callable[[str, int], None] | None = None) -> None:
+        self.config = config
+        self.source = source or resolve_model(config.model)
+        self.model_runner = ModelRunner(config, self.source)
+        num_blocks = self.model_runner.allocate_kv_cache()
+        self.max_model_len = self._max_model_len(num_blocks)
+        sink = kv_event_sink
+        self.block_manager = BlockManager(
+            num_blocks, config.block_size,
+            on_stored=(lambda h: sink("stored", h)) if sink else None,
+            on_evicted=(lambda h: sink("evicted", h)) if sink else None)
+        self.eos_token_ids = self._eos_token_ids()
+        self.scheduler = Scheduler(SchedulerConfig(
+            max_num_seqs=config.max_num_seqs,
+            max_num_batched_tokens=max(config.max_num_batched_tokens, self.max_model_len),
+            max_model_len=self.max_model_len, eos_token_ids=self.eos_token_ids), self.block_manager)
+        self.tokenizer = self._load_tokenizer()
+        self.requests: dict[str, Sequence] = {}
+
+    # ---- setup ------------------------------------------------------------------------
+    def _max_model_len(self, num_blocks: int) -> int:
+        model_max = self.source.config.max_position_embeddings
+        wanted = self.config.max_model_len or min(model_max, DEFAULT_MAX_MODEL_LEN)
+        if wanted > model_max:
+            raise ValueError(f"max_model_len ({wanted}) exceeds the model's context ({model_max})")
+        # one sequence must always fit the pool, or the scheduler could never run it
+        return min(wanted, num_blocks * self.config.block_size)
+
+    def _eos_token_ids(self) -> tuple[int, ...]:
+        ids = set(self.source.config.eos_token_ids)
+        if self.source.checkpoint_dir is not None:
+            gen = self.source.checkpoint_dir / "generation_config.json"
+            if gen.is_file():
+                eos = json.loads(gen.read_text()).get("eos_token_id")
+                ids.update(eos if isinstance(eos, list) else [eos] if eos is not None else [])
+        return tuple(sorted(ids))
+
+    def _load_tokenizer(self):
+        if self.source.tokenizer_dir is None:
+            return None
+        from transformers import AutoTokenizer
+        return AutoTokenizer.from_pretrained(str(self.source.tokenizer_dir))
+
+    # ---- requests -----------------------------------------------------------------------
+    def validate(self, prompt_token_ids: list[int], params: SamplingParams) -> None:
+        """Raise InvalidParameter naming the field when the request cannot run here."""
+        if not prompt_token_ids:
+            raise InvalidParameter("prompt", "must not be empty")
+        vocab = self.source.config.vocab_size
+        bad = [t for t in prompt_token_ids if not 0 <= t < vocab]
+        if bad:
+            raise InvalidParameter("prompt_token_ids", f"token id {bad[0]} is outside the vocabulary [0, {vocab})")
+        if len(prompt_token_ids) >= self.max_model_len:
+            raise InvalidParameter("prompt", f"{len(prompt_token_ids)} tokens leave no room to generate "
+                                             f"within the model context of {self.max_model_len} tokens")
+
+    def add_request(self, prompt_token_ids: list[int], params: SamplingParams,
+                    request_id: str | None = None) -> Sequence:
+        self.validate(prompt_token_ids, params)
+        if request_id is not None and request_id in self.requests:
+            raise InvalidParameter("request_id", f"{request_id!r} is already in flight")
+        seq = Sequence(prompt_token_ids, params, self.config.block_size, request_id)
+        self.requests[seq.request_id] = seq
+        self.scheduler.add(seq)
+        return seq
+
+    def abort(self, request_id: str, reason: FinishReason = FinishReason.CANCELLED) -> Sequence | None:
+        """Finish a request wherever it is and free its blocks; None if unknown or already done."""
+        seq = self.requests.pop(request_id, None)
+        if seq is None:
+            return None
+        self.scheduler.finish(seq, reason)
+        self.model_runner.release(seq)
+        return seq
+
+    def has_unfinished(self) -> bool:
+        return not self.scheduler.is_finished()
+
+    # ---- the loop -----------------------------------------------------------------------
+    def step(self) -> StepOutput:
+        seqs, is_prefill = self.scheduler.schedule()
+        out = StepOutput(is_prefill=is_prefill)
+        if not seqs:
+            return out
+        out.num_computed_tokens = (sum(s.num_tokens - s.num_cached_tokens for s in seqs)
+                                   if is_prefill else len(seqs))
+        token_ids, logprobs = self.model_runner.run(seqs, is_prefill)
+        for seq in seqs:
+            seq.num_cached_tokens = seq.num_tokens
+        want = [s.sampling_params.logprobs for s in seqs]
+        lp = [l if w else None for l, w in zip(logprobs, want)] if logprobs is not None else None
+        out.finished = self._postprocess(seqs, token_ids, lp)
+        out.seqs, out.new_token_ids = seqs, token_ids
+        return out
+
+    def _postprocess(self, seqs: list[Sequence], token_ids: list[int], logprobs) -> list[Sequence]:
+        finished = []
+        for i, (seq, token_id) in enumerate(zip(seqs, token_ids)):
+            seq.append_token(token_id, logprobs[i] if logprobs is not None else None)
+            reason = self.scheduler.stop_reason(seq)
+            if reason is not None:
+                self.scheduler.finish(seq, reason)
+                self.requests.pop(seq.request_id, None)
+                self.model_runner.release(seq)
+                finished.append(seq)
+        return finished
+
+    def stats(self) -> dict[str, int]:
+        bm = self.block_manager
+        return {"num_total_blocks": bm.num_blocks, "num_free_blocks": bm.num_free_blocks,
+                "num_used_blocks": bm.num_used_blocks, "num_cached_blocks": bm.num_cached_blocks,
+                "num_waiting": len(self.scheduler.waiting), "num_running": len(self.scheduler.running),
+                "prefix_cache_hit_tokens": bm.num_hit_tokens, "prefix_cache_query_tokens": bm.num_query_tokens,
+                "num_preemptions": self.scheduler.num_preemptions}

@@ -1,0 +1,162 @@
+"""Runs the model for one engine step: batch preparation, the forward, sampling.
+
+``prepare_prefill`` / ``prepare_decode`` turn scheduled Sequences into flat tensors
+(``input_ids``, ``positions``) and a ForwardContext (``slot_mapping``, ``context_lens``,
+``block_tables``, ``cu_seqlens_q``). The KV pool is one tensor
+``[num_blocks, num_layers, 2, block_size, num_kv_heads, head_dim]`` (docs/design.md).
+"""
+from __future__ import annotations
+
+import logging
+
+import torch
+
+from common.config import EngineConfig, ModelConfig, parse_dtype
+from common.context import ForwardContext, forward_context
+from common.engine.sequence import Sequence
+from common.layers.attention_backends import resolve_backend_name
+from common.layers.sampler import Sampler, prepare_sampling
+from common.loader import ModelSource, build_model
+
+logger = logging.getLogger(__name__)
+CPU_DEFAULT_KV_GB = 1.0
+
+
+def resolve_device(name: str) -> torch.device:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    device = torch.device(name)
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError(f"device: {name!r} asked for but CUDA is not available")
+    return device
+
+
+def resolve_dtype(name: str, model_cfg: ModelConfig, device: torch.device) -> torch.dtype:
+    if name != "auto":
+        return parse_dtype(name)
+    if device.type == "cpu":
+        return torch.float32
+    dtype = parse_dtype(model_cfg.torch_dtype)
+    return torch.bfloat16 if dtype == torch.float32 else dtype
+
+
+class ModelRunner:
+    def __init__(self, config: EngineConfig, source: ModelSource) -> None:
+        self.config = config
+        self.model_config = source.config
+        self.device = resolve_device(config.device)
+        self.dtype = resolve_dtype(config.dtype, source.config, self.device)
+        self.block_size = config.block_size
+        self.backend_name = resolve_backend_name(config.attention_backend, self.device.type)
+        self.model = build_model(source, self.dtype, self.device, self.backend_name, config.seed)
+        self.sampler = Sampler()
+        self.generators: dict[int, torch.Generator] = {}
+        self.kv_cache = torch.empty(0)
+        self.num_kv_blocks = 0
+
+    # ---- KV pool ------------------------------------------------------------------------
+    @property
+    def block_bytes(self) -> int:
+        c = self.model_config
+        return (c.num_hidden_layers * 2 * self.block_size * c.num_key_value_heads * c.head_dim
+                * torch.tensor([], dtype=self.dtype).element_size())
+
+    def _num_blocks_from_memory(self) -> int:
+        if self.config.kv_cache_memory_gb is not None:
+            budget = self.config.kv_cache_memory_gb * 1024 ** 3
+        elif self.device.type == "cuda":
+            free, total = torch.cuda.mem_get_info(self.device)
+            used_elsewhere = total - free
+            budget = total * self.config.gpu_memory_utilization - used_elsewhere - self._activation_reserve()
+        else:
+            budget = CPU_DEFAULT_KV_GB * 1024 ** 3
+        return max(int(budget // self.block_bytes), 0)
+
+    def _activation_reserve(self) -> int:
+        """Bytes kept free for the largest prefill's activations and logits."""
+        c = self.model_config
+        tokens = self.config.max_num_batched_tokens
+        elt = torch.tensor([], dtype=self.dtype).element_size()
+        per_token = (c.hidden_size * 4 + c.intermediate_size * 3
+                     + (c.num_attention_heads + 2 * c.num_key_value_heads) * c.head_dim * 2) * elt
+        logits = self.config.max_num_seqs * c.vocab_size * 4 * 3
+        return tokens * per_token + logits + (512 << 20)
+
+    def allocate_kv_cache(self) -> int:
+        """Allocate the KV pool and bind each layer's views; returns the number of blocks."""
+        num_blocks = self.config.num_kv_blocks or self._num_blocks_from_memory()
+        if num_blocks < 1:
+            raise RuntimeError("not enough memory for a single KV block; lower max_num_batched_tokens "
+                               "or raise the KV memory")
+        c = self.model_config
+        self.kv_cache = torch.zeros(num_blocks, c.num_hidden_layers, 2, self.block_size,
+                                    c.num_key_value_heads, c.head_dim, dtype=self.dtype, device=self.device)
+        for i, layer in enumerate(self.model.layers):
+            layer.self_attn.attn.k_cache = self.kv_cache[:, i, 0]
+            layer.self_attn.attn.v_cache = self.kv_cache[:, i, 1]
+        self.num_kv_blocks = num_blocks
+        logger.info("KV cache: %d blocks of %d tokens (%.2f GiB, %s, %s)", num_blocks, self.block_size,
+                    num_blocks * self.block_bytes / 1024 ** 3, self.dtype, self.device)
+        return num_blocks
+
+    # ---- batch preparation ----------------------------------------------------------------
+    def _to_device(self, data: list, dtype: torch.dtype) -> torch.Tensor:
+        t = torch.tensor(data, dtype=dtype, pin_memory=self.device.type == "cuda")
+        return t.to(self.device, non_blocking=True)
+
+    def _block_tables(self, seqs: list[Sequence]) -> torch.Tensor:
+        width = max(len(s.block_table) for s in seqs)
+        rows = [s.block_table + [-1] * (width - len(s.block_table)) for s in seqs]
+        return self._to_device(rows, torch.int32)
+
+    def _slots(self, seq: Sequence, start: int, end: int) -> list[int]:
+        bs = self.block_size
+        return [seq.block_table[p // bs] * bs + p % bs for p in range(start, end)]
+
+    def prepare_prefill(self, seqs: list[Sequence]) -> tuple[torch.Tensor, torch.Tensor, ForwardContext]:
+        input_ids, positions, slots, cu_q, context_lens = [], [], [], [0], []
+        for seq in seqs:
+            start, end = seq.num_cached_tokens, seq.num_tokens
+            input_ids.extend(seq.token_ids[start:end])
+            positions.extend(range(start, end))
+            slots.extend(self._slots(seq, start, end))
+            cu_q.append(cu_q[-1] + end - start)
+            context_lens.append(end)
+        ctx = ForwardContext(
+            is_prefill=True, slot_mapping=self._to_device(slots, torch.int32),
+            context_lens=self._to_device(context_lens, torch.int32),
+            block_tables=self._block_tables(seqs), cu_seqlens_q=self._to_device(cu_q, torch.int32),
+            max_seqlen_q=max(b - a for a, b in zip(cu_q, cu_q[1:])))
+        return self._to_device(input_ids, torch.int64), self._to_device(positions, torch.int64), ctx
+
+    def prepare_decode(self, seqs: list[Sequence]) -> tuple[torch.Tensor, torch.Tensor, ForwardContext]:
+        input_ids = [s.last_token for s in seqs]
+        positions = [s.num_tokens - 1 for s in seqs]
+        slots = [s.block_table[p // self.block_size] * self.block_size + p % self.block_size
+                 for s, p in zip(seqs, positions)]
+        ctx = ForwardContext(
+            is_prefill=False, slot_mapping=self._to_device(slots, torch.int32),
+            context_lens=self._to_device([s.num_tokens for s in seqs], torch.int32),
+            block_tables=self._block_tables(seqs))
+        return self._to_device(input_ids, torch.int64), self._to_device(positions, torch.int64), ctx
+
+    # ---- one step -------------------------------------------------------------------------
+    @torch.inference_mode()
+    def run(self, seqs: list[Sequence], is_prefill: bool) -> tuple[list[int], list[float] | None]:
+        """Forward + sampling for one step; returns each sequence's next token (and logprob)."""
+        prepare = self.prepare_prefill if is_prefill else self.prepare_decode
+        input_ids, positions, ctx = prepare(seqs)
+        batch = prepare_sampling(seqs, self.model_config.vocab_size, self.device, self.generators)
+        with forward_context(ctx):
+            hidden = self.model(input_ids, positions)
+        if is_prefill:
+            hidden = hidden[ctx.cu_seqlens_q[1:].long() - 1]
+        logits = self.model.compute_logits(hidden)
+        out = self.sampler(logits, batch)
+        token_ids = out.token_ids.tolist()
+        logprobs = out.logprobs.tolist() if out.logprobs is not None else None
+        return token_ids, logprobs
+
+    def release(self, seq: Sequence) -> None:
+        """Forget per-sequence state (its seeded generator) once it has finished."""
+        self.generators.pop(seq.seq_id, None)

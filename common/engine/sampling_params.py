@@ -1,0 +1,69 @@
+"""Per-request sampling parameters, validated on construction."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """How to pick each next token and when to stop.
+
+    temperature 0 means greedy; top_k -1 (or 0) means off; top_p in (0, 1]; min_p in [0, 1).
+    Penalties follow the usual conventions: repetition_penalty (1.0 = off) divides positive /
+    multiplies negative logits of tokens seen in the prompt or output; presence_penalty and
+    frequency_penalty (0.0 = off) are subtracted for tokens seen in the output.
+    ``seed`` makes a sampled request reproducible whatever else is in the batch.
+    ``logprobs`` returns the log-probability (under the model's raw distribution) of each
+    chosen token.
+    """
+
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = -1
+    min_p: float = 0.0
+    repetition_penalty: float = 1.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    seed: int | None = None
+    max_tokens: int = 64
+    stop_token_ids: tuple[int, ...] = field(default_factory=tuple)
+    ignore_eos: bool = False
+    logprobs: bool = False
+
+    def __post_init__(self) -> None:
+        _check(self.temperature >= 0.0, "temperature", f"must be >= 0, got {self.temperature}")
+        _check(0.0 < self.top_p <= 1.0, "top_p", f"must be in (0, 1], got {self.top_p}")
+        _check(self.top_k >= -1, "top_k", f"must be -1 (off) or >= 0, got {self.top_k}")
+        _check(0.0 <= self.min_p < 1.0, "min_p", f"must be in [0, 1), got {self.min_p}")
+        _check(self.repetition_penalty > 0.0, "repetition_penalty",
+               f"must be > 0, got {self.repetition_penalty}")
+        _check(-2.0 <= self.presence_penalty <= 2.0, "presence_penalty",
+               f"must be in [-2, 2], got {self.presence_penalty}")
+        _check(-2.0 <= self.frequency_penalty <= 2.0, "frequency_penalty",
+               f"must be in [-2, 2], got {self.frequency_penalty}")
+        _check(isinstance(self.max_tokens, int) and self.max_tokens >= 1, "max_tokens",
+               f"must be an integer >= 1, got {self.max_tokens}")
+        _check(self.seed is None or self.seed >= 0, "seed", f"must be >= 0, got {self.seed}")
+        object.__setattr__(self, "stop_token_ids", tuple(int(t) for t in self.stop_token_ids))
+
+    @property
+    def is_greedy(self) -> bool:
+        return self.temperature == 0.0
+
+    @property
+    def has_penalties(self) -> bool:
+        return (self.repetition_penalty != 1.0 or self.presence_penalty != 0.0
+                or self.frequency_penalty != 0.0)
+
+
+def _check(ok: bool, name: str, message: str) -> None:
+    if not ok:
+        raise InvalidParameter(name, message)
+
+
+class InvalidParameter(ValueError):
+    """A request parameter is out of range; ``field`` names it."""
+
+    def __init__(self, field_name: str, message: str) -> None:
+        super().__init__(f"{field_name}: {message}")
+        self.field = field_name

@@ -1,0 +1,38 @@
+"""Paged self-attention over the current forward context, through a pluggable backend."""
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from common.context import get_forward_context
+from common.layers.attention_backends import get_backend
+
+
+class PagedAttention(nn.Module):
+    """Stores the new tokens' K/V into this layer's paged cache, then attends.
+
+    ``k_cache`` / ``v_cache`` are bound by the ModelRunner after the KV pool is allocated:
+    ``[num_blocks, block_size, num_kv_heads, head_dim]`` views into the shared pool.
+    """
+
+    def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, backend: str = "torch") -> None:
+        super().__init__()
+        self.num_heads = num_heads
+        self.num_kv_heads = num_kv_heads
+        self.head_dim = head_dim
+        self.scale = head_dim ** -0.5
+        self.backend = get_backend(backend)
+        self.k_cache = torch.empty(0)
+        self.v_cache = torch.empty(0)
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        """q: [T, Hq, D]; k, v: [T, Hkv, D] -> [T, Hq, D]."""
+        ctx = get_forward_context()
+        if self.k_cache.numel() == 0:
+            raise RuntimeError("KV cache is not allocated")
+        self.backend.store_kv(k, v, self.k_cache, self.v_cache, ctx.slot_mapping)
+        if ctx.is_prefill:
+            return self.backend.prefill(q, self.k_cache, self.v_cache, ctx.cu_seqlens_q,
+                                        ctx.context_lens, ctx.block_tables, ctx.max_seqlen_q, self.scale)
+        return self.backend.decode(q, self.k_cache, self.v_cache, ctx.block_tables,
+                                   ctx.context_lens, self.scale)

@@ -1,0 +1,73 @@
+"""Triton kernel that writes new tokens' K/V into the paged cache.
+
+``store_kvcache(key, value, k_cache, v_cache, slot_mapping)``: ``key``/``value`` are
+``[N, Hkv, D]`` (the head dim contiguous; token and head strides arbitrary, e.g. slices of a
+fused qkv projection), ``k_cache``/``v_cache`` ``[num_blocks, block_size, Hkv, D]`` views with
+arbitrary strides except a contiguous head dim (docs/design.md, "KV cache layout"),
+``slot_mapping[N]`` int32/int64 with ``slot = block_id * block_size + offset``; negative slots
+are padding and are skipped (nothing is written for them). One program per token copies all
+``Hkv * D`` elements of K and of V; values are cast to the cache dtype. No allocation and no
+host sync: safe inside a CUDA graph.
+"""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+__all__ = ["store_kvcache"]
+
+
+@triton.jit
+def _store_kvcache_kernel(
+    key_ptr, value_ptr, k_cache_ptr, v_cache_ptr, slot_ptr,
+    stride_key_n, stride_key_h, stride_value_n, stride_value_h,
+    stride_kc_b, stride_kc_t, stride_kc_h,
+    stride_vc_b, stride_vc_t, stride_vc_h,
+    NUM_KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr,
+    BLOCK_HD: tl.constexpr,
+):
+    i = tl.program_id(0).to(tl.int64)
+    slot = tl.load(slot_ptr + i).to(tl.int64)
+    blk = slot // BLOCK_SIZE
+    off = slot % BLOCK_SIZE
+    offs = tl.arange(0, BLOCK_HD)
+    h = offs // HEAD_DIM
+    d = offs % HEAD_DIM
+    # padding slot (< 0): empty mask, nothing is read or written
+    mask = offs < tl.where(slot >= 0, NUM_KV_HEADS * HEAD_DIM, 0)
+    k = tl.load(key_ptr + i * stride_key_n + h * stride_key_h + d, mask=mask)
+    v = tl.load(value_ptr + i * stride_value_n + h * stride_value_h + d, mask=mask)
+    tl.store(k_cache_ptr + blk * stride_kc_b + off * stride_kc_t + h * stride_kc_h + d,
+             k.to(k_cache_ptr.dtype.element_ty), mask=mask)
+    tl.store(v_cache_ptr + blk * stride_vc_b + off * stride_vc_t + h * stride_vc_h + d,
+             v.to(v_cache_ptr.dtype.element_ty), mask=mask)
+
+
+def store_kvcache(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor,
+                  v_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
+    """Write ``key``/``value[N, Hkv, D]`` into ``k_cache``/``v_cache`` at ``slot_mapping[N]``."""
+    N, Hkv, D = key.shape
+    if N == 0:
+        return
+    assert value.shape == key.shape, (value.shape, key.shape)
+    assert slot_mapping.shape == (N,), (slot_mapping.shape, N)
+    assert k_cache.dim() == 4 and k_cache.shape[2:] == (Hkv, D), (k_cache.shape, key.shape)
+    assert v_cache.shape == k_cache.shape, (v_cache.shape, k_cache.shape)
+    if key.stride(-1) != 1:
+        key = key.contiguous()
+    if value.stride(-1) != 1:
+        value = value.contiguous()
+    assert k_cache.stride(-1) == 1 and v_cache.stride(-1) == 1, "cache head dim must be contiguous"
+    block_size = k_cache.shape[1]
+    hd = Hkv * D
+    block_hd = triton.next_power_of_2(hd)
+    num_warps = 4 if block_hd * key.element_size() >= 2048 else (2 if block_hd >= 256 else 1)
+    _store_kvcache_kernel[(N,)](
+        key, value, k_cache, v_cache, slot_mapping,
+        key.stride(0), key.stride(1), value.stride(0), value.stride(1),
+        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+        v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
+        NUM_KV_HEADS=Hkv, HEAD_DIM=D, BLOCK_SIZE=block_size, BLOCK_HD=block_hd,
+        num_warps=num_warps,
+    )

@@ -1,0 +1,112 @@
+"""Pure-torch references for the paged-attention ops (docs/design.md, "Attention ops").
+
+They run on the CPU and the GPU, accept any floating dtype, compute in float32 and return the
+query dtype. They are the oracle for the Triton kernels and also the CPU production path of the
+"torch" attention backend, so they are vectorized where it is cheap:
+
+- decode is vectorized over the batch: it gathers ``k_cache[block_tables]`` (padding ``-1``
+  entries clamped to block 0 and masked out by ``context_lens``) and runs one batched matmul
+  per step per layer, with GQA handled by grouping the query heads of each KV head;
+- prefill loops over the sequences of the batch (their lengths differ) and calls
+  ``scaled_dot_product_attention`` once per sequence with a causal-with-offset mask.
+
+Both return zeros for a sequence whose ``context_lens`` is 0 (padding rows of a CUDA-graph
+batch), as the Triton kernels do. Prefill reads the sequence lengths to the host (``tolist``);
+store uses boolean indexing: these synchronize on the GPU, which is fine for a reference.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+__all__ = ["store_kvcache_ref", "paged_attention_decode_ref", "paged_attention_prefill_ref"]
+
+
+def store_kvcache_ref(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor,
+                      v_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
+    """Write ``key``/``value`` ``[N, Hkv, D]`` into the paged caches at ``slot_mapping[N]``.
+
+    ``k_cache``/``v_cache``: ``[num_blocks, block_size, Hkv, D]`` (views with any block stride,
+    written in place). A negative slot is padding and is skipped.
+    """
+    block_size = k_cache.shape[1]
+    slots = slot_mapping.to(torch.long)
+    valid = slots >= 0
+    if not bool(valid.all()):
+        slots = slots[valid]
+        key = key[valid]
+        value = value[valid]
+    if slots.numel() == 0:
+        return
+    blocks = torch.div(slots, block_size, rounding_mode="floor")
+    offsets = slots % block_size
+    k_cache[blocks, offsets] = key.to(k_cache.dtype)
+    v_cache[blocks, offsets] = value.to(v_cache.dtype)
+
+
+def paged_attention_decode_ref(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                               block_tables: torch.Tensor, context_lens: torch.Tensor,
+                               scale: float) -> torch.Tensor:
+    """One query per sequence: ``q[B, Hq, D]`` attends to keys ``0..context_lens[b]-1``.
+
+    ``block_tables[B, max_blocks]`` int32, padded with -1. Returns ``out[B, Hq, D]`` in q's dtype.
+    """
+    B, Hq, D = q.shape
+    if B == 0:
+        return torch.empty_like(q)
+    _, block_size, Hkv, _ = k_cache.shape
+    G = Hq // Hkv
+    bt = block_tables.to(torch.long).clamp(min=0)                   # [B, MB]
+    n_tok = bt.shape[1] * block_size
+    k = k_cache[bt].reshape(B, n_tok, Hkv, D).float()               # [B, N, Hkv, D]
+    v = v_cache[bt].reshape(B, n_tok, Hkv, D).float()
+    qf = q.float().reshape(B, Hkv, G, D)
+    scores = torch.matmul(qf, k.permute(0, 2, 3, 1)) * scale        # [B, Hkv, G, N]
+    lens = context_lens.to(device=q.device, dtype=torch.long)
+    visible = torch.arange(n_tok, device=q.device)[None, :] < lens[:, None]   # [B, N]
+    scores = scores.masked_fill(~visible[:, None, None, :], float("-inf"))
+    probs = torch.softmax(scores, dim=-1)
+    out = torch.matmul(probs, v.permute(0, 2, 1, 3))                # [B, Hkv, G, D]
+    out = torch.where((lens > 0)[:, None, None, None], out, torch.zeros((), device=q.device))
+    return out.reshape(B, Hq, D).to(q.dtype)
+
+
+def paged_attention_prefill_ref(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                                cu_seqlens_q: torch.Tensor, context_lens: torch.Tensor,
+                                block_tables: torch.Tensor, max_seqlen_q: int,
+                                scale: float) -> torch.Tensor:
+    """Varlen prefill over the paged cache, causal with offset.
+
+    ``q[T, Hq, D]`` holds the new tokens of all sequences back to back (``cu_seqlens_q[B+1]``);
+    their K/V are already in the cache. Query ``i`` of sequence ``b`` sits at position
+    ``context_lens[b] - q_len_b + i`` and sees keys ``0..position`` (the cached prefix fully).
+    ``max_seqlen_q`` is unused here (kept for the shared signature). Returns ``out[T, Hq, D]``.
+    """
+    del max_seqlen_q
+    T, Hq, D = q.shape
+    _, block_size, Hkv, _ = k_cache.shape
+    G = Hq // Hkv
+    out = torch.zeros_like(q)
+    cu = cu_seqlens_q.tolist()
+    lens = context_lens.tolist()
+    for b in range(len(lens)):
+        start, end, L = cu[b], cu[b + 1], lens[b]
+        q_len = end - start
+        if q_len == 0 or L == 0:
+            continue
+        if L < q_len:
+            raise ValueError(f"sequence {b}: context_lens {L} < query length {q_len}")
+        n_blocks = -(-L // block_size)
+        blocks = block_tables[b, :n_blocks].to(torch.long)
+        k = k_cache[blocks].reshape(n_blocks * block_size, Hkv, D)[:L].float()
+        v = v_cache[blocks].reshape(n_blocks * block_size, Hkv, D)[:L].float()
+        # GQA without repeating K/V: fold the G query heads of a KV head into the query axis.
+        qb = q[start:end].float().reshape(q_len, Hkv, G, D).permute(1, 2, 0, 3)
+        qb = qb.reshape(Hkv, G * q_len, D)
+        pos = (L - q_len) + torch.arange(q_len, device=q.device)
+        mask = torch.arange(L, device=q.device)[None, :] <= pos[:, None]         # [q_len, L]
+        ob = F.scaled_dot_product_attention(qb, k.permute(1, 0, 2), v.permute(1, 0, 2),
+                                            attn_mask=mask.repeat(G, 1), scale=scale)
+        ob = ob.reshape(Hkv, G, q_len, D).permute(2, 0, 1, 3).reshape(q_len, Hq, D)
+        out[start:end] = ob.to(q.dtype)
+    return out

@@ -1,0 +1,1 @@
+"""pdserve command line and generated wire stubs"""

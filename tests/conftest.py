@@ -1,0 +1,9 @@
+"""Shared pytest setup: the repository root on sys.path, quiet logs."""
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
