@@ -20,6 +20,9 @@ class ForwardContext:
     block_tables: torch.Tensor            # [B, max_blocks] int32, padded with -1
     cu_seqlens_q: torch.Tensor | None = None   # [B+1] int32 (prefill)
     max_seqlen_q: int = 1
+    max_context_len: int | None = None         # host-side max of context_lens, when known
+    decode_workspace: torch.Tensor | None = None   # preallocated split-KV workspace (CUDA graphs)
+    decode_num_splits: int | None = None       # fixed split count (CUDA graphs)
 
 
 _current: ForwardContext | None = None

@@ -10,8 +10,8 @@ Weights are read with the ``gguf`` package (transformers' own GGUF model loader 
 The tokenizer and chat template come from transformers' GGUF tokenizer reader.
 
 The import is atomic: it is built in a temp dir next to the target under an exclusive file lock
-and renamed into place with a marker file already inside, so other processes either see the
-complete dir or wait for the lock.
+(fcntl) and renamed into place with its marker file already inside, so other processes either
+see the complete dir or wait for the lock. Later calls only read the marker.
 """
 from __future__ import annotations
 
@@ -36,18 +36,14 @@ log = logging.getLogger(__name__)
 DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
 GGUF_FILENAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
 MARKER_FILENAME = "pdserve_import.json"  # written last; its presence means "import complete"
-IMPORT_FORMAT_VERSION = 1
+# Bump when the import output changes, so older cached imports are redone (2: fixed q/k un-permute).
+IMPORT_FORMAT_VERSION = 2
 
 # GGUF per-layer tensor name -> HF name (inside model.layers.N.)
 _LAYER_TENSORS = {
-    "attn_norm": "input_layernorm",
-    "ffn_norm": "post_attention_layernorm",
-    "attn_q": "self_attn.q_proj",
-    "attn_k": "self_attn.k_proj",
-    "attn_v": "self_attn.v_proj",
-    "attn_output": "self_attn.o_proj",
-    "ffn_gate": "mlp.gate_proj",
-    "ffn_up": "mlp.up_proj",
+    "attn_norm": "input_layernorm", "ffn_norm": "post_attention_layernorm",
+    "attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj", "attn_v": "self_attn.v_proj",
+    "attn_output": "self_attn.o_proj", "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj",
     "ffn_down": "mlp.down_proj",
 }
 _GLOBAL_TENSORS = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
@@ -68,40 +64,53 @@ def gguf_path() -> Path:
 
 
 def model_dir(cache_dir: Path | None = None) -> Path:
-    return Path(cache_dir or env.cache_dir()) / "models" / DEFAULT_MODEL_NAME
+    """Where the default model's checkpoint dir lives (whether or not it is imported yet)."""
+    return Path(cache_dir if cache_dir is not None else env.cache_dir()) / "models" / DEFAULT_MODEL_NAME
 
 
 def ensure_default_model(cache_dir: Path | None = None) -> Path:
     """Return the HF checkpoint dir of the default model, importing the GGUF on first use."""
     target = model_dir(cache_dir)
-    if (target / MARKER_FILENAME).is_file():
+    if _is_imported(target):
         return target
     target.parent.mkdir(parents=True, exist_ok=True)
     with _exclusive_lock(target.parent / f".{DEFAULT_MODEL_NAME}.lock"):
-        if (target / MARKER_FILENAME).is_file():  # another process finished while we waited
-            return target
-        for stale in target.parent.glob(f".{DEFAULT_MODEL_NAME}.tmp-*"):  # crashed earlier imports
-            shutil.rmtree(stale, ignore_errors=True)
-        tmp = Path(tempfile.mkdtemp(prefix=f".{DEFAULT_MODEL_NAME}.tmp-", dir=target.parent))
-        try:
-            import_gguf(gguf_path(), tmp)
-            if target.exists():  # incomplete dir without a marker (not ours): replace it
-                shutil.rmtree(target)
-            os.replace(tmp, target)
-        except BaseException:
-            shutil.rmtree(tmp, ignore_errors=True)
-            raise
+        if not _is_imported(target):  # another process may have finished while we waited
+            _import_atomically(gguf_path(), target)
     return target
+
+
+def _is_imported(target: Path) -> bool:
+    """True when the marker is there and names this module's import format (else: re-import)."""
+    try:
+        marker = json.loads((target / MARKER_FILENAME).read_text())
+    except (OSError, ValueError):
+        return False
+    return marker.get("format_version") == IMPORT_FORMAT_VERSION
+
+
+def _import_atomically(src: Path, target: Path) -> None:
+    """Build in a temp dir next to ``target``, then rename it into place (caller holds the lock)."""
+    for stale in target.parent.glob(f".{DEFAULT_MODEL_NAME}.tmp-*"):  # left by crashed imports
+        shutil.rmtree(stale, ignore_errors=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{DEFAULT_MODEL_NAME}.tmp-", dir=target.parent))
+    old = tmp.with_name(tmp.name + "-old")
+    try:
+        import_gguf(src, tmp)
+        _make_readable(tmp)
+        if target.exists():  # an older import format, or a dir without a marker
+            target.rename(old)
+        os.replace(tmp, target)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+        shutil.rmtree(old, ignore_errors=True)
 
 
 @contextlib.contextmanager
 def _exclusive_lock(path: Path) -> Iterator[None]:
     with open(path, "a+") as f:
-        fcntl.flock(f, fcntl.LOCK_EX)
-        try:
-            yield
-        finally:
-            fcntl.flock(f, fcntl.LOCK_UN)
+        fcntl.flock(f, fcntl.LOCK_EX)  # released when the file is closed, also if the process dies
+        yield
 
 
 def import_gguf(src: Path, out: Path) -> None:
@@ -116,7 +125,8 @@ def import_gguf(src: Path, out: Path) -> None:
     tensors = _hf_tensors(reader, meta)
     config = _hf_config(meta, tie_word_embeddings="lm_head.weight" not in tensors)
     _write_json(out / "config.json", config)
-    _write_json(out / "generation_config.json", {k: config[k] for k in ("bos_token_id", "eos_token_id", "pad_token_id")})
+    ids = ("bos_token_id", "eos_token_id", "pad_token_id")
+    _write_json(out / "generation_config.json", {k: config[k] for k in ids})
     save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt"})
     _save_tokenizer(src, out, meta)
     _write_json(out / MARKER_FILENAME, {"source": src.name, "format_version": IMPORT_FORMAT_VERSION})
@@ -185,9 +195,12 @@ def _hf_tensors(reader, meta: dict) -> dict[str, np.ndarray]:
 
 
 def _unpermute_rows(w: np.ndarray, n_heads: int) -> np.ndarray:
-    """Undo llama.cpp's convert permute: it interleaves the two rotary halves of each head's rows."""
-    rows = w.shape[0]
-    return w.reshape(n_heads, 2, rows // n_heads // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+    """Undo llama.cpp's q/k permute, which interleaves the two rotary halves of each head's rows.
+
+    llama.cpp stores head row ``2*i + half`` for HF row ``half * head_dim/2 + i``.
+    """
+    half_dim = w.shape[0] // n_heads // 2
+    return w.reshape(n_heads, half_dim, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 
 
 def _save_tokenizer(src: Path, out: Path, meta: dict) -> None:
@@ -210,6 +223,13 @@ def _save_tokenizer(src: Path, out: Path, meta: dict) -> None:
     config["tokenizer_class"] = "PreTrainedTokenizerFast"  # tokenizer.json as is, transformers 4.x and 5.x
     config["add_bos_token"] = bool(meta.get("tokenizer.ggml.add_bos_token", False))
     _write_json(config_path, config)
+
+
+def _make_readable(folder: Path) -> None:
+    """mkdtemp makes the dir 0700 (and safetensors writes 0600): a shared cache wants 0755/0644."""
+    folder.chmod(0o755)
+    for path in folder.iterdir():
+        path.chmod(0o644)
 
 
 def _write_json(path: Path, data: dict) -> None:

@@ -7,13 +7,14 @@
 from __future__ import annotations
 
 import time
-from collections.abc import Sequence as Seq
+from collections.abc import Iterator, Sequence as Seq
 from dataclasses import dataclass, field
 
 from tqdm.auto import tqdm
 
 from common.config import EngineConfig
 from common.engine.llm_engine import LLMEngine
+from common.detokenizer import IncrementalDetokenizer
 from common.engine.sampling_params import InvalidParameter, SamplingParams
 
 Prompt = str | list[int]
@@ -78,6 +79,26 @@ class LLM:
                 self.engine.abort(seq.request_id)
             raise
         return [self._output(seq) for seq in seqs]
+
+    def stream(self, prompt: Prompt, sampling_params: SamplingParams | None = None,
+               skip_special_tokens: bool = True) -> Iterator[str]:
+        """Generate for one prompt, yielding the text as each step completes it."""
+        if self.tokenizer is None:
+            raise InvalidParameter("prompt", "streaming text needs a tokenizer")
+        seq = self.engine.add_request(self.encode(prompt), sampling_params or SamplingParams())
+        detok = IncrementalDetokenizer(self.tokenizer, skip_special_tokens)
+        seen = seq.num_completion_tokens
+        try:
+            while not seq.is_finished:
+                self.engine.step()
+                new = seq.completion_token_ids[seen:]
+                seen += len(new)
+                if new and (delta := detok.add(new)):
+                    yield delta
+            if tail := detok.flush():
+                yield tail
+        finally:
+            self.engine.abort(seq.request_id)
 
     def _run(self, total: int, use_tqdm: bool) -> None:
         bar = tqdm(total=total, desc="Generating", dynamic_ncols=True, disable=not use_tqdm)

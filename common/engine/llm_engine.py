@@ -14,10 +14,18 @@ from common.engine.block_manager import BlockManager
 from common.engine.model_runner import ModelRunner
 from common.engine.sampling_params import InvalidParameter, SamplingParams
 from common.engine.scheduler import Scheduler, SchedulerConfig
-from common.engine.sequence import FinishReason, Sequence
+from common.engine.sequence import FinishReason, Sequence, SequenceStatus
 from common.loader import ModelSource, resolve_model
 
 logger = logging.getLogger(__name__)
+
+
+class OutOfBlocks(RuntimeError):
+    """The KV pool cannot hold the request now."""
+
+
+class DuplicateRequest(ValueError):
+    """A request id that is already in flight."""
 DEFAULT_MAX_MODEL_LEN = 8192
 
 
@@ -40,6 +48,7 @@ class LLMEngine:
         self.model_runner = ModelRunner(config, self.source)
         num_blocks = self.model_runner.allocate_kv_cache()
         self.max_model_len = self._max_model_len(num_blocks)
+        self.model_runner.capture_cuda_graphs(self.max_model_len)
         sink = kv_event_sink
         self.block_manager = BlockManager(
             num_blocks, config.block_size,
@@ -51,7 +60,8 @@ class LLMEngine:
             max_num_batched_tokens=max(config.max_num_batched_tokens, self.max_model_len),
             max_model_len=self.max_model_len, eos_token_ids=self.eos_token_ids), self.block_manager)
         self.tokenizer = self._load_tokenizer()
-        self.requests: dict[str, Sequence] = {}
+        self.requests: dict[str, Sequence] = {}   # queued, running or reserved
+        self.held: dict[str, Sequence] = {}       # prefill-only, first token out, blocks kept
 
     # ---- setup ------------------------------------------------------------------------
     def _max_model_len(self, num_blocks: int) -> int:
@@ -90,21 +100,68 @@ class LLMEngine:
             raise InvalidParameter("prompt", f"{len(prompt_token_ids)} tokens leave no room to generate "
                                              f"within the model context of {self.max_model_len} tokens")
 
-    def add_request(self, prompt_token_ids: list[int], params: SamplingParams,
-                    request_id: str | None = None) -> Sequence:
+    def _new_sequence(self, prompt_token_ids: list[int], params: SamplingParams,
+                      request_id: str | None) -> Sequence:
         self.validate(prompt_token_ids, params)
         if request_id is not None and request_id in self.requests:
-            raise InvalidParameter("request_id", f"{request_id!r} is already in flight")
+            raise DuplicateRequest(f"request_id {request_id!r} is already in flight")
         seq = Sequence(prompt_token_ids, params, self.config.block_size, request_id)
         self.requests[seq.request_id] = seq
+        return seq
+
+    def add_request(self, prompt_token_ids: list[int], params: SamplingParams,
+                    request_id: str | None = None, prefill_only: bool = False) -> Sequence:
+        """Queue a request. ``prefill_only``: stop after the first token and keep the blocks
+        (the prompt's KV) until ``release_held`` — for a prefill worker that ships them."""
+        seq = self._new_sequence(prompt_token_ids, params, request_id)
+        seq.prefill_only = prefill_only
         self.scheduler.add(seq)
         return seq
 
+    # ---- KV imported from a prefill worker (decode side) ----------------------------------
+    def reserve(self, prompt_token_ids: list[int], params: SamplingParams, request_id: str) -> Sequence:
+        """Blocks for a prompt whose KV will arrive from elsewhere; reuses cached prefix blocks.
+
+        The new blocks are not offered to the prefix cache until ``admit_imported``.
+        Raises OutOfBlocks when the pool cannot hold the prompt now.
+        """
+        seq = self._new_sequence(prompt_token_ids, params, request_id)
+        if not self.block_manager.can_allocate(seq):
+            del self.requests[seq.request_id]
+            raise OutOfBlocks(f"{self.block_manager.num_blocks_needed(seq)} KV blocks needed, "
+                              f"{self.block_manager.num_free_blocks} free")
+        self.block_manager.allocate(seq, register=False)
+        return seq
+
+    def admit_imported(self, seq: Sequence, first_token_id: int, logprob: float | None) -> bool:
+        """The prompt's KV has landed: append the first token and join the decode batch.
+
+        Returns False if the first token already finished the request (its blocks are freed).
+        """
+        seq.num_cached_tokens = seq.num_tokens
+        self.block_manager.register_blocks(seq)
+        finished = self._postprocess([seq], [first_token_id],
+                                     [logprob] if seq.sampling_params.logprobs else None)
+        if finished:
+            return False
+        self.scheduler.add_running(seq)
+        return True
+
+    def release_held(self, seq: Sequence) -> None:
+        """Free the blocks a prefill-only sequence kept after its first token."""
+        self.held.pop(seq.request_id, None)
+        if seq.block_table:
+            self.block_manager.deallocate(seq)
+
     def abort(self, request_id: str, reason: FinishReason = FinishReason.CANCELLED) -> Sequence | None:
-        """Finish a request wherever it is and free its blocks; None if unknown or already done."""
+        """Finish a request wherever it is (queued, running, reserved or held) and free its
+        blocks; None if unknown or already done."""
         seq = self.requests.pop(request_id, None)
         if seq is None:
-            return None
+            seq = self.held.pop(request_id, None)
+            if seq is not None:
+                self.release_held(seq)
+            return seq
         self.scheduler.finish(seq, reason)
         self.model_runner.release(seq)
         return seq
@@ -134,12 +191,24 @@ class LLMEngine:
         for i, (seq, token_id) in enumerate(zip(seqs, token_ids)):
             seq.append_token(token_id, logprobs[i] if logprobs is not None else None)
             reason = self.scheduler.stop_reason(seq)
-            if reason is not None:
+            if reason is None and seq.prefill_only:
+                self._hold(seq)
+                finished.append(seq)
+            elif reason is not None:
                 self.scheduler.finish(seq, reason)
                 self.requests.pop(seq.request_id, None)
                 self.model_runner.release(seq)
                 finished.append(seq)
         return finished
+
+    def _hold(self, seq: Sequence) -> None:
+        """A prefill-only sequence after its first token: out of the batch, blocks kept."""
+        if seq in self.scheduler.running:
+            self.scheduler.running.remove(seq)
+        seq.status = SequenceStatus.FINISHED
+        self.requests.pop(seq.request_id, None)
+        self.model_runner.release(seq)
+        self.held[seq.request_id] = seq
 
     def stats(self) -> dict[str, int]:
         bm = self.block_manager

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import logging
 
+import numpy as np
 import torch
 
 from common.config import EngineConfig, ModelConfig, parse_dtype
@@ -53,6 +54,7 @@ class ModelRunner:
         self.generators: dict[int, torch.Generator] = {}
         self.kv_cache = torch.empty(0)
         self.num_kv_blocks = 0
+        self.graph_runner = None
 
     # ---- KV pool ------------------------------------------------------------------------
     @property
@@ -99,6 +101,16 @@ class ModelRunner:
                     num_blocks * self.block_bytes / 1024 ** 3, self.dtype, self.device)
         return num_blocks
 
+    def capture_cuda_graphs(self, max_model_len: int) -> None:
+        """Capture decode graphs (CUDA only, unless enforce_eager)."""
+        if self.device.type != "cuda" or self.config.enforce_eager:
+            return
+        from common.engine.cuda_graph import DecodeGraphRunner
+        self.graph_runner = DecodeGraphRunner(
+            self.model, min(self.config.max_num_seqs, 512), -(-max_model_len // self.block_size), max_model_len,
+            self.device, use_workspace=self.backend_name == "triton")
+        self.graph_runner.capture()
+
     # ---- batch preparation ----------------------------------------------------------------
     def _to_device(self, data: list, dtype: torch.dtype) -> torch.Tensor:
         t = torch.tensor(data, dtype=dtype, pin_memory=self.device.type == "cuda")
@@ -106,8 +118,13 @@ class ModelRunner:
 
     def _block_tables(self, seqs: list[Sequence]) -> torch.Tensor:
         width = max(len(s.block_table) for s in seqs)
-        rows = [s.block_table + [-1] * (width - len(s.block_table)) for s in seqs]
-        return self._to_device(rows, torch.int32)
+        table = np.full((len(seqs), width), -1, dtype=np.int32)
+        for i, s in enumerate(seqs):
+            table[i, :len(s.block_table)] = s.block_table
+        t = torch.from_numpy(table)
+        if self.device.type == "cuda":
+            t = t.pin_memory()
+        return t.to(self.device, non_blocking=True)
 
     def _slots(self, seq: Sequence, start: int, end: int) -> list[int]:
         bs = self.block_size
@@ -130,14 +147,15 @@ class ModelRunner:
         return self._to_device(input_ids, torch.int64), self._to_device(positions, torch.int64), ctx
 
     def prepare_decode(self, seqs: list[Sequence]) -> tuple[torch.Tensor, torch.Tensor, ForwardContext]:
+        bs = self.block_size
         input_ids = [s.last_token for s in seqs]
-        positions = [s.num_tokens - 1 for s in seqs]
-        slots = [s.block_table[p // self.block_size] * self.block_size + p % self.block_size
-                 for s, p in zip(seqs, positions)]
+        context_lens = [s.num_tokens for s in seqs]
+        positions = [n - 1 for n in context_lens]
+        slots = [s.block_table[p // bs] * bs + p % bs for s, p in zip(seqs, positions)]
         ctx = ForwardContext(
             is_prefill=False, slot_mapping=self._to_device(slots, torch.int32),
-            context_lens=self._to_device([s.num_tokens for s in seqs], torch.int32),
-            block_tables=self._block_tables(seqs))
+            context_lens=self._to_device(context_lens, torch.int32),
+            block_tables=self._block_tables(seqs), max_context_len=max(context_lens))
         return self._to_device(input_ids, torch.int64), self._to_device(positions, torch.int64), ctx
 
     # ---- one step -------------------------------------------------------------------------
@@ -147,8 +165,11 @@ class ModelRunner:
         prepare = self.prepare_prefill if is_prefill else self.prepare_decode
         input_ids, positions, ctx = prepare(seqs)
         batch = prepare_sampling(seqs, self.model_config.vocab_size, self.device, self.generators)
-        with forward_context(ctx):
-            hidden = self.model(input_ids, positions)
+        if not is_prefill and self.graph_runner is not None and self.graph_runner.can_run(len(seqs)):
+            hidden = self.graph_runner.run(input_ids, positions, ctx)
+        else:
+            with forward_context(ctx):
+                hidden = self.model(input_ids, positions)
         if is_prefill:
             hidden = hidden[ctx.cu_seqlens_q[1:].long() - 1]
         logits = self.model.compute_logits(hidden)

@@ -47,7 +47,7 @@ class Sequence:
         self.finish_reason: FinishReason | None = None
         self.num_preemptions = 0
         self.num_prefix_hit_tokens = 0   # prompt tokens served from the prefix cache at admission
-        self.arrival_index = self.seq_id
+        self.prefill_only = False        # prefill worker: stop after the first token, keep the KV
 
     def __len__(self) -> int:
         return len(self.token_ids)

@@ -5,7 +5,8 @@ Once per engine step the engine calls :func:`prepare_sampling` to turn the batch
 common case does no extra work), then ``Sampler()(logits, batch)`` picks one token per row.
 
 Order of operations inside :meth:`Sampler.forward` (every step in fp32, whatever the logits'
-dtype; steps whose flag is off for the whole batch are skipped):
+dtype; steps whose flag is off for the whole batch are skipped, and an all-greedy batch with no
+penalty and no logprobs is a bare ``argmax``):
 
 1. ``logprobs`` (only when some row asked for them): ``log_softmax`` of the RAW logits — before
    penalties, temperature and filtering — gathered later at the chosen token.
@@ -16,7 +17,10 @@ dtype; steps whose flag is off for the whole batch are skipped):
 4. Sampled rows: divide by the temperature, then top-k, then top-p (nucleus: keep the smallest
    set of most likely tokens whose cumulative probability, renormalised after top-k, reaches
    top_p; the top token is always kept), then min-p (drop tokens whose probability is below
-   ``min_p`` times the largest one), then sample with the exponential race:
+   ``min_p`` times the largest one). Each filter is a per-row cut-off logit, so tokens tied
+   with the cut-off are kept (as in HF's and vLLM's top-k), and a row is filtered the same
+   whichever path (no sort, partial or full sort) the rest of the batch selects. Then sample
+   with the exponential race:
    ``argmax(probs / E)`` with ``E ~ Exponential(1)`` i.i.d. per token, which draws from
    ``probs`` exactly and needs no ``multinomial`` / host sync.
    Rows with a seed draw their ``E`` from their own ``torch.Generator`` (one draw of ``V``
@@ -34,8 +38,10 @@ sequence (each call advances that sequence's generator).
 """
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 from torch import nn
 
@@ -50,11 +56,13 @@ _NEG_INF = float("-inf")
 class SamplingBatch:
     """Per-step sampling inputs for ``B`` rows over a vocabulary of ``vocab_size`` tokens.
 
-    Tensors live on the model's device. Rows of greedy sequences carry their parameters too but
-    the flags only count sampled rows for top-k / top-p / min-p (filtering cannot change an
-    argmax). ``output_counts`` ([B, V] fp32, occurrences of each token in the completion) is
-    built only when ``any_penalty``; ``prompt_mask`` ([B, V] bool, token appears in the prompt)
-    only when ``any_repetition_penalty``. Rows without a penalty have all-zero counts / masks.
+    Tensors live on the model's device (the six fp32 per-row fields are rows of one [6, B]
+    tensor, copied to the device in one transfer). Rows of greedy sequences carry their
+    parameters too, but the flags only count sampled rows for top-k / top-p / min-p (filtering
+    cannot change an argmax). ``output_counts`` ([B, V] fp32, occurrences of each token in the
+    completion) is built only when ``any_penalty``; ``prompt_mask`` ([B, V] bool, token appears
+    in the prompt) only when ``any_repetition_penalty``. Rows without a penalty have all-zero
+    counts / masks.
     """
 
     temperatures: torch.Tensor            # [B] fp32, 0 = greedy
@@ -78,7 +86,7 @@ class SamplingBatch:
     any_additive_penalty: bool            # presence or frequency
     need_logprobs: bool
     max_top_k: int        # largest top_k among sampled rows that use top-k (0 if none)
-    sort_k: int           # how many leading tokens the top-p path must sort (V if some sampled row has no top-k)
+    sort_k: int           # leading tokens the top-p path sorts (V if a sampled row has no top-k)
     seeded_rows: list[int]   # rows drawing their noise from their own generator
     any_unseeded_sampled: bool
 
@@ -95,10 +103,21 @@ class SamplerOutput:
 
 def _advance(generator: torch.Generator, steps: int, vocab_size: int, device: torch.device) -> None:
     """Consume ``steps`` draws exactly as ``Sampler.forward`` would for one row."""
-    return
+    if steps <= 0:
+        return
     buf = torch.empty(vocab_size, dtype=torch.float32, device=device)
     for _ in range(steps):
         buf.exponential_(generator=generator)
+
+
+def _flat_indices(rows: list[list[int]], V: int, pin: bool) -> torch.Tensor:
+    """int64 host tensor of ``r * V + token`` for every token of every row (numpy: fast)."""
+    lens = np.fromiter((len(r) for r in rows), dtype=np.int64, count=len(rows))
+    total = int(lens.sum())
+    flat = np.fromiter(itertools.chain.from_iterable(rows), dtype=np.int64, count=total)
+    flat += np.repeat(np.arange(len(rows), dtype=np.int64) * V, lens)
+    out = torch.from_numpy(flat)
+    return out.pin_memory() if pin else out
 
 
 def prepare_sampling(seqs: list[Sequence], vocab_size: int, device: torch.device,
@@ -180,25 +199,19 @@ def prepare_sampling(seqs: list[Sequence], vocab_size: int, device: torch.device
     output_counts = prompt_mask = None
     if any_penalty:
         B = len(seqs)
-        # Completion tokens of rows with a penalty, padded with V (a scratch column dropped after).
-        outs = [seq.completion_token_ids if seq.sampling_params.has_penalties else [] for seq in seqs]
-        width = max(1, max((len(o) for o in outs), default=0))
-        padded = torch.tensor([o + [V] * (width - len(o)) for o in outs], dtype=torch.int64,
-                              pin_memory=pin).reshape(B, width)
-        padded = to_dev(padded)
-        counts = torch.zeros(B, V + 1, dtype=torch.float32, device=device)
-        counts.scatter_add_(1, padded, torch.ones(padded.shape, dtype=torch.float32, device=device))
-        output_counts = counts[:, :V]
+        # Completion tokens of the rows with a penalty, as flat indices row * V + token.
+        outs = [seq.completion_token_ids if seq.sampling_params.has_penalties else []
+                for seq in seqs]
+        idx = to_dev(_flat_indices(outs, V, pin))
+        output_counts = torch.zeros(B, V, dtype=torch.float32, device=device)
+        output_counts.view(-1).index_add_(0, idx, torch.ones(idx.shape, dtype=torch.float32,
+                                                              device=device))
         if any_rep:
             prompts = [seq.prompt_token_ids if seq.sampling_params.repetition_penalty != 1.0 else []
                        for seq in seqs]
-            width = max(1, max((len(p) for p in prompts), default=0))
-            padded = torch.tensor([p + [V] * (width - len(p)) for p in prompts], dtype=torch.int64,
-                                  pin_memory=pin).reshape(B, width)
-            padded = to_dev(padded)
-            mask = torch.zeros(B, V + 1, dtype=torch.bool, device=device)
-            mask.scatter_(1, padded, True)
-            prompt_mask = mask[:, :V]
+            idx = to_dev(_flat_indices(prompts, V, pin))
+            prompt_mask = torch.zeros(B, V, dtype=torch.bool, device=device)
+            prompt_mask.view(-1).index_fill_(0, idx, True)
 
     return SamplingBatch(
         temperatures=params[0], top_ps=params[1], min_ps=params[2],
@@ -218,6 +231,9 @@ class Sampler(nn.Module):
 
     @torch.no_grad()
     def forward(self, logits: torch.Tensor, batch: SamplingBatch) -> SamplerOutput:
+        if batch.all_greedy and not batch.any_penalty and not batch.need_logprobs:
+            # Upcasting is exact and monotone: the argmax of the raw dtype is the same token.
+            return SamplerOutput(token_ids=logits.argmax(dim=-1), logprobs=None)
         raw = logits.float()          # may alias ``logits``: never modified in place
         lse = torch.logsumexp(raw, dim=-1) if batch.need_logprobs else None
 
@@ -260,7 +276,7 @@ class Sampler(nn.Module):
         x = x / temps.unsqueeze(1)   # new tensor: in-place edits below are safe
 
         if batch.any_top_p:
-            x = _top_k_top_p(x, batch)
+            _top_k_top_p(x, batch)
         elif batch.any_top_k:
             # Threshold at each row's k-th largest logit (ties with it are kept); no full sort.
             top_vals = x.topk(batch.max_top_k, dim=-1).values
@@ -284,23 +300,28 @@ class Sampler(nn.Module):
         return probs.div_(noise).argmax(dim=-1)
 
 
-def _top_k_top_p(x: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
-    """Top-k (by sorted position, exact) then top-p over the ``sort_k`` leading tokens."""
-    B, V = x.shape
-    k = batch.sort_k
-    if k >= V:
-        vals, idx = x.sort(dim=-1, descending=True)
-    else:   # every sampled row uses top-k <= k: only the k best tokens can survive
-        vals, idx = x.topk(k, dim=-1, sorted=True)
+def _top_k_top_p(x: torch.Tensor, batch: SamplingBatch) -> None:
+    """Top-k then top-p, in place on ``x``, from the ``sort_k`` largest logits of each row.
+
+    Both filters end as one cut-off logit per row (``x < cutoff`` is dropped), so no scatter
+    back from sorted order is needed and a row's result never depends on the path the rest of
+    the batch sends it down. Tokens tied with the cut-off value are kept.
+    """
+    V = x.shape[1]
+    if batch.sort_k >= V:
+        vals = x.sort(dim=-1, descending=True).values
+    else:   # every sampled row uses top-k <= sort_k: only those tokens can survive
+        vals = x.topk(batch.sort_k, dim=-1, sorted=True).values
+    width = vals.shape[1]
     if batch.any_top_k:
-        pos = torch.arange(vals.shape[1], device=x.device)
-        vals.masked_fill_(pos.unsqueeze(0) >= batch.top_ks.unsqueeze(1), _NEG_INF)
-    probs = torch.softmax(vals, dim=-1)
-    # Drop token i (sorted) when the probability before it already reaches top_p. The exclusive
-    # cumsum at position 0 is exactly 0 < top_p, so the top token always stays. Rows with
-    # top_p = 1 are excluded so fp rounding never trims their tail.
-    exclusive = probs.cumsum(dim=-1) - probs
-    drop = (exclusive >= batch.top_ps.unsqueeze(1)) & (batch.top_ps < 1.0).unsqueeze(1)
-    vals.masked_fill_(drop, _NEG_INF)
-    out = torch.full_like(x, _NEG_INF) if k < V else torch.empty_like(x)
-    return out.scatter_(1, idx, vals)
+        kth = vals.gather(1, (batch.top_ks.clamp(max=width) - 1).unsqueeze(1))
+        vals.masked_fill_(vals < kth, _NEG_INF)
+    # Nucleus over the distribution renormalised after top-k: keep sorted positions
+    # 0..n-1 with n = 1 + #(inclusive cumsum < top_p), so the top token always stays and
+    # the token that reaches top_p is kept. Rows with top_p = 1 keep everything.
+    cum = torch.softmax(vals, dim=-1).cumsum_(dim=-1)
+    n_keep = (cum < batch.top_ps.unsqueeze(1)).sum(dim=-1, keepdim=True) + 1
+    n_keep = torch.where((batch.top_ps < 1.0).unsqueeze(1), n_keep, width)
+    n_keep = torch.minimum(n_keep, (vals > _NEG_INF).sum(dim=-1, keepdim=True)).clamp_(min=1)
+    cutoff = vals.gather(1, n_keep - 1)
+    x.masked_fill_(x < cutoff, _NEG_INF)

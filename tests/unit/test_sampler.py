@@ -27,7 +27,8 @@ def run(seqs, logits, generators=None) -> SamplerOutput:
     return Sampler()(logits, batch)
 
 
-def sample_many(sp: SamplingParams, logits_row: torch.Tensor, n: int, seed: int = 0) -> torch.Tensor:
+def sample_many(sp: SamplingParams, logits_row: torch.Tensor, n: int,
+                seed: int = 0) -> torch.Tensor:
     """n independent draws for one distribution, as one batch of n identical rows."""
     torch.manual_seed(seed)
     seqs = [make_seq(sp) for _ in range(n)]
@@ -213,9 +214,13 @@ def _step_logits(step: int, V: int) -> torch.Tensor:
 def _seeded_run(seed: int, layout: list[str], pos: int, steps: int = 20, V: int = 50,
                 temperature: float = 1.0, top_p: float = 1.0, top_k: int = -1) -> list[int]:
     """Decode ``steps`` tokens for a seeded request sitting at row ``pos`` of a batch whose
-    other rows follow ``layout`` ('g' greedy, 's' unseeded, 'S' other seed, 'p' penalised)."""
+    other rows follow ``layout`` ('g' greedy, 's' unseeded, 'S' other seed, 'p' penalised with
+    top-k, 'P' top-p, 'Q' top-p + top-k + min-p). The layouts send the target row down each of
+    the sampler's paths (no filter, top-k threshold, full sort, partial top-k sort)."""
     others = {"g": SamplingParams(temperature=0.0), "s": SamplingParams(temperature=0.9),
-              "S": SamplingParams(seed=seed + 1), "p": SamplingParams(repetition_penalty=1.2, top_k=7)}
+              "S": SamplingParams(seed=seed + 1),
+              "p": SamplingParams(repetition_penalty=1.2, top_k=7),
+              "P": SamplingParams(top_p=0.8), "Q": SamplingParams(top_p=0.7, top_k=20, min_p=0.01)}
     target = make_seq(SamplingParams(seed=seed, temperature=temperature, top_p=top_p, top_k=top_k))
     rest = [make_seq(others[c]) for c in layout]
     seqs = rest[:pos] + [target] + rest[pos:]
@@ -240,6 +245,8 @@ def test_seed_reproducible_across_batch_compositions(kw):
     assert _seeded_run(42, ["S", "s", "s", "s", "g", "s", "p"], 0, **kw) == ref
     torch.manual_seed(13)
     assert _seeded_run(42, ["g", "s"], 2, **kw) == ref
+    assert _seeded_run(42, ["P", "s"], 1, **kw) == ref      # full sort path
+    assert _seeded_run(42, ["p", "Q", "g"], 1, **kw) == ref  # partial sort (all rows top-k)
     assert len(set(ref)) > 3     # it really sampled
 
 
@@ -369,7 +376,7 @@ def test_logprobs_are_raw_log_softmax_at_chosen():
     out = run(seqs, logits)
     assert out.logprobs is not None and out.logprobs.dtype == torch.float32
     expected = torch.log_softmax(logits.float(), -1).gather(1, out.token_ids[:, None]).squeeze(1)
-    torch.testing.assert_close(out.logprobs, expected, atol=1e-5, rtol=1e-5)
+    assert (out.logprobs - expected).abs().max().item() < 1e-5
     assert (out.logprobs <= 0).all()
 
 

@@ -1,0 +1,58 @@
+"""Helpers every benchmark shares: result files, device description, bandwidth probe."""
+from __future__ import annotations
+
+import datetime
+import json
+import logging
+import platform
+import subprocess
+import sys
+from pathlib import Path
+
+import torch
+
+logger = logging.getLogger(__name__)
+RESULTS_DIR = Path(__file__).parent / "results"
+
+
+def git_commit() -> str:
+    try:
+        return subprocess.check_output(["git", "rev-parse", "HEAD"], text=True, stderr=subprocess.DEVNULL).strip()
+    except (OSError, subprocess.CalledProcessError):
+        return "unknown"
+
+
+def device_name() -> str:
+    if torch.cuda.is_available():
+        return torch.cuda.get_device_name()
+    return f"cpu ({platform.processor() or platform.machine()})"
+
+
+def write_result(path: str | Path, result: dict) -> Path:
+    """Write ``result`` with device, date, command and commit to ``path`` (JSON)."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    record = {"device": device_name(), "date": datetime.datetime.now(datetime.timezone.utc).isoformat(),
+              "command": " ".join([Path(sys.executable).name, *sys.argv]), "commit": git_commit(),
+              "torch": torch.__version__, **result}
+    path.write_text(json.dumps(record, indent=2))
+    logger.info("wrote %s", path)
+    return path
+
+
+def copy_bandwidth(num_bytes: int = 1 << 30, iters: int = 20) -> float:
+    """Device-to-device copy bandwidth in bytes/s, counting bytes read + written (median)."""
+    src = torch.randn(num_bytes // 4, device="cuda")
+    dst = torch.empty_like(src)
+    times = []
+    for i in range(iters + 3):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        dst.copy_(src)
+        end.record()
+        end.synchronize()
+        if i >= 3:
+            times.append(start.elapsed_time(end) / 1000)
+    times.sort()
+    del src, dst
+    return 2 * num_bytes / times[len(times) // 2]

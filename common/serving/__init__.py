@@ -1,0 +1,1 @@
+"""Pieces the worker services share: the engine thread. No gRPC or protobuf here."""

@@ -1,0 +1,104 @@
+"""The engine thread of a worker: every engine mutation happens here, between steps.
+
+Services never touch the LLMEngine from their own threads; they ``call(fn)`` and get a
+concurrent.futures.Future with ``fn(engine)``'s result. After each step ``on_step(out)`` is
+called on this thread; ``before_step()`` runs before each step (lease and deadline expiry).
+"""
+from __future__ import annotations
+
+import logging
+import threading
+from collections import deque
+from collections.abc import Callable
+from concurrent.futures import Future
+from typing import Any
+
+from common.engine.llm_engine import LLMEngine, StepOutput
+from common.engine.sequence import FinishReason
+
+logger = logging.getLogger(__name__)
+IDLE_WAIT_S = 0.05
+
+
+class EngineLoop:
+    def __init__(self, engine: LLMEngine, on_step: Callable[[StepOutput], None],
+                 before_step: Callable[[], None] | None = None) -> None:
+        self.engine = engine
+        self.on_step = on_step
+        self.before_step = before_step
+        self._calls: deque[tuple[Callable[[LLMEngine], Any], Future]] = deque()
+        self._wake = threading.Condition()
+        self._stopped = False
+        self.num_steps = 0
+        self._thread = threading.Thread(target=self._run, name="engine-loop", daemon=True)
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def stop(self, timeout: float = 10.0) -> None:
+        with self._wake:
+            self._stopped = True
+            self._wake.notify()
+        self._thread.join(timeout)
+
+    def call(self, fn: Callable[[LLMEngine], Any]) -> Future:
+        """Run ``fn(engine)`` on the engine thread before the next step."""
+        future: Future = Future()
+        with self._wake:
+            if self._stopped:
+                future.set_exception(RuntimeError("engine loop is stopped"))
+                return future
+            self._calls.append((fn, future))
+            self._wake.notify()
+        return future
+
+    def _run_calls(self) -> None:
+        while True:
+            with self._wake:
+                if not self._calls:
+                    return
+                fn, future = self._calls.popleft()
+            if not future.set_running_or_notify_cancel():
+                continue
+            try:
+                future.set_result(fn(self.engine))
+            except BaseException as e:  # the caller gets it through the future
+                future.set_exception(e)
+
+    def _run(self) -> None:
+        while True:
+            with self._wake:
+                if self._stopped:
+                    break
+                if not self._calls and not self.engine.has_unfinished():
+                    self._wake.wait(IDLE_WAIT_S)
+            self._run_calls()
+
+    def _fail_all(self) -> list:
+        failed = []
+        for request_id in list(self.engine.requests):
+            seq = self.engine.abort(request_id, FinishReason.ERROR)
+            if seq is not None:
+                failed.append(seq)
+        return failed
+            if self.before_step is not None:
+                self.before_step()
+            if not self.engine.has_unfinished():
+                continue
+            try:
+                out = self.engine.step()
+            except Exception:
+                logger.exception("engine step failed; failing every request in flight")
+                out = StepOutput(is_prefill=False, finished=self._fail_all())
+            self.num_steps += 1
+            if out.seqs or out.finished:
+                self.on_step(out)
+        self._run_calls()
+
+    def _fail_all(self) -> list:
+        failed = []
+        for request_id in list(self.engine.requests):
+            seq = self.engine.abort(request_id, FinishReason.ERROR)
+            if seq is not None:
+                failed.append(seq)
+        return failed

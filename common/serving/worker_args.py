@@ -1,0 +1,57 @@
+"""Command-line flags shared by the worker services, with PDSERVE_* environment defaults."""
+from __future__ import annotations
+
+import argparse
+import socket
+import uuid
+
+from common import env
+from common.config import EngineConfig
+
+
+def add_worker_arguments(p: argparse.ArgumentParser, default_port: int, default_metrics_port: int) -> None:
+    p.add_argument("--host", default=env.get("HOST", "0.0.0.0"), help="listen address (env PDSERVE_HOST)")
+    p.add_argument("--port", type=int, default=env.get_int("PORT", default_port), help="gRPC port (env PDSERVE_PORT)")
+    p.add_argument("--advertise-host", default=env.get("ADVERTISE_HOST", None),
+                   help="host name other workers use to reach this one (default: this host's name)")
+    p.add_argument("--metrics-port", type=int, default=env.get_int("METRICS_PORT", default_metrics_port),
+                   help="Prometheus /metrics HTTP port, 0 = off (env PDSERVE_METRICS_PORT)")
+    p.add_argument("--worker-id", default=env.get("WORKER_ID", None), help="default: host-port-random")
+    p.add_argument("--model", default=env.get("MODEL", "default"),
+                   help="checkpoint dir, preset name, or 'default' for the embedded model (env PDSERVE_MODEL)")
+    p.add_argument("--device", default=env.get("DEVICE", "auto"), help="cpu, cuda, cuda:N or auto (env PDSERVE_DEVICE)")
+    p.add_argument("--dtype", default=env.get("DTYPE", "auto"), help="auto, float32, bfloat16, float16")
+    p.add_argument("--block-size", type=int, default=env.get_int("BLOCK_SIZE", 16), help="tokens per KV block")
+    p.add_argument("--num-kv-blocks", type=int, default=env.get_int("NUM_KV_BLOCKS", 0),
+                   help="KV pool size in blocks; 0 = from --kv-memory-gb or free memory")
+    p.add_argument("--kv-memory-gb", type=float, default=env.get_float("KV_MEMORY_GB", 0.0),
+                   help="memory for the KV pool in GiB; 0 = from free memory (GPU) or 1 GiB (CPU)")
+    p.add_argument("--max-num-seqs", type=int, default=env.get_int("MAX_NUM_SEQS", 256))
+    p.add_argument("--max-num-batched-tokens", type=int, default=env.get_int("MAX_NUM_BATCHED_TOKENS", 16384))
+    p.add_argument("--max-model-len", type=int, default=env.get_int("MAX_MODEL_LEN", 0), help="0 = model default")
+    p.add_argument("--attention-backend", default=env.get("ATTENTION_BACKEND", "auto"))
+    p.add_argument("--enforce-eager", action="store_true", default=env.get_bool("ENFORCE_EAGER", False),
+                   help="no CUDA graphs")
+    p.add_argument("--drain-grace-s", type=float, default=env.get_float("DRAIN_GRACE_S", 30.0),
+                   help="on SIGTERM: time to finish in-flight requests before cancelling them")
+    p.add_argument("--kv-timeout-s", type=float, default=env.get_float("KV_TIMEOUT_S", 30.0),
+                   help="timeout of one KV transfer")
+
+
+def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
+    return EngineConfig(
+        model=args.model, device=args.device, dtype=args.dtype, block_size=args.block_size,
+        num_kv_blocks=args.num_kv_blocks or None, kv_cache_memory_gb=args.kv_memory_gb or None,
+        max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
+        max_model_len=args.max_model_len or None, attention_backend=args.attention_backend,
+        enforce_eager=args.enforce_eager)
+
+
+def worker_id_from_args(args: argparse.Namespace, role: str) -> str:
+    return args.worker_id or f"{role}-{socket.gethostname()}-{args.port}-{uuid.uuid4().hex[:6]}"
+
+
+def advertise_host(args: argparse.Namespace) -> str:
+    if args.advertise_host:
+        return args.advertise_host
+    return "127.0.0.1" if args.host in ("127.0.0.1", "localhost") else socket.gethostname()

@@ -1,0 +1,87 @@
+"""What every worker process has: the engine on its thread, KV events, identity and stats."""
+from __future__ import annotations
+
+import asyncio
+import logging
+import threading
+from collections.abc import Callable
+
+from common.config import EngineConfig
+from common.engine.llm_engine import LLMEngine, StepOutput
+from common.serving.broadcast import Broadcast
+from common.serving.engine_loop import EngineLoop
+
+logger = logging.getLogger(__name__)
+PROTOCOL_VERSION = "pdserve.v1"
+
+
+class WorkerRuntime:
+    """Built inside the running asyncio loop; ``start()`` loads the model off the loop."""
+
+    def __init__(self, role: str, worker_id: str, engine_config: EngineConfig) -> None:
+        self.role = role
+        self.worker_id = worker_id
+        self.engine_config = engine_config
+        self.aio_loop = asyncio.get_running_loop()
+        self.kv_events = Broadcast(self.aio_loop)
+        self.outputs = Broadcast(self.aio_loop)
+        self._pending_events: list[tuple[str, int]] = []
+        self._events_lock = threading.Lock()
+        self.engine: LLMEngine | None = None
+        self.loop: EngineLoop | None = None
+
+    async def start(self, on_step: Callable[[StepOutput], None],
+                    before_step: Callable[[LLMEngine], None] | None = None) -> None:
+        self.engine = await asyncio.to_thread(LLMEngine, self.engine_config, None, self._on_kv_event)
+
+        def step_hook(out: StepOutput) -> None:
+            on_step(out)
+            self.flush_kv_events()
+
+        def before() -> None:
+            if before_step is not None:
+                before_step(self.engine)
+            self.flush_kv_events()
+
+        self.loop = EngineLoop(self.engine, step_hook, before)
+        self.loop.start()
+        logger.info("%s worker %s ready: %s, %d KV blocks of %d tokens", self.role, self.worker_id,
+                    self.engine.source.config.name, self.engine.block_manager.num_blocks,
+                    self.engine_config.block_size)
+
+    def stop(self) -> None:
+        if self.loop is not None:
+            self.loop.stop()
+        self.outputs.close_all()
+        self.kv_events.close_all()
+
+    async def call(self, fn):
+        """Run ``fn(engine)`` on the engine thread and await its result."""
+        return await asyncio.wrap_future(self.loop.call(fn))
+
+    # ---- KV events (engine thread -> subscribers, batched per step) ----------------------
+    def _on_kv_event(self, kind: str, block_hash: int) -> None:
+        with self._events_lock:
+            self._pending_events.append((kind, block_hash))
+
+    def flush_kv_events(self) -> None:
+        with self._events_lock:
+            events, self._pending_events = self._pending_events, []
+        if events:
+            stored = [h for k, h in events if k == "stored"]
+            evicted = [h for k, h in events if k == "evicted"]
+            self.kv_events.publish_all((stored, evicted, False))
+
+    async def kv_snapshot(self) -> list[int]:
+        return await self.call(lambda engine: list(engine.block_manager.hash_to_block_id))
+
+    # ---- identity and stats ---------------------------------------------------------------
+    def info(self) -> dict:
+        e = self.engine
+        return {"protocol_version": PROTOCOL_VERSION, "model": e.source.config.name,
+                "dtype": str(e.model_runner.dtype).replace("torch.", ""), "block_size": e.config.block_size,
+                "max_model_len": e.max_model_len, "num_kv_blocks": e.block_manager.num_blocks,
+                "worker_id": self.worker_id, "vocab_size": e.source.config.vocab_size}
+
+    async def stats(self, num_reserved: Callable[[], int]) -> dict:
+        return await self.call(lambda engine: {**engine.stats(), "num_reserved": num_reserved()})

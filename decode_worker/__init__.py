@@ -1,0 +1,1 @@
+"""The decode worker: KV import, paged cache, continuous batching, token streams."""

@@ -1,0 +1,1 @@
+"""The prefill worker: batched prefill with its own prefix cache, first token, KV export."""

@@ -1,0 +1,38 @@
+"""``pdserve prefill``: the prefill worker."""
+from __future__ import annotations
+
+import argparse
+
+from common.serving.launch import run_async, run_worker, start_metrics
+from common.serving.worker_args import add_worker_arguments, engine_config_from_args, worker_id_from_args
+
+DEFAULT_PORT, DEFAULT_METRICS_PORT = 50052, 9092
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    add_worker_arguments(p, DEFAULT_PORT, DEFAULT_METRICS_PORT)
+
+
+async def _main(args: argparse.Namespace) -> None:
+    from common.kv_transfer import KvSender
+    from common.serving.worker_runtime import WorkerRuntime
+    from prefill_worker.servicer import PrefillServicer
+    from prefill_worker.state import PrefillState
+
+    runtime = WorkerRuntime("prefill", worker_id_from_args(args, "prefill"), engine_config_from_args(args))
+    state = PrefillState(runtime.aio_loop)
+    sender = KvSender(prefill_worker_id=runtime.worker_id, timeout_s=args.kv_timeout_s)
+    servicer = PrefillServicer(runtime, state, sender)
+
+    async def startup() -> None:
+        await runtime.start(state.on_step, state.expire)
+        start_metrics(args.metrics_port)
+
+    try:
+        await run_worker(runtime, servicer, args.host, args.port, args.drain_grace_s, startup, servicer.drain)
+    finally:
+        sender.close()
+
+
+def run(args: argparse.Namespace) -> int:
+    return run_async(_main(args))

@@ -1,0 +1,127 @@
+"""The prefill worker's gRPC servicer: prefill, first token at once, then the KV to the decode worker."""
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+
+from common.engine.llm_engine import DuplicateRequest
+from common.engine.sequence import FinishReason
+from common.grpc_utils.convert import deadline_from_proto, finish_reason_to_proto, sampling_params_from_proto
+from common.grpc_utils.errors import (AlreadyExists, Cancelled, DeadlineExceeded, InvalidArgument, Unavailable)
+from common.grpc_utils.server import client_channel
+from common.serving.worker_runtime import WorkerRuntime
+from common.serving.worker_servicer import BaseWorkerServicer
+from pdserve.v1 import worker_pb2, worker_pb2_grpc
+from prefill_worker.state import PrefillAborted, PrefillState
+
+logger = logging.getLogger(__name__)
+PUSH_KV_TIMEOUT_S = 10.0
+
+
+class PrefillServicer(BaseWorkerServicer):
+    def __init__(self, runtime: WorkerRuntime, state: PrefillState, sender) -> None:
+        super().__init__(runtime)
+        self.state = state
+        self.sender = sender
+        self.draining = False
+        self.in_flight = 0
+        self._decode_stubs: dict[str, worker_pb2_grpc.WorkerStub] = {}
+
+    def _decode_stub(self, address: str) -> worker_pb2_grpc.WorkerStub:
+        stub = self._decode_stubs.get(address)
+        if stub is None:
+            stub = self._decode_stubs[address] = worker_pb2_grpc.WorkerStub(client_channel(address))
+        return stub
+
+    def _validate(self, request) -> None:
+        if self.draining:
+            raise Unavailable(f"worker {self.runtime.worker_id} is draining")
+        if not request.request_id:
+            raise InvalidArgument("request_id", "must not be empty")
+        if not request.token_ids:
+            raise InvalidArgument("token_ids", "must not be empty")
+        t = request.kv_target
+        if not t.decode_address or not t.decode_worker_id:
+            raise InvalidArgument("kv_target", "decode_address and decode_worker_id are required")
+        needed = -(-len(request.token_ids) // self.runtime.engine_config.block_size)
+        if len(t.block_ids) != needed:
+            raise InvalidArgument("kv_target.block_ids", f"{len(t.block_ids)} ids for a prompt of {needed} blocks")
+
+    async def Prefill(self, request, context):
+        self._validate(request)
+        deadline = deadline_from_proto(request.deadline_unix_ms)
+        if deadline is not None and deadline <= time.time():
+            raise DeadlineExceeded(f"request {request.request_id!r} is past its deadline")
+        params = sampling_params_from_proto(request.params)
+        rid = request.request_id
+        first = asyncio.get_running_loop().create_future()
+        try:
+            await self.runtime.call(lambda e: self.state.start(e, rid, list(request.token_ids), params, deadline, first))
+        except DuplicateRequest as e:
+            raise AlreadyExists(str(e)) from e
+        self.in_flight += 1
+        try:
+            try:
+                result = await first
+            except PrefillAborted as e:
+                if e.reason == FinishReason.DEADLINE:
+                    raise DeadlineExceeded(f"request {rid!r} passed its deadline before prefill") from e
+                raise Cancelled(f"request {rid!r} was cancelled") from e
+            except asyncio.CancelledError:
+                self.runtime.loop.call(lambda e: self.state.cancel(e, rid))
+                raise
+            yield worker_pb2.PrefillResponse(first_token=worker_pb2.FirstToken(
+                token_id=result.token_id, logprob=result.logprob, num_cached_tokens=result.num_cached_tokens,
+                finish_reason=finish_reason_to_proto(result.finish_reason)))
+            if result.finish_reason is not None:
+                return
+            done = await self._ship(request, result)
+            yield worker_pb2.PrefillResponse(transfer_done=done)
+        finally:
+            self.in_flight -= 1
+
+    async def _ship(self, request, result) -> worker_pb2.TransferDone:
+        """PushKV, then send the blocks the decode worker lacks; the held blocks are freed after."""
+        rid, t = request.request_id, request.kv_target
+        seq = self.runtime.engine.held.get(rid)
+        first_block = t.num_cached_tokens // self.runtime.engine_config.block_size
+        src, dst = seq.block_table[first_block:], list(t.block_ids)[first_block:]
+        block_bytes = self.runtime.engine.model_runner.block_bytes
+        transfer = None
+        try:
+            epoch = self.sender.epoch(t.decode_worker_id)
+            await self._decode_stub(t.decode_address).PushKV(worker_pb2.PushKVRequest(
+                request_id=rid, prefill_worker_id=self.runtime.worker_id, channel_epoch=epoch,
+                first_token_id=result.token_id, first_token_logprob=result.logprob, num_blocks=len(dst),
+                block_ids=dst, num_bytes=len(dst) * block_bytes), timeout=PUSH_KV_TIMEOUT_S)
+            started = time.perf_counter()
+            if src:
+                transfer = asyncio.ensure_future(asyncio.to_thread(
+                    self.sender.send_blocks, t.decode_worker_id, t.kv_store_address, epoch,
+                    self.runtime.engine.model_runner.kv_cache, src))
+                await asyncio.shield(transfer)
+            elapsed_ms = (time.perf_counter() - started) * 1000
+            return worker_pb2.TransferDone(bytes=len(src) * block_bytes, transfer_ms=elapsed_ms, num_blocks=len(src))
+        finally:
+            self._release_after(rid, transfer)
+
+    def _release_after(self, rid: str, transfer: asyncio.Future | None) -> None:
+        """Free the held blocks once no send reads them any more."""
+        def release(_=None) -> None:
+            self.runtime.loop.call(lambda e: self.state.release(e, rid))
+        if transfer is None or transfer.done():
+            release()
+        else:
+            transfer.add_done_callback(release)
+
+    async def Cancel(self, request, context) -> worker_pb2.CancelResponse:
+        found = await self.runtime.call(lambda e: self.state.cancel(e, request.request_id))
+        return worker_pb2.CancelResponse(found=found)
+
+    async def drain(self, grace_s: float) -> None:
+        self.draining = True
+        deadline = time.monotonic() + max(grace_s - 1.0, 0.0)
+        while self.in_flight and time.monotonic() < deadline:
+            await asyncio.sleep(0.1)
+        await self.runtime.call(lambda e: [self.state.cancel(e, rid) for rid in list(self.state.pending)])

@@ -1,0 +1,96 @@
+"""Output text of one request: incremental detokenization and stop strings (pure, no I/O).
+
+Text that could still turn out to be the start of a stop string is held back (the longest
+suffix of the text that is a prefix of some stop string), so a stop string that spans two
+steps is never partly sent before it matches. When one matches, the text is cut before it (or
+after it with ``include_stop_str_in_output``) and the request ends with STOP_STRING.
+"""
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+from common.detokenizer import IncrementalDetokenizer
+
+
+@dataclass
+class Delta:
+    token_ids: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+    text: str = ""
+    matched_stop: str | None = None    # set when a stop string ended the request
+
+
+class OutputProcessor:
+    def __init__(self, tokenizer: object | None, stop: Sequence[str] = (),
+                 include_stop: bool = False, skip_special_tokens: bool = True) -> None:
+        self.detok = IncrementalDetokenizer(tokenizer, skip_special_tokens) if tokenizer is not None else None
+        self.stop = tuple(s for s in stop if s)
+        self.include_stop = include_stop
+        self.max_stop = max((len(s) for s in self.stop), default=0)
+        self.token_ids: list[int] = []
+        self.logprobs: list[float] = []
+        self.emitted = 0          # characters of the text already sent
+        self.searched = 0         # text before this index holds no stop string start
+        self.final_text: str | None = None
+        self.matched_stop: str | None = None
+
+    @property
+    def text(self) -> str:
+        if self.final_text is not None:
+            return self.final_text
+        return self.detok.text if self.detok is not None else ""
+
+    def add(self, token_ids: Sequence[int], logprobs: Sequence[float] = ()) -> Delta:
+        """Tokens of one step -> what to send for them."""
+        delta = Delta(list(token_ids), list(logprobs))
+        self.token_ids.extend(token_ids)
+        self.logprobs.extend(logprobs)
+        if self.detok is None or self.final_text is not None:
+            return delta
+        self.detok.add(list(token_ids))
+        delta.text, delta.matched_stop = self._advance(final=False)
+        return delta
+
+    def finish(self) -> Delta:
+        """The end of generation: flush held-back text (a stop string may still match)."""
+        delta = Delta()
+        if self.detok is None or self.final_text is not None:
+            return delta
+        self.detok.flush()
+        delta.text, delta.matched_stop = self._advance(final=True)
+        return delta
+
+    def _advance(self, final: bool) -> tuple[str, str | None]:
+        full = self.detok.text
+        if self.stop:
+            hit = self._find_stop(full)
+            if hit is not None:
+                index, stop = hit
+                self.final_text = full[:index + (len(stop) if self.include_stop else 0)]
+                self.matched_stop = stop
+                out = self.final_text[self.emitted:]
+                self.emitted = len(self.final_text)
+                return out, stop
+            self.searched = max(0, len(full) - self.max_stop + 1)
+        safe = len(full) if final else len(full) - self._holdback(full)
+        out = full[self.emitted:safe] if safe > self.emitted else ""
+        self.emitted = max(self.emitted, safe)
+        return out, None
+
+    def _find_stop(self, full: str) -> tuple[int, str] | None:
+        best: tuple[int, str] | None = None
+        for s in self.stop:
+            i = full.find(s, self.searched)
+            if i >= 0 and (best is None or i < best[0]):
+                best = (i, s)
+        return best
+
+    def _holdback(self, full: str) -> int:
+        keep = 0
+        for s in self.stop:
+            for k in range(min(len(s) - 1, len(full)), keep, -1):
+                if full.endswith(s[:k]):
+                    keep = k
+                    break
+        return keep

@@ -1,0 +1,27 @@
+"""The router's settings (from flags, see router.main) and its fixed internal timings."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+# How often GetStats is polled per worker (load figure and liveness check).
+STATS_INTERVAL_S = 0.5
+# Reconnect backoff of a worker that is down (Info probe): first, then doubling up to max.
+RECONNECT_MIN_S = 0.25
+RECONNECT_MAX_S = 5.0
+# How long the router waits for a Subscribe stream to be confirmed by the worker's initial
+# metadata before assuming it is open anyway (a worker that sends headers only with its first
+# StepOutputs).
+SUBSCRIBE_CONFIRM_S = 1.0
+# Cancel rpcs are fire-and-forget with this timeout.
+CANCEL_TIMEOUT_S = 2.0
+
+
+@dataclass(frozen=True)
+class RouterSettings:
+    router_id: str
+    block_size: int = 0            # 0 = learn from the first worker; else every worker must match
+    lease_ms: int = 30_000         # reservation lease sent with Reserve (0 = the worker's default)
+    worker_timeout_s: float = 2.0  # timeout of one router -> worker control call (Info, Reserve, ...)
+    dns_refresh_s: float = 10.0    # re-resolution period of dns:/// worker addresses
+    load_alpha: float = 1.0        # policy weight of a decode worker's load (see router.policy)
+    drain_grace_s: float = 30.0

@@ -1,0 +1,84 @@
+"""Sampling parameters: the wire ``SamplingParams`` <-> :class:`common.engine.SamplingParams`.
+
+Zero means "default" as router.proto / common.proto document it: top_p 0 -> 1.0, top_k 0 -> -1,
+repetition_penalty 0 -> 1.0, max_tokens 0 -> the rest of the context (filled in by the caller).
+Every field is checked; errors are INVALID_ARGUMENT naming ``params.<field>``.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from common.engine.sampling_params import InvalidParameter, SamplingParams
+from common.grpc_utils import InvalidArgument
+from pdserve.v1 import common_pb2
+
+MAX_STOP_STRINGS = 16
+MAX_STOP_CHARS = 256
+
+
+@dataclass(frozen=True)
+class RequestParams:
+    """Validated sampling (max_tokens still 0 when the client left it to the server) plus the
+    router-side stopping fields."""
+
+    sampling: SamplingParams
+    max_tokens: int                 # 0 = fill the context
+    stop: tuple[str, ...] = ()
+
+
+def from_proto(p: common_pb2.SamplingParams, vocab_size: int, has_tokenizer: bool) -> RequestParams:
+    for name in ("temperature", "top_p", "min_p", "repetition_penalty", "presence_penalty",
+                 "frequency_penalty"):
+        value = getattr(p, name)
+        if not math.isfinite(value):
+            raise InvalidArgument(f"params.{name}", f"must be a finite number, got {value}")
+    for i, tid in enumerate(p.stop_token_ids):
+        if tid >= vocab_size:
+            raise InvalidArgument(f"params.stop_token_ids[{i}]",
+                                  f"{tid} is out of the vocabulary (size {vocab_size})")
+    stop = tuple(p.stop)
+    if stop and not has_tokenizer:
+        raise InvalidArgument("params.stop", "stop strings need a tokenizer; this model has none")
+    if len(stop) > MAX_STOP_STRINGS:
+        raise InvalidArgument("params.stop", f"at most {MAX_STOP_STRINGS} stop strings, got {len(stop)}")
+    for i, s in enumerate(stop):
+        if not s or len(s) > MAX_STOP_CHARS:
+            raise InvalidArgument(f"params.stop[{i}]", f"must be 1..{MAX_STOP_CHARS} characters long")
+    if p.top_p < 0:
+        raise InvalidArgument("params.top_p", f"must be in (0, 1], got {p.top_p}")
+    if p.repetition_penalty < 0:
+        raise InvalidArgument("params.repetition_penalty", f"must be > 0, got {p.repetition_penalty}")
+    try:
+        sampling = SamplingParams(
+            temperature=p.temperature,
+            top_p=p.top_p or 1.0,
+            top_k=p.top_k or -1,
+            min_p=p.min_p,
+            repetition_penalty=p.repetition_penalty or 1.0,
+            presence_penalty=p.presence_penalty,
+            frequency_penalty=p.frequency_penalty,
+            seed=p.seed if p.HasField("seed") else None,
+            max_tokens=p.max_tokens or 1,
+            stop_token_ids=tuple(p.stop_token_ids),
+            ignore_eos=p.ignore_eos,
+            logprobs=p.logprobs,
+        )
+    except InvalidParameter as e:
+        message = str(e)
+        prefix = f"{e.field}: "
+        raise InvalidArgument(f"params.{e.field}", message[len(prefix):] if message.startswith(prefix) else message) from e
+    return RequestParams(sampling, int(p.max_tokens), stop)
+
+
+def to_proto(s: SamplingParams, max_tokens: int) -> common_pb2.SamplingParams:
+    """The explicit wire form sent to workers (no zero-means-default left, no stop strings)."""
+    p = common_pb2.SamplingParams(
+        temperature=s.temperature, top_p=s.top_p, top_k=s.top_k, min_p=s.min_p,
+        repetition_penalty=s.repetition_penalty, presence_penalty=s.presence_penalty,
+        frequency_penalty=s.frequency_penalty, max_tokens=max_tokens,
+        stop_token_ids=list(s.stop_token_ids), ignore_eos=s.ignore_eos, logprobs=s.logprobs)
+    if s.seed is not None:
+        p.seed = s.seed
+    return p
+
