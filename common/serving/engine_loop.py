@@ -73,14 +73,6 @@ class EngineLoop:
                 if not self._calls and not self.engine.has_unfinished():
                     self._wake.wait(IDLE_WAIT_S)
             self._run_calls()
-
-    def _fail_all(self) -> list:
-        failed = []
-        for request_id in list(self.engine.requests):
-            seq = self.engine.abort(request_id, FinishReason.ERROR)
-            if seq is not None:
-                failed.append(seq)
-        return failed
             if self.before_step is not None:
                 self.before_step()
             if not self.engine.has_unfinished():

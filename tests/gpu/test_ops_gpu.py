@@ -83,7 +83,7 @@ def random_contexts(batch, max_ctx, block_size, seed):
 
 # ------------------------------------------------------------------------------------------
 
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
 @pytest.mark.parametrize("block_size", [16, 32])
 def test_store_kvcache_gpu(dtype, block_size):
     hq, hkv, d = GEOMETRIES["qwen3"]
@@ -102,7 +102,7 @@ def test_store_kvcache_gpu(dtype, block_size):
     torch.testing.assert_close(kv, expect, rtol=0, atol=0, equal_nan=True)
 
 
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
 @pytest.mark.parametrize("geometry", ["qwen3", "smollm2", "mha64"])
 @pytest.mark.parametrize("block_size", [16, 32])
 @pytest.mark.parametrize("batch,max_ctx,num_splits", [(64, 2048, None), (3, 2048, None),
@@ -132,7 +132,7 @@ def test_decode_gpu(dtype, geometry, block_size, batch, max_ctx, num_splits):
     assert per_seq.max().item() < 3 * TOL[dtype], per_seq.max().item()
 
 
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
 @pytest.mark.parametrize("geometry", ["qwen3", "smollm2"])
 @pytest.mark.parametrize("block_size", [16, 32])
 @pytest.mark.parametrize("case", ["fresh", "prefix", "chunks"])

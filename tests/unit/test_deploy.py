@@ -462,6 +462,47 @@ def test_router_discovers_workers_through_headless_dns(renderer, name):
         assert flag(args, role) == want
 
 
+# the module behind each `pdserve <role>` subcommand (pdserve/cli.py SUBCOMMANDS)
+ROLE_MODULES = {"router": "router.main", "prefill": "prefill_worker.main", "decode": "decode_worker.main"}
+
+
+@pytest.mark.parametrize("role", ROLES)
+@pytest.mark.parametrize("name", OVERLAYS)
+def test_args_parse_with_the_real_cli(renderer, name, role):
+    """The container's args, as the kubelet expands them, are accepted by `pdserve <role>`."""
+    import argparse
+    import importlib
+
+    objs = render(renderer, name)
+    args = resolved_args(main_container(deployments(objs)[role]), objs)
+    args = [a.replace("<status.podIP>", "10.0.0.7").replace("<metadata.namespace>", "serving") for a in args]
+    try:
+        module = importlib.import_module(ROLE_MODULES[role])
+    except ModuleNotFoundError as e:
+        if e.name and ROLE_MODULES[role].startswith(e.name):
+            pytest.skip(f"`pdserve {role}` is not built yet ({e}); its flags are checked once it is")
+        raise
+    class Parser(argparse.ArgumentParser):
+        def error(self, message):  # raise instead of printing usage and exiting
+            raise ValueError(message)
+
+    parser = Parser(prog="pdserve")
+    sub = parser.add_subparsers(dest="command", required=True)  # sub-parsers are Parsers too
+    module.add_arguments(sub.add_parser(role))
+    try:
+        parsed = parser.parse_args(args)
+    except ValueError as e:
+        pytest.fail(f"`pdserve {' '.join(args)}` is rejected by {ROLE_MODULES[role]}: {e}", pytrace=False)
+    ports = design_ports()[role]
+    assert parsed.port == ports["grpc"]
+    assert parsed.metrics_port == ports["metrics"]
+    if role == "decode":
+        assert parsed.kv_port == ports["kv"]
+    if role in WORKERS:
+        assert parsed.advertise_host == "10.0.0.7"
+        assert parsed.block_size == int(configmap(objs)["data"]["PDSERVE_BLOCK_SIZE"])
+
+
 # ----------------------------------------------------------------------------- GPU / CPU overlays
 
 def _gpu(container: dict) -> str | int | None:

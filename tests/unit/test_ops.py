@@ -30,8 +30,7 @@ from common.ops.reference import (  # noqa: E402
 
 
 def _interpreted() -> bool:
-    return not hasattr(paged_attention._decode_split_kernel, "run") or \
-        type(paged_attention._decode_split_kernel).__name__ == "InterpretedFunction"
+    return type(paged_attention._decode_split_kernel).__name__ == "InterpretedFunction"
 
 
 INTERPRETED = _interpreted()
@@ -184,6 +183,7 @@ DECODE_CASES = [
     (16, 3, 3, 64, [5, 48, 49, 100], 3, 12),
     (32, 2, 3, 128, [1, 65, 130], 4, 13),
     (64, 1, 2, 64, [63, 64, 65, 200], 2, 14),
+    (16, 1, 2, 64, [300], None, 15),                              # heuristic picks > 1 split
 ]
 
 
@@ -196,9 +196,14 @@ def test_paged_attention_decode(block_size, hkv, group, d, ctx, num_splits, seed
     kv, kc, vc = make_cache(num_blocks, block_size, hkv, d, gen)
     bt = make_block_tables(ctx, block_size, num_blocks, gen)
     cl = torch.tensor(ctx, dtype=torch.int32, device=DEVICE)
-    q = torch.randn(len(ctx), hq, d, generator=gen).to(DEVICE)
+    # q as a strided slice of a fused qkv projection output
+    qkv = torch.randn(len(ctx), (hq + 2 * hkv) * d, generator=gen).to(DEVICE)
+    q = qkv[:, :hq * d].view(len(ctx), hq, d)
     scale = d ** -0.5
     ref = paged_attention_decode_ref(q, kc, vc, bt, cl, scale)
+    if num_splits is None:
+        assert paged_attention.decode_num_splits(
+            len(ctx), hkv, bt.shape[1] * block_size, DEVICE) == (2 if seed == 15 else 1)
     out = paged_attention.paged_attention_decode(q, kc, vc, bt, cl, scale, num_splits=num_splits)
     assert out.shape == q.shape and out.dtype == q.dtype
     assert_close(out, ref)
@@ -249,6 +254,8 @@ PREFILL_CASES = [
     (16, 1, 3, 64, [7, 20, 1], [40, 20, 18], 31),                # cached prefixes, 1-token chunk
     (32, 2, 2, 128, [33, 9, 0, 4], [70, 9, 12, 35], 32),         # a zero-length sequence
     (32, 1, 1, 128, [40], [100], 33),
+    (16, 2, 3, 128, [3, 26, 16], [19, 26, 50], 34),
+    (32, 3, 2, 64, [64, 2], [64, 97], 35),
 ]
 
 
@@ -263,10 +270,11 @@ def test_paged_attention_prefill(block_size, hkv, group, d, q_lens, ctx, seed):
     cl = torch.tensor(ctx, dtype=torch.int32, device=DEVICE)
     cu = torch.tensor([0] + torch.tensor(q_lens).cumsum(0).tolist(), dtype=torch.int32, device=DEVICE)
     T = sum(q_lens)
-    q = torch.randn(T, hq, d, generator=gen).to(DEVICE)
+    qkv = torch.randn(T, (hq + 2 * hkv) * d, generator=gen).to(DEVICE)
+    q = qkv[:, :hq * d].view(T, hq, d)                          # strided, as in the model
     scale = d ** -0.5
     ref = paged_attention_prefill_ref(q, kc, vc, cu, cl, bt, max(q_lens), scale)
-    out = torch.full_like(q, float("nan"))
+    out = torch.full((T, hq, d), float("nan"), device=DEVICE)
     res = paged_attention.paged_attention_prefill(q, kc, vc, cu, cl, bt, max(q_lens), scale, out=out)
     assert res.data_ptr() == out.data_ptr()
     assert not torch.isnan(out).any()                            # every row written

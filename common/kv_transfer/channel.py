@@ -1,0 +1,402 @@
+"""A 2-rank process group for one (prefill worker, decode worker, epoch): the pair channel.
+
+Rank 0 is the prefill worker (sender), rank 1 the decode worker (receiver). The group is built
+without ``init_process_group`` (no global default group): a client ``TCPStore`` connection to
+the decode worker's store, wrapped in ``PrefixStore(f"pdserve/{prefill_id}/{decode_id}/{epoch}")``,
+then ``ProcessGroupGloo`` (CPU tensors) or ``ProcessGroupNCCL`` (CUDA tensors). Tensors cross
+as raw bytes (a ``uint8`` view): any dtype, no pickle.
+
+Construction is a rendezvous: it returns once both ranks have joined and exchanged a small
+handshake (which also makes NCCL create its communicator now, outside any CUDA graph and
+outside the first transfer). It raises ``KvTransferError`` after ``timeout`` seconds.
+
+Blocking and streams
+--------------------
+* CPU (Gloo): ``send``/``recv`` block until the message has crossed (or the timeout) and
+  return ``None``.
+* CUDA (NCCL): the operation is enqueued after the caller's current stream (through the
+  channel's side stream ``channel.stream``), the call then waits (polling, the GIL released)
+  until it has completed or the timeout passed, and returns a ``torch.cuda.Event`` recorded on
+  the side stream after the operation. Work that uses the received data on another stream
+  must wait on it: ``torch.cuda.current_stream().wait_event(event)``.
+* A timeout or a failure marks the channel broken: it cannot be used again (``is_broken``);
+  build a new one with a new epoch. On NCCL a timed-out channel is aborted at once
+  (``ProcessGroupNCCL.abort``), which also releases the kernels stuck in it.
+* ``abort()`` may be called from any thread. On NCCL it aborts the communicator, so an
+  operation waiting in another thread fails promptly. Gloo cannot interrupt an operation in
+  flight: it fails when the peer drops its side of the channel (or dies), or at its timeout.
+
+NCCL error handling: a peer that dies must not take this process down, so unless the
+environment already sets it, ``TORCH_NCCL_ASYNC_ERROR_HANDLING`` defaults to ``2`` (clean up
+the communicator only, never kill the process) for the NCCL groups built here. Timeouts are
+enforced by this module (then the group is aborted); the group's own watchdog timeout is set
+longer, as a backstop.
+"""
+from __future__ import annotations
+
+import datetime
+import logging
+import os
+import threading
+import time
+from collections.abc import Callable, Iterable
+
+import torch
+import torch.distributed as dist
+
+from .errors import KvTransferError
+from .store import connect_store
+
+log = logging.getLogger(__name__)
+
+DEFAULT_TIMEOUT = 30.0
+_HANDSHAKE_MAGIC = 0x5044_4B56  # "PDKV"
+_JOIN_KEY = "pdserve_join/0"
+
+
+def channel_prefix(prefill_id: str, decode_id: str, epoch: int) -> str:
+    """The store prefix of one pair channel."""
+    for name, value in (("prefill_id", prefill_id), ("decode_id", decode_id)):
+        if not value or "/" in value:
+            raise KvTransferError(f"{name} {value!r} must be non-empty and contain no '/'")
+    return f"pdserve/{prefill_id}/{decode_id}/{int(epoch)}"
+
+
+def _wire(t: torch.Tensor) -> torch.Tensor:
+    """The tensor's bytes as a flat uint8 view (what crosses the wire)."""
+    if not t.is_contiguous():
+        raise KvTransferError("pair channel tensors must be contiguous")
+    return t.reshape(-1).view(torch.uint8)
+
+
+def _seconds(value: float) -> datetime.timedelta:
+    return datetime.timedelta(seconds=max(0.001, float(value)))
+
+
+def _nccl_available() -> bool:
+    return hasattr(dist, "ProcessGroupNCCL") and dist.is_nccl_available()
+
+
+class PairChannel:
+    """One pair channel. See the module docstring for the blocking and stream rules.
+
+    Args:
+        store: the decode worker's store, ``"host:port"`` (a client connection is opened) or
+            an existing ``torch.distributed.Store``.
+        prefill_id, decode_id, epoch: name the channel (the store prefix).
+        rank: 0 on the prefill worker (sender), 1 on the decode worker (receiver).
+        device: ``cpu`` -> Gloo; ``cuda[:i]`` -> NCCL, bound to that device.
+        timeout: seconds for the rendezvous and for each ``send``/``recv``.
+        stream: CUDA side stream to use (one is created otherwise).
+        cancel: rank 1 only: polled while waiting for rank 0 to join; when it returns True
+            the construction gives up (a newer epoch superseded this one).
+        high_priority: NCCL: run the communication on a high-priority stream.
+    """
+
+    def __init__(self, store: str | dist.Store, prefill_id: str, decode_id: str, epoch: int,
+                 rank: int, device: torch.device | str = "cpu", *,
+                 timeout: float = DEFAULT_TIMEOUT,
+                 stream: "torch.cuda.Stream | None" = None,
+                 cancel: Callable[[], bool] | None = None,
+                 high_priority: bool = False) -> None:
+        if rank not in (0, 1):
+            raise KvTransferError(f"rank must be 0 (prefill) or 1 (decode), got {rank}")
+        self.prefix = channel_prefix(prefill_id, decode_id, epoch)
+        self.prefill_id, self.decode_id = prefill_id, decode_id
+        self.epoch = int(epoch)
+        self.rank = rank
+        self.peer = 1 - rank
+        self.timeout = float(timeout)
+        device = torch.device(device)
+        if device.type == "cuda" and device.index is None:
+            device = torch.device("cuda", torch.cuda.current_device())
+        if device.type not in ("cpu", "cuda"):
+            raise KvTransferError(f"unsupported device {device}")
+        self.device = device
+        self.is_cuda = device.type == "cuda"
+        self.stream = None
+        if self.is_cuda:
+            if not _nccl_available():
+                raise KvTransferError("CUDA pair channel needs torch.distributed with NCCL")
+            self.stream = stream if stream is not None else torch.cuda.Stream(device)
+        self._broken = False
+        self._closed = False
+        self._reason = ""
+        self._lock = threading.Lock()
+        self._pg = None
+        self._store = None
+        self._build(store, cancel, high_priority)
+
+    # ----------------------------------------------------------------- state
+    @property
+    def is_broken(self) -> bool:
+        """True after a failure, a timeout, ``abort()`` or ``close()``."""
+        return self._broken or self._closed
+
+    @property
+    def backend(self) -> str:
+        return "nccl" if self.is_cuda else "gloo"
+
+    def __repr__(self) -> str:
+        state = "broken" if self._broken else ("closed" if self._closed else "open")
+        return f"PairChannel({self.prefix}, rank {self.rank}, {self.backend}, {state})"
+
+    def _error(self, what: str, exc: BaseException | None = None) -> KvTransferError:
+        detail = f": {exc}" if exc is not None else ""
+        return KvTransferError(f"pair channel {self.prefix} (rank {self.rank}, {self.backend}): "
+                               f"{what}{detail}")
+
+    # ----------------------------------------------------------------- set-up
+    def _build(self, store, cancel, high_priority) -> None:
+        deadline = time.monotonic() + self.timeout
+        client = connect_store(store, self.timeout) if isinstance(store, str) else store
+        prefix_store = dist.PrefixStore(self.prefix, client)
+        self._store = client
+        if self.rank == 0:
+            prefix_store.set(_JOIN_KEY, "1")
+        else:
+            self._wait_for_sender(prefix_store, deadline, cancel)
+        # The process-group construction and the handshake can block (NCCL's communicator
+        # set-up has no timeout of its own): run them in a helper thread and give up on it at
+        # the deadline.
+        result: dict = {}
+        done = threading.Event()
+        abandoned = threading.Event()
+
+        def build() -> None:
+            pg = None
+            try:
+                if self.is_cuda:
+                    torch.cuda.set_device(self.device)
+                pg = self._make_pg(prefix_store, deadline, high_priority)
+                self._handshake(pg, deadline)
+                result["pg"] = pg
+            except BaseException as e:  # noqa: BLE001 - reported to the caller
+                result["error"] = e
+            finally:
+                done.set()
+                if abandoned.is_set() and "pg" in result:
+                    _abort_pg(result.pop("pg"), self.is_cuda)
+
+        thread = threading.Thread(target=build, name=f"kv-join-{self.prefix}", daemon=True)
+        thread.start()
+        if not done.wait(max(0.0, deadline - time.monotonic()) + 5.0):
+            abandoned.set()
+            self._broken = True
+            raise self._error(f"rendezvous timed out after {self.timeout:.1f}s "
+                              "(the peer did not join)")
+        if "error" in result:
+            self._broken = True
+            raise self._error("rendezvous failed", result["error"]) from result["error"]
+        self._pg = result["pg"]
+
+    def _wait_for_sender(self, prefix_store, deadline: float, cancel) -> None:
+        while True:
+            if cancel is not None and cancel():
+                raise self._error("superseded by a newer epoch before the peer joined")
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise self._error(f"the prefill worker did not join within {self.timeout:.1f}s")
+            try:
+                prefix_store.wait([_JOIN_KEY], _seconds(min(0.1, left)))
+                return
+            except Exception:  # noqa: BLE001 - DistStoreError on a wait timeout: poll again
+                if time.monotonic() >= deadline:
+                    raise self._error(
+                        f"the prefill worker did not join within {self.timeout:.1f}s") from None
+
+    def _make_pg(self, prefix_store, deadline: float, high_priority: bool):
+        left = max(1.0, deadline - time.monotonic())
+        if not self.is_cuda:
+            return dist.ProcessGroupGloo(prefix_store, self.rank, 2, _seconds(left))
+        # Unless set, do not let an NCCL error (a dead peer) kill this process.
+        os.environ.setdefault("TORCH_NCCL_ASYNC_ERROR_HANDLING", "2")
+        opts = dist.ProcessGroupNCCL.Options()
+        opts.is_high_priority_stream = bool(high_priority)
+        # Backstop only: this module aborts the group itself at its own timeout.
+        opts._timeout = _seconds(2 * self.timeout + 30.0)
+        for attr, value in (("group_name", self.prefix), ("global_ranks_in_group", [0, 1])):
+            try:
+                setattr(opts, attr, value)
+            except Exception:  # noqa: BLE001 - optional fields of some torch versions
+                pass
+        pg = dist.ProcessGroupNCCL(prefix_store, self.rank, 2, opts)
+        eager = getattr(pg, "eager_connect_single_device", None)
+        if eager is not None:
+            # Create the communicator now, bound to this device (not lazily inside a transfer).
+            eager(self.device)
+        return pg
+
+    def _handshake(self, pg, deadline: float) -> None:
+        t = torch.tensor([_HANDSHAKE_MAGIC, self.epoch], dtype=torch.int64)
+        if self.is_cuda:
+            t = t.to(self.device)
+        if self.rank == 0:
+            self._run([lambda: pg.send([t], self.peer, 0)], deadline, pg)
+        else:
+            t.zero_()
+            self._run([lambda: pg.recv([t], self.peer, 0)], deadline, pg)
+            got = t.tolist()
+            if got != [_HANDSHAKE_MAGIC, self.epoch]:
+                raise self._error(f"bad handshake {got}")
+
+    # ----------------------------------------------------------------- operations
+    def _pg_or_raise(self):
+        pg = self._pg
+        if pg is None or self.is_broken:
+            raise self._error(f"channel is {'closed' if self._closed else 'broken'}"
+                              + (f" ({self._reason})" if self._reason else ""))
+        return pg
+
+    def isend(self, tensor: torch.Tensor, tag: int = 0):
+        """Start sending ``tensor`` (its bytes) to the peer; returns the Work. On CUDA it runs
+        after the work already enqueued on ``self.stream``."""
+        pg = self._pg_or_raise()
+        try:
+            if self.is_cuda:
+                with torch.cuda.stream(self.stream):
+                    return pg.send([_wire(tensor)], self.peer, tag)
+            return pg.send([_wire(tensor)], self.peer, tag)
+        except Exception as e:
+            self._fail(f"send failed: {e}")
+            raise self._error("send failed", e) from e
+
+    def irecv(self, tensor: torch.Tensor, tag: int = 0):
+        """Start receiving into ``tensor`` (its bytes) from the peer; returns the Work. On CUDA
+        it runs after the work already enqueued on ``self.stream``."""
+        pg = self._pg_or_raise()
+        try:
+            if self.is_cuda:
+                with torch.cuda.stream(self.stream):
+                    return pg.recv([_wire(tensor)], self.peer, tag)
+            return pg.recv([_wire(tensor)], self.peer, tag)
+        except Exception as e:
+            self._fail(f"recv failed: {e}")
+            raise self._error("recv failed", e) from e
+
+    def wait(self, work, deadline: float) -> None:
+        """Order what follows after ``work``. CPU: block until it completed (or the deadline,
+        a ``time.monotonic()`` value). CUDA: make ``self.stream`` wait for it (no CPU block)."""
+        try:
+            if self.is_cuda:
+                with torch.cuda.stream(self.stream):
+                    work.wait()
+            else:
+                work.wait(_seconds(deadline - time.monotonic()))
+        except Exception as e:
+            self._fail(f"transfer failed: {e}")
+            raise self._error("transfer failed", e) from e
+        if self._broken:
+            raise self._error("channel was aborted" + (f" ({self._reason})" if self._reason else ""))
+
+    def synchronize(self, works: Iterable, deadline: float) -> None:
+        """Block until every work has completed, or fail (and break the channel) at the
+        deadline (a ``time.monotonic()`` value)."""
+        works = [w for w in works if w is not None]
+        if not self.is_cuda:
+            for w in works:
+                self.wait(w, deadline)
+            return
+        pending = works
+        spins = 0
+        while pending:
+            if self._broken:
+                raise self._error("channel was aborted"
+                                  + (f" ({self._reason})" if self._reason else ""))
+            try:
+                pending = [w for w in pending if not w.is_completed()]
+            except Exception as e:
+                self._fail(f"transfer failed: {e}")
+                raise self._error("transfer failed", e) from e
+            if not pending:
+                break
+            if time.monotonic() >= deadline:
+                self._fail(f"timed out after {self.timeout:.1f}s")
+                self.abort(f"timed out after {self.timeout:.1f}s")
+                raise self._error(f"timed out after {self.timeout:.1f}s (peer dead or stalled?)")
+            spins += 1
+            time.sleep(0 if spins < 100 else 20e-6)
+        for w in works:  # completed; re-raise a recorded error (e.g. communicator aborted)
+            self.wait(w, deadline)
+
+    def _run(self, starts: list[Callable], deadline: float, pg=None):
+        works = [start() for start in starts]
+        if self.is_cuda:
+            self.synchronize(works, deadline)
+        else:
+            for w in works:
+                w.wait(_seconds(deadline - time.monotonic()))
+        return works
+
+    def send(self, tensor: torch.Tensor, tag: int = 0) -> "torch.cuda.Event | None":
+        """Send ``tensor`` and wait until it has crossed (``timeout``). Returns None on CPU; on
+        CUDA an event recorded on the side stream after the send."""
+        deadline = time.monotonic() + self.timeout
+        if self.is_cuda:
+            self.stream.wait_stream(torch.cuda.current_stream(self.device))
+        work = self.isend(tensor, tag)
+        self.synchronize([work], deadline)
+        return self._record()
+
+    def recv(self, tensor: torch.Tensor, tag: int = 0) -> "torch.cuda.Event | None":
+        """Receive into ``tensor`` and wait until it has landed (``timeout``). Returns None on
+        CPU; on CUDA an event the caller's streams must wait on before using ``tensor``."""
+        deadline = time.monotonic() + self.timeout
+        if self.is_cuda:
+            self.stream.wait_stream(torch.cuda.current_stream(self.device))
+        work = self.irecv(tensor, tag)
+        self.synchronize([work], deadline)
+        return self._record()
+
+    def _record(self) -> "torch.cuda.Event | None":
+        if not self.is_cuda:
+            return None
+        event = torch.cuda.Event()
+        event.record(self.stream)
+        return event
+
+    def record_event(self) -> "torch.cuda.Event | None":
+        """CUDA: an event after everything enqueued on the side stream so far; CPU: None."""
+        return self._record()
+
+    # ----------------------------------------------------------------- teardown
+    def _fail(self, reason: str) -> None:
+        with self._lock:
+            if not self._broken:
+                self._reason = reason
+            self._broken = True
+
+    def abort(self, reason: str = "aborted") -> None:
+        """Break the channel now (any thread). NCCL: abort the communicator, so operations
+        stuck in it end; Gloo: drop it (an operation in flight ends when the peer drops its
+        side, or at its timeout)."""
+        self._fail(reason)
+        with self._lock:
+            pg, self._pg = self._pg, None
+            self._store = None
+        if pg is not None:
+            _abort_pg(pg, self.is_cuda)
+
+    def close(self) -> None:
+        """Release the channel. NCCL communicators are aborted rather than destroyed, so
+        closing never waits for a peer."""
+        with self._lock:
+            self._closed = True
+            pg, self._pg = self._pg, None
+            self._store = None
+        if pg is not None:
+            _abort_pg(pg, self.is_cuda)
+
+
+def _abort_pg(pg, is_cuda: bool) -> None:
+    if not is_cuda:
+        return  # Gloo: dropping the last reference closes its connections
+    for name in ("abort", "_abort", "shutdown"):
+        fn = getattr(pg, name, None)
+        if fn is None:
+            continue
+        try:
+            fn()
+            return
+        except Exception as e:  # noqa: BLE001 - best effort
+            log.debug("ProcessGroupNCCL.%s failed: %s", name, e)

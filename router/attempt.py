@@ -1,0 +1,248 @@
+"""One try of one request on chosen workers: the worker-facing half of the request flow.
+
+Disaggregated (a decode-role worker and a prefill worker)::
+
+    Reserve(decode) -> Prefill(prefill, kv_target) -> FirstToken (a step of its own)
+    -> the decode worker's outputs from the Subscribe stream (the first token not repeated)
+
+Co-located (a both-role worker, or no prefill worker up): Submit(decode), then the outputs
+(first token included) from the Subscribe stream.
+
+``next()`` returns the next :class:`Step` (several queued outputs are merged into one). Before
+the first token every failure is raised as :class:`Retry` (the flow tries once more on other
+workers); after it, as the mapped domain error.
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from dataclasses import dataclass, field
+
+import grpc
+import grpc.aio
+
+from common.grpc_utils import (DeadlineExceeded, Internal, PdserveError, Unavailable,
+                               from_rpc_error)
+from pdserve.v1 import common_pb2, worker_pb2
+from router.worker_client import WorkerClient
+
+log = logging.getLogger(__name__)
+
+FINAL_OK = (common_pb2.FINISH_REASON_STOP, common_pb2.FINISH_REASON_LENGTH)
+_NOT_RETRYABLE = (grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.OUT_OF_RANGE)
+
+
+@dataclass
+class Step:
+    token_ids: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+    finish_reason: int = common_pb2.FINISH_REASON_UNSPECIFIED
+
+
+class Retry(Exception):
+    """A failure before the first token: ``cause`` is what the client gets if no retry is left."""
+
+    def __init__(self, cause: PdserveError, worker_key: str) -> None:
+        super().__init__(str(cause))
+        self.cause = cause
+        self.worker_key = worker_key
+
+
+class Attempt:
+    def __init__(self, flow, job, decode: WorkerClient, prefill: WorkerClient | None,
+                 worker_request_id: str) -> None:
+        self.flow = flow
+        self.job = job
+        self.decode = decode
+        self.prefill = prefill
+        self.rid = worker_request_id
+        self.prompt_len = len(job.prompt.token_ids)
+        self.queue: asyncio.Queue | None = None
+        self.first_seen = False
+        self.cached_tokens = 0
+        self.expired = False
+        self.prefill_call: grpc.aio.UnaryStreamCall | None = None
+        self._prefill_task: asyncio.Task | None = None
+        self._pending: BaseException | None = None
+        self._subscription = None
+        self._decode_load = 0
+        self._prefill_load = False
+
+    # ---- start ------------------------------------------------------------------------
+    def _timeout(self) -> float:
+        t = self.flow.settings.worker_timeout_s
+        remaining = self.job.remaining()
+        return t if remaining is None else max(0.001, min(t, remaining))
+
+    def _fail(self, err: BaseException, worker: WorkerClient, where: str) -> BaseException:
+        """Map ``err`` (an rpc error or a domain error) and decide whether to retry."""
+        if isinstance(err, grpc.aio.AioRpcError):
+            code = err.code()
+            if code == grpc.StatusCode.UNAVAILABLE:
+                worker.mark_down(f"{where}: {err.details()}")
+            if code == grpc.StatusCode.DEADLINE_EXCEEDED and self.job.expired():
+                return DeadlineExceeded(f"deadline passed during {where}")
+            mapped: PdserveError = from_rpc_error(err)
+            mapped.message = f"{where} on {worker.key}: {mapped.message}"
+            retryable = code not in _NOT_RETRYABLE
+        else:
+            mapped = err if isinstance(err, PdserveError) else Internal(f"{where}: {err}")
+            retryable = not isinstance(err, DeadlineExceeded)
+        if self.expired or self.job.expired():
+            return DeadlineExceeded("deadline passed")
+        if retryable and not self.first_seen:
+            return Retry(mapped, worker.key)
+        return mapped
+
+    async def start(self) -> None:
+        sub = self.decode.subscription
+        if sub is None or not sub.open:
+            raise Retry(Unavailable(f"decode worker {self.decode.key} has no open output stream"), self.decode.key)
+        self._subscription = sub
+        self.queue = sub.register(self.rid)
+        self._decode_load = self.prompt_len
+        self.decode.add_load(1, self._decode_load)
+        job = self.job
+        if self.prefill is None:
+            req = worker_pb2.SubmitRequest(request_id=self.rid, token_ids=job.prompt.token_ids,
+                                           params=job.wire_params, deadline_unix_ms=job.deadline_unix_ms,
+                                           router_id=self.flow.settings.router_id)
+            try:
+                await self.decode.stub.Submit(req, timeout=self._timeout(), wait_for_ready=False)
+            except grpc.aio.AioRpcError as e:
+                raise self._fail(e, self.decode, "Submit") from e
+            return
+        req = worker_pb2.ReserveRequest(request_id=self.rid, token_ids=job.prompt.token_ids,
+                                        params=job.wire_params, lease_ms=self.flow.settings.lease_ms,
+                                        deadline_unix_ms=job.deadline_unix_ms,
+                                        router_id=self.flow.settings.router_id)
+        try:
+            res = await self.decode.stub.Reserve(req, timeout=self._timeout(), wait_for_ready=False)
+        except grpc.aio.AioRpcError as e:
+            raise self._fail(e, self.decode, "Reserve") from e
+        target = worker_pb2.KvTarget(decode_worker_id=res.worker_id or self.decode.worker_id,
+                                     kv_store_address=res.kv_store_address, decode_address=self.decode.address,
+                                     block_ids=res.block_ids, num_cached_tokens=res.num_cached_tokens)
+        preq = worker_pb2.PrefillRequest(request_id=self.rid, token_ids=job.prompt.token_ids,
+                                         params=job.wire_params, deadline_unix_ms=job.deadline_unix_ms,
+                                         kv_target=target)
+        self.prefill.add_load(1, prompt_tokens=self.prompt_len)
+        self._prefill_load = True
+        self.prefill_call = self.prefill.stub.Prefill(preq, timeout=job.remaining(), wait_for_ready=False)
+
+    # ---- steps ------------------------------------------------------------------------
+    async def next(self) -> Step:
+        if not self.first_seen and self.prefill_call is not None:
+            return await self._first_token()
+        if self._pending is not None:
+            raise self._pending
+        item = await self.queue.get()
+        step = Step()
+        while True:
+            if isinstance(item, BaseException):
+                if step.token_ids:            # deliver the tokens first, fail on the next call
+                    self._pending = self._fail(item, self.decode, "output stream")
+                    break
+                raise self._fail(item, self.decode, "output stream")
+            self._merge(step, item)
+            if step.finish_reason != common_pb2.FINISH_REASON_UNSPECIFIED or self.queue.empty():
+                break
+            item = self.queue.get_nowait()
+        self._decode_load += len(step.token_ids)
+        self.decode.add_load(tokens=len(step.token_ids))
+        if step.token_ids:
+            self.first_seen = True
+        return step
+
+    def _merge(self, step: Step, out: worker_pb2.SequenceOutput) -> None:
+        if out.num_prompt_tokens and self.prefill is None:
+            self.cached_tokens = out.num_cached_tokens
+        reason = out.finish_reason
+        if reason not in (common_pb2.FINISH_REASON_UNSPECIFIED, *FINAL_OK):
+            name = common_pb2.FinishReason.Name(reason)
+            if reason == common_pb2.FINISH_REASON_DEADLINE:
+                err: PdserveError = DeadlineExceeded(f"request {self.rid}: deadline passed on {self.decode.key}")
+            elif reason == common_pb2.FINISH_REASON_CANCELLED:
+                err = Unavailable(f"request {self.rid} was cancelled by worker {self.decode.key}")
+            else:
+                err = Internal(f"request {self.rid} failed on worker {self.decode.key} ({name}): {out.error}")
+            if step.token_ids:
+                self._pending = self._fail(err, self.decode, "decode")
+                step.finish_reason = common_pb2.FINISH_REASON_UNSPECIFIED
+                return
+            raise self._fail(err, self.decode, "decode")
+        step.token_ids.extend(out.token_ids)
+        step.logprobs.extend(out.logprobs)
+        step.finish_reason = reason
+
+    async def _first_token(self) -> Step:
+        try:
+            msg = await self.prefill_call.read()
+        except grpc.aio.AioRpcError as e:
+            raise self._fail(e, self.prefill, "Prefill") from e
+        except asyncio.CancelledError:
+            if self.expired:
+                raise DeadlineExceeded("deadline passed before the first token") from None
+            raise
+        if msg is grpc.aio.EOF or msg.WhichOneof("event") != "first_token":
+            raise self._fail(Internal("Prefill stream did not start with a FirstToken"), self.prefill, "Prefill")
+        ft = msg.first_token
+        self.first_seen = True
+        self.cached_tokens = ft.num_cached_tokens
+        self._decode_load += 1
+        self.decode.add_load(tokens=1)
+        step = Step([ft.token_id], [ft.logprob] if self.job.sampling.logprobs else [], ft.finish_reason)
+        if ft.finish_reason != common_pb2.FINISH_REASON_UNSPECIFIED:
+            self._release_prefill()
+            self._cancel(self.decode)          # the reservation is not needed
+        else:
+            self._prefill_task = asyncio.create_task(self._rest_of_prefill())
+        return step
+
+    async def _rest_of_prefill(self) -> None:
+        try:
+            async for msg in self.prefill_call:
+                if msg.WhichOneof("event") == "transfer_done":
+                    log.debug("%s: KV transfer done: %d blocks, %.2f ms", self.rid,
+                              msg.transfer_done.num_blocks, msg.transfer_done.transfer_ms)
+        except asyncio.CancelledError:
+            raise
+        except grpc.aio.AioRpcError as e:
+            if self.queue is not None and not self.expired:
+                self.queue.put_nowait(e)
+        finally:
+            self._release_prefill()
+
+    # ---- endings ----------------------------------------------------------------------
+    def expire(self) -> None:
+        """The request's deadline passed: the waiting ``next()`` raises DEADLINE_EXCEEDED."""
+        self.expired = True
+        if self.queue is not None:
+            self.queue.put_nowait(DeadlineExceeded("deadline passed"))
+        if self.prefill_call is not None and not self.first_seen:
+            self.prefill_call.cancel()
+
+    def _cancel(self, worker: WorkerClient) -> None:
+        self.flow.spawn(self.flow.cancel_on(worker, self.rid))
+
+    def _release_prefill(self) -> None:
+        if self._prefill_load and self.prefill is not None:
+            self._prefill_load = False
+            self.prefill.add_load(-1, prompt_tokens=-self.prompt_len)
+
+    def close(self, cancel_workers: bool) -> None:
+        """Release everything; with ``cancel_workers`` also Cancel the request on its workers."""
+        if self._subscription is not None:
+            self._subscription.unregister(self.rid)
+            self._subscription = None
+            self.decode.add_load(-1, -self._decode_load)
+        if self.prefill_call is not None and not self.prefill_call.done():
+            self.prefill_call.cancel()
+        if self._prefill_task is not None and not self._prefill_task.done():
+            self._prefill_task.cancel()
+        self._release_prefill()
+        if cancel_workers:
+            self._cancel(self.decode)
+            if self.prefill is not None:
+                self._cancel(self.prefill)

@@ -1,0 +1,187 @@
+"""The router's client of one worker: channel, identity, health, load, output and KV streams.
+
+A supervisor task per worker: while the worker is down it probes ``Info`` (backoff
+RECONNECT_MIN_S .. RECONNECT_MAX_S); once the identity is accepted by the registry it opens the
+``Subscribe`` stream (decode/both) and the ``StreamKvEvents`` consumer (all roles; feeds the
+prefix index) and marks the worker up; while up it polls ``GetStats`` every STATS_INTERVAL_S
+(the load figure; a failed poll with UNAVAILABLE or DEADLINE_EXCEEDED marks it down). The
+request flow marks it down too on UNAVAILABLE, and a broken Subscribe stream does.
+Every call uses ``wait_for_ready=False`` and a timeout, so a dead worker fails fast.
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Callable
+
+import grpc
+import grpc.aio
+
+from common.grpc_utils import Unavailable, client_channel
+from pdserve.v1 import common_pb2, common_pb2_grpc, worker_pb2, worker_pb2_grpc
+from router.prefix_index import PrefixIndex
+from router.settings import RECONNECT_MAX_S, RECONNECT_MIN_S, STATS_INTERVAL_S, RouterSettings
+from router.subscription import Subscription
+
+log = logging.getLogger(__name__)
+
+DOWN_CODES = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED)
+DECODE_ROLES = (common_pb2.ROLE_DECODE, common_pb2.ROLE_BOTH)
+
+
+class WorkerClient:
+    def __init__(self, address: str, expected_roles: set[int], settings: RouterSettings,
+                 prefix_index: PrefixIndex, check_info: Callable[["WorkerClient", common_pb2.ServerInfo], str | None],
+                 on_change: Callable[[], None] = lambda: None) -> None:
+        self.key = address
+        self.address = address
+        self.expected_roles = set(expected_roles)
+        self.settings = settings
+        self.prefix_index = prefix_index
+        self.check_info = check_info
+        self.on_change = on_change
+        self.channel = client_channel(address)
+        self.stub = worker_pb2_grpc.WorkerStub(self.channel)
+        self.info_stub = common_pb2_grpc.InfoServiceStub(self.channel)
+        self.info: common_pb2.ServerInfo | None = None
+        self.stats: worker_pb2.WorkerStats | None = None
+        self.subscription: Subscription | None = None
+        self.up = False
+        self.retired = False            # left DNS: no new requests; closed once idle
+        self.dns_source: str | None = None  # the dns:/// target that found it (None: static)
+        self.last_error = ""
+        # Load from this router, live.
+        self.inflight = 0
+        self.inflight_tokens = 0        # decode: prompt + tokens generated so far
+        self.inflight_prompt_tokens = 0 # prefill: prompts being prefilled
+        self._task: asyncio.Task | None = None
+        self._kv_task: asyncio.Task | None = None
+        self._kv_unimplemented = False
+        self.first_attempt = asyncio.Event()
+
+    # ---- identity ---------------------------------------------------------------------
+    @property
+    def role(self) -> int:
+        return self.info.role if self.info is not None else common_pb2.ROLE_UNSPECIFIED
+
+    @property
+    def worker_id(self) -> str:
+        return self.info.worker_id if self.info is not None else ""
+
+    @property
+    def can_decode(self) -> bool:
+        return self.role in DECODE_ROLES
+
+    @property
+    def usable(self) -> bool:
+        return self.up and not self.retired
+
+    def describe(self) -> str:
+        role = common_pb2.Role.Name(self.role) if self.info else "?"
+        return f"{self.key} ({self.worker_id or '?'}, {role})"
+
+    # ---- lifecycle --------------------------------------------------------------------
+    def start(self) -> None:
+        self._task = asyncio.create_task(self._supervise(), name=f"worker-{self.key}")
+
+    async def close(self) -> None:
+        for task in (self._task, self._kv_task):
+            if task is not None:
+                task.cancel()
+        self.mark_down("closed")
+        await self.channel.close(grace=None)
+
+    async def _supervise(self) -> None:
+        backoff = RECONNECT_MIN_S
+        while True:
+            if not self.up:
+                ok = await self._connect()
+                self.first_attempt.set()
+                if not ok:
+                    await asyncio.sleep(backoff)
+                    backoff = min(backoff * 2, RECONNECT_MAX_S)
+                    continue
+                backoff = RECONNECT_MIN_S
+            await asyncio.sleep(STATS_INTERVAL_S)
+            if self.up:
+                await self._poll_stats()
+
+    async def _connect(self) -> bool:
+        timeout = self.settings.worker_timeout_s
+        try:
+            info = await self.info_stub.Info(common_pb2.InfoRequest(), timeout=timeout, wait_for_ready=False)
+        except grpc.aio.AioRpcError as e:
+            self._note_error(f"Info: {e.code().name}: {e.details()}")
+            return False
+        problem = self.check_info(self, info)
+        if problem:
+            self._note_error(problem, level=logging.ERROR)
+            return False
+        self.info = info
+        if self.can_decode:
+            sub = Subscription(self.key, self.stub, self.settings.router_id, self.mark_down)
+            try:
+                await sub.start()
+            except Unavailable as e:
+                self._note_error(str(e))
+                return False
+            self.subscription = sub
+        self.up = True
+        self.last_error = ""
+        self._start_kv_events()
+        log.info("worker %s is up (block_size %d, max_model_len %d, %d KV blocks)", self.describe(),
+                 info.block_size, info.max_model_len, info.num_kv_blocks)
+        self.on_change()
+        return True
+
+    def _note_error(self, message: str, level: int = logging.INFO) -> None:
+        if message != self.last_error:
+            log.log(level, "worker %s: %s", self.key, message)
+        self.last_error = message
+
+    async def _poll_stats(self) -> None:
+        try:
+            self.stats = await self.stub.GetStats(worker_pb2.GetStatsRequest(),
+                                                  timeout=self.settings.worker_timeout_s, wait_for_ready=False)
+        except grpc.aio.AioRpcError as e:
+            if e.code() in DOWN_CODES:
+                self.mark_down(f"GetStats: {e.code().name}: {e.details()}")
+            return
+        if not self._kv_unimplemented and (self._kv_task is None or self._kv_task.done()):
+            self._start_kv_events()
+
+    def mark_down(self, reason: str) -> None:
+        """Stop routing here; requests on its output stream get UNAVAILABLE; reconnect later."""
+        was_up, self.up = self.up, False
+        if self.subscription is not None:
+            sub, self.subscription = self.subscription, None
+            sub.close(reason)
+        if self._kv_task is not None:
+            self._kv_task.cancel()
+            self._kv_task = None
+        self.prefix_index.remove_worker(self.key)
+        if was_up:
+            log.warning("worker %s is down: %s", self.describe(), reason)
+            self.on_change()
+
+    # ---- prefix-cache events ----------------------------------------------------------
+    def _start_kv_events(self) -> None:
+        self._kv_task = asyncio.create_task(self._kv_events(), name=f"kv-events-{self.key}")
+
+    async def _kv_events(self) -> None:
+        try:
+            async for ev in self.stub.StreamKvEvents(worker_pb2.KvEventsRequest(), wait_for_ready=False):
+                self.prefix_index.apply(self.key, ev.stored, ev.evicted, ev.snapshot)
+        except asyncio.CancelledError:
+            raise
+        except grpc.aio.AioRpcError as e:
+            if e.code() == grpc.StatusCode.UNIMPLEMENTED:
+                self._kv_unimplemented = True
+            log.debug("StreamKvEvents of %s ended: %s", self.key, e.code().name)
+        self.prefix_index.remove_worker(self.key)
+
+    # ---- load accounting --------------------------------------------------------------
+    def add_load(self, requests: int = 0, tokens: int = 0, prompt_tokens: int = 0) -> None:
+        self.inflight += requests
+        self.inflight_tokens += tokens
+        self.inflight_prompt_tokens += prompt_tokens
