@@ -68,6 +68,7 @@ class Attempt:
         self._subscription = None
         self._decode_load = 0
         self._prefill_load = False
+        self.timer: asyncio.TimerHandle | None = None   # the deadline timer (set by the flow)
 
     # ---- start ------------------------------------------------------------------------
     def _timeout(self) -> float:

@@ -313,12 +313,13 @@ def decode_num_splits(batch: int, num_kv_heads: int, max_context_len: int,
                       device: torch.device | str, max_splits: int = DECODE_MAX_SPLITS) -> int:
     """Number of KV splits so that ``batch * num_kv_heads * splits`` programs fill the GPU.
 
-    Host-only arithmetic (safe to call while capturing a CUDA graph). Aims at ~2 programs per
-    SM, never splits a context below ``_MIN_TOKENS_PER_SPLIT`` tokens per split.
+    Host-only arithmetic (safe to call while capturing a CUDA graph). Aims at ~4 programs per
+    SM (about what is resident at once with the default config), never splits a context below
+    ``_MIN_TOKENS_PER_SPLIT`` tokens per split.
     """
     device = torch.device(device)
     programs = max(1, batch * num_kv_heads)
-    target = 2 * _sm_count(device)
+    target = 4 * _sm_count(device)
     by_occupancy = -(-target // programs)
     by_length = max(1, max_context_len // _MIN_TOKENS_PER_SPLIT)
     return int(max(1, min(by_occupancy, by_length, max_splits)))

@@ -735,7 +735,10 @@ def test_network_policy_router_entry_and_default_deny(renderer, name):
     for role, dep in deps.items():
         labels = dep["spec"]["template"]["metadata"]["labels"]
         assert any(selector_matches(p["spec"]["podSelector"], labels) for p in of_kind(objs, "NetworkPolicy"))
-    assert srcs  # (sources built for symmetry with the other policy tests)
+    # any pod (any namespace) may use the API; other router ports stay closed to everyone
+    for src_name, src in srcs.items():
+        assert ingress_allowed(objs, router_labels, router_c, src, ports["router"]["grpc"]), src_name
+        assert not ingress_allowed(objs, router_labels, router_c, src, 8080), src_name
 
 
 # ----------------------------------------------------------------------------- images and tooling

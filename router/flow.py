@@ -1,0 +1,246 @@
+"""One request end to end: choose workers, run an :class:`~router.attempt.Attempt` (retrying
+once on other workers when it fails before the first token), turn its steps into
+``GenerateResponse`` messages (incremental detokenization, stop strings), enforce the deadline,
+and make sure the workers hear about every early end (stop string, deadline, client gone).
+
+One ``GenerateResponse`` per step received from the workers (a step may carry several tokens;
+outputs that queued up while the client was slow are merged). The last message carries the
+finish reason and usage.
+"""
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+import time
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+
+import grpc
+import grpc.aio
+
+from common.engine.sampling_params import SamplingParams
+from common.grpc_utils import PdserveError, Unavailable
+from common.hashing import block_hash_chain
+from pdserve.v1 import common_pb2, router_pb2, worker_pb2
+from router.attempt import Attempt, Retry, Step
+from router.metrics import RouterMetrics
+from router.output import OutputProcessor
+from router.policy import DecodeCandidate, PrefillCandidate, pick_decode, pick_prefill
+from router.settings import CANCEL_TIMEOUT_S, RouterSettings
+from router.tokenization import Prompt
+from router.worker_client import WorkerClient
+from router.workers import WorkerRegistry
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class Job:
+    """A validated request, ready to run."""
+
+    request_id: str                  # as the client sees it
+    prompt: Prompt
+    sampling: SamplingParams
+    wire_params: common_pb2.SamplingParams
+    stop: tuple[str, ...] = ()
+    include_stop: bool = False
+    skip_special_tokens: bool = True
+    deadline: float | None = None    # time.monotonic()
+    deadline_unix_ms: int = 0
+    hash_chain: list[int] = field(default_factory=list)
+
+    def remaining(self) -> float | None:
+        return None if self.deadline is None else max(0.0, self.deadline - time.monotonic())
+
+    def expired(self) -> bool:
+        return self.deadline is not None and time.monotonic() >= self.deadline
+
+
+class Flow:
+    def __init__(self, registry: WorkerRegistry, settings: RouterSettings, tokenizer, metrics: RouterMetrics) -> None:
+        self.registry = registry
+        self.settings = settings
+        self.tokenizer = tokenizer
+        self.metrics = metrics
+        self._ids = itertools.count(1)
+        self._turn = itertools.count()
+        self._background: set[asyncio.Task] = set()
+        self.inflight = 0
+        self.draining = False
+
+    def new_request_id(self) -> str:
+        return f"{self.settings.router_id}-{next(self._ids)}"
+
+    def make_job(self, request_id: str, prompt: Prompt, sampling: SamplingParams,
+                 wire_params: common_pb2.SamplingParams, stop: tuple[str, ...], include_stop: bool,
+                 skip_special_tokens: bool, time_remaining: float | None) -> Job:
+        deadline = deadline_ms = None
+        if time_remaining is not None:
+            deadline = time.monotonic() + time_remaining
+            deadline_ms = int((time.time() + time_remaining) * 1000)
+        bs = self.registry.block_size
+        return Job(request_id, prompt, sampling, wire_params, stop, include_stop, skip_special_tokens,
+                   deadline, deadline_ms or 0, block_hash_chain(prompt.token_ids, bs) if bs else [])
+
+    # ---- background cancels -----------------------------------------------------------
+    def spawn(self, coro) -> None:
+        task = asyncio.ensure_future(coro)
+        self._background.add(task)
+        task.add_done_callback(self._background.discard)
+
+    async def cancel_on(self, worker: WorkerClient, request_id: str) -> None:
+        try:
+            await worker.stub.Cancel(worker_pb2.CancelRequest(request_id=request_id),
+                                     timeout=CANCEL_TIMEOUT_S, wait_for_ready=False)
+        except grpc.aio.AioRpcError as e:
+            log.debug("Cancel %s on %s failed: %s", request_id, worker.key, e.code().name)
+
+    # ---- placement --------------------------------------------------------------------
+    def _choose(self, job: Job, excluded: set[str]) -> tuple[WorkerClient, WorkerClient | None]:
+        decoders = self.registry.decode_workers(excluded)
+        if not decoders:
+            known = [c for c in self.registry.clients.values() if c.can_decode or not c.info]
+            why = "; ".join(f"{c.key}: {c.last_error or 'down'}" for c in known[:4])
+            raise Unavailable("no decode worker is up" + (f" ({why})" if why else ""))
+        bs = self.registry.block_size
+        n = len(job.prompt.token_ids)
+        index = self.registry.prefix_index
+        matches = index.match(job.hash_chain, [c.key for c in decoders])
+        cands = [DecodeCandidate(c.key, matches.get(c.key, 0), c.inflight_tokens, c.inflight,
+                                 c.stats.num_used_blocks if c.stats else 0,
+                                 c.stats.num_total_blocks if c.stats else 0) for c in decoders]
+        decode = self.registry.clients[pick_decode(cands, n, bs, self.settings.load_alpha, next(self._turn))]
+        prefill = None
+        if decode.role == common_pb2.ROLE_DECODE:
+            prefillers = self.registry.prefill_workers(excluded)
+            if prefillers:
+                pm = index.match(job.hash_chain, [c.key for c in prefillers])
+                pc = [PrefillCandidate(c.key, pm.get(c.key, 0), c.inflight_prompt_tokens, c.inflight)
+                      for c in prefillers]
+                prefill = self.registry.clients[pick_prefill(pc, n, bs, next(self._turn))]
+        return decode, prefill
+
+    async def _start(self, job: Job) -> tuple[Attempt, Step]:
+        """Start the request and wait for its first step; one retry on other workers."""
+        excluded: set[str] = set()
+        last: Retry | None = None
+        for attempt_no in range(2):
+            try:
+                decode, prefill = self._choose(job, excluded)
+            except Unavailable:
+                if last is not None:
+                    raise last.cause from None
+                raise
+            att = Attempt(self, job, decode, prefill, self.new_request_id())
+            timer = self._arm_deadline(job, att)
+            try:
+                await att.start()
+                step = await att.next()
+                att.timer = timer
+                return att, step
+            except Retry as r:
+                if timer is not None:
+                    timer.cancel()
+                att.close(cancel_workers=True)
+                log.info("request %s: %s; %s", job.request_id, r.cause.message,
+                         "retrying on another worker" if attempt_no == 0 else "giving up")
+                excluded.add(r.worker_key)
+                last = r
+                self.metrics.retries.inc()
+            except BaseException:
+                if timer is not None:
+                    timer.cancel()
+                att.close(cancel_workers=True)
+                raise
+        assert last is not None
+        raise last.cause
+
+    def _arm_deadline(self, job: Job, att: Attempt) -> asyncio.TimerHandle | None:
+        remaining = job.remaining()
+        if remaining is None:
+            return None
+        return asyncio.get_running_loop().call_later(remaining, att.expire)
+
+    # ---- the request ------------------------------------------------------------------
+    async def generate(self, job: Job, method: str = "Generate") -> AsyncIterator[router_pb2.GenerateResponse]:
+        if self.draining:
+            raise Unavailable("the router is shutting down")
+        started = time.monotonic()
+        status = "UNKNOWN"
+        att: Attempt | None = None
+        cancel_workers = True
+        self.inflight += 1
+        self.metrics.in_flight.inc()
+        self.metrics.prompt_tokens.inc(len(job.prompt.token_ids))
+        out = OutputProcessor(self.tokenizer, job.stop, job.include_stop, job.skip_special_tokens)
+        try:
+            att, step = await self._start(job)
+            first = True
+            while True:
+                resp, done, stop_hit = self._respond(job, out, att, step)
+                if resp is not None:
+                    if first:
+                        self.metrics.ttft.observe(time.monotonic() - started)
+                        first = False
+                    yield resp
+                if done:
+                    cancel_workers = stop_hit
+                    reason = common_pb2.FinishReason.Name(resp.finish_reason)
+                    self.metrics.finish.labels(reason).inc()
+                    break
+                step = await att.next()
+            status = "OK"
+        except asyncio.CancelledError:
+            status = "DEADLINE_EXCEEDED" if job.expired() else "CANCELLED"
+            raise
+        except PdserveError as e:
+            status = e.code.name
+            raise
+        except grpc.aio.AioRpcError as e:
+            status = e.code().name
+            raise
+        finally:
+            if att is not None:
+                if att.timer is not None:
+                    att.timer.cancel()
+                att.close(cancel_workers=cancel_workers)
+            self.inflight -= 1
+            self.metrics.in_flight.dec()
+            self.metrics.requests.labels(method, status).inc()
+            self.metrics.e2e.observe(time.monotonic() - started)
+            self.metrics.output_tokens.inc(len(out.token_ids))
+
+    def _respond(self, job: Job, out: OutputProcessor, att: Attempt, step: Step
+                 ) -> tuple[router_pb2.GenerateResponse | None, bool, bool]:
+        """(message to send or None, request finished, finished by a stop string)."""
+        delta = out.add(step.token_ids, step.logprobs)
+        text, matched = delta.text, delta.matched_stop
+        reason = step.finish_reason
+        done = reason != common_pb2.FINISH_REASON_UNSPECIFIED or matched is not None
+        if done and matched is None:
+            tail = out.finish()
+            text, matched = text + tail.text, tail.matched_stop
+        if matched is not None:
+            reason = common_pb2.FINISH_REASON_STOP_STRING
+        if not done and not step.token_ids and not text:
+            return None, False, False
+        resp = router_pb2.GenerateResponse(request_id=job.request_id, token_ids=step.token_ids, text=text,
+                                           logprobs=step.logprobs if job.sampling.logprobs else [])
+        if done:
+            resp.finish_reason = reason
+            resp.usage.prompt_tokens = len(job.prompt.token_ids)
+            resp.usage.completion_tokens = len(out.token_ids)
+            resp.usage.cached_tokens = att.cached_tokens
+            self.metrics.cached_tokens.inc(att.cached_tokens)
+            if matched is not None:
+                resp.matched_stop = matched
+        stop_hit = matched is not None and step.finish_reason == common_pb2.FINISH_REASON_UNSPECIFIED
+        return resp, done, stop_hit
+
+    async def drain(self, grace_s: float) -> None:
+        """Refuse new requests; wait (up to grace_s) for those in flight."""
+        self.draining = True
+        end = time.monotonic() + grace_s
+        while self.inflight and time.monotonic() < end:
+            await asyncio.sleep(0.05)
