@@ -44,6 +44,18 @@ DEV = "cuda"
 HQ, HKV, D = 16, 8, 128          # Qwen3-0.6B
 DTYPE = torch.bfloat16
 
+# decode (batch, context) points timed per layer with all layers in one CUDA graph
+SCALING_SHAPES = [(1, 600), (1, 4096), (8, 600), (8, 4096), (32, 600), (32, 2048), (64, 600),
+                  (64, 2048), (128, 600), (256, 600)]
+# prefill (name, q_lens, context_lens); None: 16 ragged fresh prompts of 100..1024 tokens
+PREFILL_SHAPES = [
+    ("1x2048 fresh", [2048], [2048]),
+    ("8x512 fresh", [512] * 8, [512] * 8),
+    ("4x256 new + 1024 prefix", [256] * 4, [1280] * 4),
+    ("16 ragged 100-1024 fresh", None, None),
+    ("64x16 chunks + 1000 prefix", [16] * 64, [1016] * 64),
+]
+
 
 def rel_err(out, ref) -> float:
     return ((out.float() - ref.float()).norm() / ref.float().norm().clamp_min(1e-30)).item()
@@ -223,8 +235,7 @@ def decode_benchmarks(args, copy_gbps: float) -> dict:
     # batch / context scaling: per-layer time of a whole step (all layers in one CUDA graph);
     # block ids drawn with replacement from the same pool
     scaling = []
-    for b, c in ((1, 600), (1, 4096), (8, 600), (8, 4096), (32, 600), (32, 2048), (64, 600),
-                 (128, 600), (256, 600), (64, 2048)):
+    for b, c in SCALING_SHAPES:
         sgen = torch.Generator().manual_seed(args.seed + b * 7 + c)
         sctx = [c] * b
         sbt = block_tables_for(b, sctx, bs, num_blocks, sgen, unique=False)
@@ -254,15 +265,8 @@ def decode_benchmarks(args, copy_gbps: float) -> dict:
 def prefill_benchmarks(args) -> list[dict]:
     gen = torch.Generator().manual_seed(args.seed + 1)
     bs, layers = args.block_size, args.layers
-    shapes = [
-        ("1x2048 fresh", [2048], [2048]),
-        ("8x512 fresh", [512] * 8, [512] * 8),
-        ("4x256 new + 1024 prefix", [256] * 4, [1280] * 4),
-        ("16 ragged 100-1024 fresh", None, None),
-        ("64x16 chunks + 1000 prefix", [16] * 64, [1016] * 64),
-    ]
     rows = []
-    for name, q_lens, ctx in shapes:
+    for name, q_lens, ctx in PREFILL_SHAPES:
         if q_lens is None:
             q_lens = torch.randint(100, 1025, (16,), generator=gen).tolist()
             ctx = list(q_lens)

