@@ -77,6 +77,18 @@ def _nccl_available() -> bool:
     return hasattr(dist, "ProcessGroupNCCL") and dist.is_nccl_available()
 
 
+class Op:
+    """A started send or receive: the torch Work, the tensor it uses (kept alive until the
+    operation is waited), and whether it was waited already (CPU)."""
+
+    __slots__ = ("work", "tensor", "done")
+
+    def __init__(self, work, tensor) -> None:
+        self.work = work
+        self.tensor = tensor
+        self.done = False
+
+
 class PairChannel:
     """One pair channel. See the module docstring for the blocking and stream rules.
 
@@ -249,40 +261,41 @@ class PairChannel:
         return pg
 
     def isend(self, tensor: torch.Tensor, tag: int = 0):
-        """Start sending ``tensor`` (its bytes) to the peer; returns the Work. On CUDA it runs
+        """Start sending ``tensor`` (its bytes) to the peer; returns an ``Op``. On CUDA it runs
         after the work already enqueued on ``self.stream``."""
         pg = self._pg_or_raise()
         try:
             if self.is_cuda:
                 with torch.cuda.stream(self.stream):
-                    return pg.send([_wire(tensor)], self.peer, tag)
-            return pg.send([_wire(tensor)], self.peer, tag)
+                    return Op(pg.send([_wire(tensor)], self.peer, tag), tensor)
+            return Op(pg.send([_wire(tensor)], self.peer, tag), tensor)
         except Exception as e:
             self._fail(f"send failed: {e}")
             raise self._error("send failed", e) from e
 
     def irecv(self, tensor: torch.Tensor, tag: int = 0):
-        """Start receiving into ``tensor`` (its bytes) from the peer; returns the Work. On CUDA
+        """Start receiving into ``tensor`` (its bytes) from the peer; returns an ``Op``. On CUDA
         it runs after the work already enqueued on ``self.stream``."""
         pg = self._pg_or_raise()
         try:
             if self.is_cuda:
                 with torch.cuda.stream(self.stream):
-                    return pg.recv([_wire(tensor)], self.peer, tag)
-            return pg.recv([_wire(tensor)], self.peer, tag)
+                    return Op(pg.recv([_wire(tensor)], self.peer, tag), tensor)
+            return Op(pg.recv([_wire(tensor)], self.peer, tag), tensor)
         except Exception as e:
             self._fail(f"recv failed: {e}")
             raise self._error("recv failed", e) from e
 
-    def wait(self, work, deadline: float) -> None:
+    def wait(self, work: "Op", deadline: float) -> None:
         """Order what follows after ``work``. CPU: block until it completed (or the deadline,
         a ``time.monotonic()`` value). CUDA: make ``self.stream`` wait for it (no CPU block)."""
         try:
             if self.is_cuda:
                 with torch.cuda.stream(self.stream):
-                    work.wait()
-            else:
-                work.wait(_seconds(deadline - time.monotonic()))
+                    work.work.wait()
+            elif not work.done:  # a Gloo work must be waited once only
+                work.work.wait(_seconds(deadline - time.monotonic()))
+                work.done = True
         except Exception as e:
             self._fail(f"transfer failed: {e}")
             raise self._error("transfer failed", e) from e
@@ -304,7 +317,7 @@ class PairChannel:
                 raise self._error("channel was aborted"
                                   + (f" ({self._reason})" if self._reason else ""))
             try:
-                pending = [w for w in pending if not w.is_completed()]
+                pending = [w for w in pending if not w.work.is_completed()]
             except Exception as e:
                 self._fail(f"transfer failed: {e}")
                 raise self._error("transfer failed", e) from e
@@ -320,12 +333,8 @@ class PairChannel:
             self.wait(w, deadline)
 
     def _run(self, starts: list[Callable], deadline: float, pg=None):
-        works = [start() for start in starts]
-        if self.is_cuda:
-            self.synchronize(works, deadline)
-        else:
-            for w in works:
-                w.wait(_seconds(deadline - time.monotonic()))
+        works = [Op(start(), None) for start in starts]
+        self.synchronize(works, deadline)
         return works
 
     def send(self, tensor: torch.Tensor, tag: int = 0) -> "torch.cuda.Event | None":

@@ -67,7 +67,9 @@ def _send_blocks_on(ch: PairChannel, kv_cache: torch.Tensor, ids: list[int],
         else:
             stream.wait_stream(torch.cuda.current_stream(kv_cache.device))
     slots: list = [None, None]
-    works: list = [None, None]
+    last: list = [None, None]   # the last send from each staging buffer
+    ops: list = []              # every send: each must be waited (a Gloo send is cancelled
+                                # if its Work is dropped before completion)
     ctx = torch.cuda.stream(stream) if stream is not None else _Null()
     with ctx:  # staging buffers are allocated on (and freed in the order of) the side stream
         for i, (s, e) in enumerate(chunks):
@@ -75,14 +77,15 @@ def _send_blocks_on(ch: PairChannel, kv_cache: torch.Tensor, ids: list[int],
             slot = i % 2
             rng = contiguous_range(sub)
             if rng is not None:
-                msg = kv_cache[rng[0]:rng[1]]
-            else:
-                if works[slot] is not None:  # the buffer is free once its last send is done
-                    ch.wait(works[slot], deadline)
-                buf = _staging(slots, slot, len(sub), kv_cache)
-                msg = gather_blocks(kv_cache, sub, out=buf, stream=stream)
-            works[slot] = ch.isend(msg, tag=i)
-        ch.synchronize(works, deadline)
+                ops.append(ch.isend(kv_cache[rng[0]:rng[1]], tag=i))
+                continue
+            if last[slot] is not None:  # the buffer is free once its last send is done
+                ch.wait(last[slot], deadline)
+            buf = _staging(slots, slot, len(sub), kv_cache)
+            msg = gather_blocks(kv_cache, sub, out=buf, stream=stream)
+            last[slot] = ch.isend(msg, tag=i)
+            ops.append(last[slot])
+        ch.synchronize(ops, deadline)
     return len(ids) * block_bytes
 
 

@@ -1,0 +1,461 @@
+"""A scripted pdserve worker: the real gRPC ``Worker`` + ``InfoService``, no model behind it.
+
+    python -m bench.scripted_worker --port 50053 --role both --vocab 49152 --block-size 16 --step-ms 5
+
+Token ``i`` of a request (the first token is i = 0) is ``script_token(prompt_ids, i, vocab)``:
+``(crc32(prompt ids as uint32) + i) % vocab``, stepping over the EOS ids, so a test knows the
+output in advance. An engine step runs every ``--step-ms`` while a request is active and emits
+one ``StepOutputs`` per router for all of that router's requests (one token each). It keeps the
+contract of protos/pdserve/v1/worker.proto: KV block accounting with a hash-chained prefix
+cache (common.hashing), reservations under a lease, PushKV that checks the reserved block ids
+(no bytes move), Submit, Subscribe (initial metadata sent once the subscription is registered;
+a second Subscribe of a router replaces the first; a closed stream cancels that router's
+requests), Cancel (an admitted request ends with FINISH_REASON_CANCELLED on the stream),
+deadlines (FINISH_REASON_DEADLINE), stop_token_ids / EOS / max_tokens / max_model_len,
+GetStats, and StreamKvEvents (snapshot first). Used by the router tests and the router-overhead
+benchmark.
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import sys
+import time
+import zlib
+from array import array
+from collections import OrderedDict
+from dataclasses import dataclass, field
+
+import grpc
+
+from common.grpc_utils import (AlreadyExists, DeadlineExceeded, FailedPrecondition, NotFound,
+                               ResourceExhausted, Service, Unavailable, build_server, client_channel,
+                               serve)
+from common.hashing import block_hash_chain
+from pdserve.v1 import common_pb2, common_pb2_grpc, worker_pb2, worker_pb2_grpc
+
+log = logging.getLogger("scripted_worker")
+FR = common_pb2
+ROLES = {"prefill": FR.ROLE_PREFILL, "decode": FR.ROLE_DECODE, "both": FR.ROLE_BOTH}
+
+
+def script_token(prompt_ids, i: int, vocab: int, eos_ids=(2,)) -> int:
+    """The scripted token number ``i`` (0 = first) for a prompt."""
+    t = (zlib.crc32(array("I", prompt_ids).tobytes()) + i) % vocab
+    while t in eos_ids:
+        t = (t + 1) % vocab
+    return t
+
+
+def script_logprob(i: int) -> float:
+    return -0.05 - (i % 10) / 10.0
+
+
+class BlockPool:
+    """KV blocks with reference counts and a hash-chained prefix cache (LRU eviction)."""
+
+    def __init__(self, num_blocks: int, block_size: int) -> None:
+        self.bs = block_size
+        self.ref = [0] * num_blocks
+        self.hash: list[int | None] = [None] * num_blocks
+        self.by_hash: dict[int, int] = {}
+        self.free: OrderedDict[int, None] = OrderedDict((b, None) for b in range(num_blocks))
+        self.stored: list[int] = []
+        self.evicted: list[int] = []
+        self.hit_tokens = self.query_tokens = 0
+
+    def _take(self) -> int:
+        b, _ = self.free.popitem(last=False)
+        h = self.hash[b]
+        if h is not None:
+            self.hash[b] = None
+            del self.by_hash[h]
+            self.evicted.append(h)
+        self.ref[b] = 1
+        return b
+
+    def allocate(self, ids: list[int]) -> tuple[list[int], int, list[int]]:
+        """Blocks for a prompt (reusing cached prefix blocks): (block ids, cached tokens, hash chain)."""
+        chain = block_hash_chain(ids, self.bs)
+        blocks: list[int] = []
+        for h in chain:
+            b = self.by_hash.get(h)
+            if b is None:
+                break
+            blocks.append(b)
+        needed = -(-len(ids) // self.bs) - len(blocks)
+        if needed > len(self.free) - sum(1 for b in blocks if self.ref[b] == 0):
+            raise ResourceExhausted(f"no free KV blocks ({needed} needed, {len(self.free)} free)")
+        for b in blocks:
+            self.ref[b] += 1
+            self.free.pop(b, None)
+        cached = len(blocks) * self.bs
+        blocks += [self._take() for _ in range(needed)]
+        self.hit_tokens += cached
+        self.query_tokens += len(ids)
+        return blocks, cached, chain
+
+    def commit(self, blocks: list[int], chain: list[int]) -> None:
+        """The prompt's KV is computed/landed: its full blocks become reusable prefix blocks."""
+        for b, h in zip(blocks, chain):
+            if self.hash[b] is None and h not in self.by_hash:
+                self.hash[b] = h
+                self.by_hash[h] = b
+                self.stored.append(h)
+
+    def grow(self, blocks: list[int], num_tokens: int) -> bool:
+        while len(blocks) * self.bs < num_tokens:
+            if not self.free:
+                return False
+            blocks.append(self._take())
+        return True
+
+    def release(self, blocks: list[int]) -> None:
+        for b in reversed(blocks):
+            self.ref[b] -= 1
+            if self.ref[b] == 0:
+                self.free[b] = None
+                if self.hash[b] is None:  # uncached blocks are reused first
+                    self.free.move_to_end(b, last=False)
+        blocks.clear()
+
+    def take_events(self) -> tuple[list[int], list[int]]:
+        stored, evicted, self.stored, self.evicted = self.stored, self.evicted, [], []
+        return stored, evicted
+
+    def counts(self) -> dict[str, int]:
+        used = sum(1 for r in self.ref if r > 0)
+        cached = len(self.by_hash)
+        free = sum(1 for b in self.free if self.hash[b] is None)
+        return dict(num_used_blocks=used, num_cached_blocks=cached, num_free_blocks=free,
+                    num_total_blocks=len(self.ref))
+
+
+@dataclass
+class Req:
+    rid: str
+    prompt: list[int]
+    params: common_pb2.SamplingParams
+    router_id: str
+    deadline: float | None           # Unix seconds
+    blocks: list[int]
+    chain: list[int]
+    cached: int
+    phase: str                       # "reserved" | "active"
+    lease_expires: float | None = None
+    generated: int = 0
+    first_sent: bool = False
+    cancelled: asyncio.Event = field(default_factory=asyncio.Event)
+
+
+class ScriptedWorker(worker_pb2_grpc.WorkerServicer, common_pb2_grpc.InfoServiceServicer):
+    def __init__(self, args: argparse.Namespace) -> None:
+        self.args = args
+        self.role = ROLES[args.role]
+        self.worker_id = args.worker_id or f"scripted-{args.role}-{args.port}"
+        self.bs = args.block_size
+        self.eos = tuple(int(e) for e in args.eos_ids.split(",") if e)
+        self.pool = BlockPool(args.num_blocks, args.block_size)
+        self.reqs: dict[str, Req] = {}           # decode side: reserved or active
+        self.prefilling: dict[str, Req] = {}     # prefill side
+        self.subs: dict[str, asyncio.Queue] = {}
+        self.kv_subs: list[asyncio.Queue] = []
+        self.finals: dict[str, list[worker_pb2.SequenceOutput]] = {}
+        self.wake = asyncio.Event()
+        self.step = 0
+        self.peers: dict[str, worker_pb2_grpc.WorkerStub] = {}
+
+    # ---- helpers ----------------------------------------------------------------------
+    def _need(self, *roles: int) -> None:
+        if self.role not in roles:
+            raise FailedPrecondition(f"role {common_pb2.Role.Name(self.role)} does not serve this rpc")
+
+    @staticmethod
+    def _deadline(ms: int) -> float | None:
+        return ms / 1000.0 if ms else None
+
+    def _check_new(self, rid: str, router_id: str, deadline: float | None) -> None:
+        if self.args.fail_submits:
+            self.args.fail_submits -= 1
+            raise Unavailable("scripted failure (--fail-submits)")
+        if rid in self.reqs:
+            raise AlreadyExists(f"request {rid} is live here")
+        if router_id not in self.subs:
+            raise FailedPrecondition(f"router {router_id!r} has no open Subscribe stream")
+        if deadline is not None and time.time() > deadline:
+            raise DeadlineExceeded(f"request {rid}: deadline already passed")
+
+    def _publish_kv(self) -> None:
+        stored, evicted = self.pool.take_events()
+        if stored or evicted:
+            ev = worker_pb2.KvEvents(stored=stored, evicted=evicted, worker_id=self.worker_id)
+            for q in self.kv_subs:
+                q.put_nowait(ev)
+
+    def _end(self, req: Req, reason: int, error: str = "",
+             sink: dict[str, list] | None = None, emit: bool = True) -> None:
+        """Free the request; with ``emit`` its last output goes to ``sink`` (default: the next step)."""
+        self.reqs.pop(req.rid, None)
+        self.pool.release(req.blocks)
+        if emit:
+            out = worker_pb2.SequenceOutput(request_id=req.rid, finish_reason=reason, error=error,
+                                            num_prompt_tokens=len(req.prompt), num_cached_tokens=req.cached)
+            (self.finals if sink is None else sink).setdefault(req.router_id, []).append(out)
+            self.wake.set()
+
+    def _stop_reason(self, req: Req, tok: int) -> int:
+        p = req.params
+        if tok in p.stop_token_ids or (tok in self.eos and not p.ignore_eos):
+            return FR.FINISH_REASON_STOP
+        if req.generated >= (p.max_tokens or self.args.default_max_tokens) \
+                or len(req.prompt) + req.generated >= self.args.max_model_len:
+            return FR.FINISH_REASON_LENGTH
+        return FR.FINISH_REASON_UNSPECIFIED
+
+    # ---- engine loop ------------------------------------------------------------------
+    async def run_engine(self) -> None:
+        while True:
+            if not self.reqs and not self.finals:
+                self.wake.clear()
+                await self.wake.wait()
+            await asyncio.sleep(self.args.step_ms / 1000.0)
+            self.step += 1
+            by_router = self.finals
+            self.finals = {}
+            now = time.time()
+            for req in list(self.reqs.values()):
+                if req.deadline is not None and now > req.deadline:
+                    self._end(req, FR.FINISH_REASON_DEADLINE, sink=by_router)
+                elif req.phase == "reserved":
+                    if req.lease_expires is not None and now > req.lease_expires:
+                        self._end(req, FR.FINISH_REASON_ERROR, "reservation lease expired", sink=by_router)
+                else:
+                    by_router.setdefault(req.router_id, []).append(self._decode_one(req))
+            for router_id, outs in by_router.items():
+                q = self.subs.get(router_id)
+                if q is not None and outs:
+                    q.put_nowait(worker_pb2.StepOutputs(outputs=outs, step=self.step))
+            self._publish_kv()
+
+    def _decode_one(self, req: Req) -> worker_pb2.SequenceOutput:
+        i = req.generated
+        tok = script_token(req.prompt, i, self.args.vocab, self.eos)
+        req.generated += 1
+        out = worker_pb2.SequenceOutput(request_id=req.rid, token_ids=[tok])
+        if req.params.logprobs:
+            out.logprobs.append(script_logprob(i))
+        if not req.first_sent:
+            req.first_sent = True
+            out.num_prompt_tokens, out.num_cached_tokens = len(req.prompt), req.cached
+            if i == 0:   # Submit: this step was the local prefill
+                self.pool.commit(req.blocks, req.chain)
+        reason = self._stop_reason(req, tok)
+        if not reason and not self.pool.grow(req.blocks, len(req.prompt) + req.generated):
+            reason = FR.FINISH_REASON_ERROR
+            out.error = "out of KV blocks"
+        if reason:
+            out.finish_reason = reason
+            self._end(req, reason, emit=False)
+        return out
+
+    # ---- decode / both ----------------------------------------------------------------
+    async def Reserve(self, request, context):
+        self._need(FR.ROLE_DECODE, FR.ROLE_BOTH)
+        deadline = self._deadline(request.deadline_unix_ms)
+        self._check_new(request.request_id, request.router_id, deadline)
+        blocks, cached, chain = self.pool.allocate(list(request.token_ids))
+        lease = (request.lease_ms or self.args.lease_ms) / 1000.0
+        req = Req(request.request_id, list(request.token_ids), request.params, request.router_id, deadline,
+                  blocks, chain, cached, "reserved", time.time() + lease)
+        self.reqs[req.rid] = req
+        self.wake.set()
+        return worker_pb2.ReserveResponse(
+            block_ids=blocks, num_cached_tokens=cached, kv_store_address=f"{self.args.advertise}:{self.args.port + 1}",
+            worker_id=self.worker_id, lease_expires_unix_ms=int(req.lease_expires * 1000))
+
+    async def PushKV(self, request, context):
+        self._need(FR.ROLE_DECODE, FR.ROLE_BOTH)
+        req = self.reqs.get(request.request_id)
+        if req is None or req.phase != "reserved":
+            raise NotFound(f"request {request.request_id} has no live reservation here")
+        expected = req.blocks[req.cached // self.bs:]
+        if list(request.block_ids) != expected or request.num_blocks != len(expected):
+            raise FailedPrecondition(f"block_ids {list(request.block_ids)[:8]} do not match the reservation")
+        req.phase, req.lease_expires, req.generated = "active", None, 1   # the first token counts
+        self.pool.commit(req.blocks, req.chain)
+        self._publish_kv()
+        self.wake.set()
+        return worker_pb2.PushKVResponse()
+
+    async def Submit(self, request, context):
+        self._need(FR.ROLE_DECODE, FR.ROLE_BOTH)
+        deadline = self._deadline(request.deadline_unix_ms)
+        self._check_new(request.request_id, request.router_id, deadline)
+        blocks, cached, chain = self.pool.allocate(list(request.token_ids))
+        self.reqs[request.request_id] = Req(request.request_id, list(request.token_ids), request.params,
+                                            request.router_id, deadline, blocks, chain, cached, "active")
+        self.wake.set()
+        return worker_pb2.SubmitResponse(worker_id=self.worker_id)
+
+    async def Subscribe(self, request, context):
+        self._need(FR.ROLE_DECODE, FR.ROLE_BOTH)
+        router_id = request.router_id
+        q: asyncio.Queue = asyncio.Queue()
+        old = self.subs.get(router_id)
+        self.subs[router_id] = q
+        if old is not None:
+            old.put_nowait(None)
+        await context.send_initial_metadata(())
+        try:
+            while True:
+                item = await q.get()
+                if item is None:
+                    return
+                yield item
+        finally:
+            if self.subs.get(router_id) is q:
+                del self.subs[router_id]
+                for req in [r for r in self.reqs.values() if r.router_id == router_id]:
+                    self._end(req, FR.FINISH_REASON_CANCELLED, emit=False)
+                self.finals.pop(router_id, None)
+
+    # ---- prefill ----------------------------------------------------------------------
+    def _peer(self, address: str) -> worker_pb2_grpc.WorkerStub:
+        if address not in self.peers:
+            self.peers[address] = worker_pb2_grpc.WorkerStub(client_channel(address))
+        return self.peers[address]
+
+    async def Prefill(self, request, context):
+        self._need(FR.ROLE_PREFILL, FR.ROLE_BOTH)
+        rid, ids, target = request.request_id, list(request.token_ids), request.kv_target
+        if not request.HasField("kv_target") or not target.decode_address:
+            raise FailedPrecondition("kv_target is required")
+        if rid in self.prefilling:
+            raise AlreadyExists(f"request {rid} is being prefilled here")
+        deadline = self._deadline(request.deadline_unix_ms)
+        blocks, cached, chain = self.pool.allocate(ids)
+        req = Req(rid, ids, request.params, "", deadline, blocks, chain, cached, "active")
+        self.prefilling[rid] = req
+        try:
+            wait = self.args.prefill_ms / 1000.0
+            if deadline is not None:
+                wait = min(wait, max(0.0, deadline - time.time()))
+            try:
+                await asyncio.wait_for(req.cancelled.wait(), timeout=wait)
+            except asyncio.TimeoutError:
+                pass
+            if req.cancelled.is_set():
+                await context.abort(grpc.StatusCode.CANCELLED, f"request {rid} cancelled")
+            if deadline is not None and time.time() >= deadline:
+                raise DeadlineExceeded(f"request {rid}: deadline passed during prefill")
+            self.pool.commit(blocks, chain)
+            self._publish_kv()
+            tok = script_token(ids, 0, self.args.vocab, self.eos)
+            req.generated = 1
+            reason = self._stop_reason(req, tok)
+            yield worker_pb2.PrefillResponse(first_token=worker_pb2.FirstToken(
+                token_id=tok, logprob=script_logprob(0) if request.params.logprobs else 0.0,
+                num_cached_tokens=cached, finish_reason=reason))
+            if reason:
+                return
+            send = list(target.block_ids[target.num_cached_tokens // self.bs:])
+            started = time.monotonic()
+            await self._peer(target.decode_address).PushKV(worker_pb2.PushKVRequest(
+                request_id=rid, prefill_worker_id=self.worker_id, channel_epoch=1, first_token_id=tok,
+                first_token_logprob=script_logprob(0) if request.params.logprobs else 0.0,
+                num_blocks=len(send), block_ids=send, num_bytes=0), timeout=5.0, wait_for_ready=False)
+            yield worker_pb2.PrefillResponse(transfer_done=worker_pb2.TransferDone(
+                bytes=0, transfer_ms=(time.monotonic() - started) * 1000, num_blocks=len(send)))
+        finally:
+            self.prefilling.pop(rid, None)
+            self.pool.release(req.blocks)
+
+    # ---- all roles --------------------------------------------------------------------
+    async def Cancel(self, request, context):
+        found = False
+        pre = self.prefilling.get(request.request_id)
+        if pre is not None:
+            pre.cancelled.set()
+            found = True
+        req = self.reqs.get(request.request_id)
+        if req is not None:
+            self._end(req, FR.FINISH_REASON_CANCELLED)
+            found = True
+        return worker_pb2.CancelResponse(found=found)
+
+    async def GetStats(self, request, context):
+        return worker_pb2.WorkerStats(
+            **self.pool.counts(), num_waiting=0,
+            num_running=sum(1 for r in self.reqs.values() if r.phase == "active") + len(self.prefilling),
+            num_reserved=sum(1 for r in self.reqs.values() if r.phase == "reserved"),
+            prefix_cache_hit_tokens=self.pool.hit_tokens, prefix_cache_query_tokens=self.pool.query_tokens,
+            num_preemptions=0, role=self.role, worker_id=self.worker_id)
+
+    async def StreamKvEvents(self, request, context):
+        q: asyncio.Queue = asyncio.Queue()
+        self.kv_subs.append(q)
+        try:
+            yield worker_pb2.KvEvents(stored=list(self.pool.by_hash), snapshot=True, worker_id=self.worker_id)
+            while True:
+                yield await q.get()
+        finally:
+            self.kv_subs.remove(q)
+
+    async def Info(self, request, context):
+        return common_pb2.ServerInfo(
+            protocol_version="v1", role=self.role, model=self.args.model, dtype="float32", block_size=self.bs,
+            max_model_len=self.args.max_model_len, num_kv_blocks=self.args.num_blocks, worker_id=self.worker_id,
+            version="scripted", vocab_size=self.args.vocab)
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="python -m bench.scripted_worker", description=__doc__.splitlines()[0])
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--advertise", default="127.0.0.1", help="host in the kv_store_address it reports")
+    p.add_argument("--port", type=int, required=True)
+    p.add_argument("--role", choices=sorted(ROLES), default="both")
+    p.add_argument("--model", default="SmolLM2-135M-Instruct", help="model name reported by Info")
+    p.add_argument("--vocab", type=int, default=49152)
+    p.add_argument("--block-size", type=int, default=16)
+    p.add_argument("--num-blocks", type=int, default=4096)
+    p.add_argument("--max-model-len", type=int, default=8192)
+    p.add_argument("--step-ms", type=float, default=5.0, help="engine step interval")
+    p.add_argument("--prefill-ms", type=float, default=None, help="simulated prefill time (default: --step-ms)")
+    p.add_argument("--lease-ms", type=int, default=30_000, help="default reservation lease")
+    p.add_argument("--default-max-tokens", type=int, default=64, help="max_tokens when a request sends 0")
+    p.add_argument("--eos-ids", default="2", help="comma list of EOS ids (never scripted; stop unless ignore_eos)")
+    p.add_argument("--worker-id", default=None)
+    p.add_argument("--fail-submits", type=int, default=0,
+                   help="fail the first N Submit/Reserve calls with UNAVAILABLE (-1 = all), for failover tests")
+    p.add_argument("--log-level", default="WARNING")
+    args = p.parse_args(argv)
+    if args.prefill_ms is None:
+        args.prefill_ms = args.step_ms
+    return args
+
+
+async def _main(args: argparse.Namespace) -> None:
+    worker = ScriptedWorker(args)
+    server = build_server(f"{args.host}:{args.port}", [
+        Service(worker_pb2.DESCRIPTOR.services_by_name["Worker"], worker_pb2_grpc.add_WorkerServicer_to_server, worker),
+        Service(common_pb2.DESCRIPTOR.services_by_name["InfoService"],
+                common_pb2_grpc.add_InfoServiceServicer_to_server, worker),
+    ])
+    engine = asyncio.create_task(worker.run_engine())
+    try:
+        await serve(server, grace_s=1.0)
+    finally:
+        engine.cancel()
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    logging.basicConfig(level=args.log_level.upper(), stream=sys.stderr,
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    asyncio.run(_main(args))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,116 @@
+"""A small synchronous client of the router's public API (used by ``pdserve generate``).
+
+    from common.engine.sampling_params import SamplingParams
+    from pdserve.client import generate, stream_generate
+
+    for delta in stream_generate("localhost:50051", "What is the capital of France?",
+                                 SamplingParams(temperature=0, max_tokens=32)):
+        print(delta, end="", flush=True)
+
+``prompt`` is a string (one user message with ``chat=True``, plain text with ``chat=False``), a
+list of ``{"role", "content"}`` messages, or a list of token ids. A failed call raises the
+matching :class:`common.grpc_utils.PdserveError` (InvalidArgument, Unavailable, ...).
+Importing this module does not import torch.
+"""
+from __future__ import annotations
+
+from collections.abc import Iterator, Mapping, Sequence
+from dataclasses import dataclass, field
+
+import grpc
+
+from common.engine.sampling_params import SamplingParams
+from common.grpc_utils.errors import from_rpc_error
+from pdserve.v1 import common_pb2, router_pb2, router_pb2_grpc
+
+Prompt = str | Sequence[int] | Sequence[Mapping[str, str]]
+_OPTIONS = [("grpc.max_receive_message_length", 64 * 1024 * 1024),
+            ("grpc.max_send_message_length", 64 * 1024 * 1024)]
+
+
+@dataclass
+class GenerateOutput:
+    request_id: str
+    text: str
+    token_ids: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+    finish_reason: str = ""            # "stop", "length" or "stop_string"
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    cached_tokens: int = 0
+    matched_stop: str = ""
+
+
+def sampling_to_proto(params: SamplingParams, stop: Sequence[str] = ()) -> common_pb2.SamplingParams:
+    p = common_pb2.SamplingParams(
+        temperature=params.temperature, top_p=params.top_p, top_k=params.top_k, min_p=params.min_p,
+        repetition_penalty=params.repetition_penalty, presence_penalty=params.presence_penalty,
+        frequency_penalty=params.frequency_penalty, max_tokens=params.max_tokens,
+        stop_token_ids=list(params.stop_token_ids), ignore_eos=params.ignore_eos, logprobs=params.logprobs,
+        stop=list(stop))
+    if params.seed is not None:
+        p.seed = params.seed
+    return p
+
+
+def build_request(prompt: Prompt, params: SamplingParams | None = None, chat: bool = True,
+                  stop: Sequence[str] = (), request_id: str = "") -> router_pb2.GenerateRequest:
+    req = router_pb2.GenerateRequest(request_id=request_id,
+                                     params=sampling_to_proto(params or SamplingParams(), stop))
+    if isinstance(prompt, str):
+        if chat:
+            req.chat.messages.add(role="user", content=prompt)
+        else:
+            req.text = prompt
+    elif prompt and isinstance(prompt[0], Mapping):
+        for m in prompt:
+            req.chat.messages.add(role=m["role"], content=m["content"])
+    else:
+        req.token_ids.ids.extend(int(t) for t in prompt)
+    return req
+
+
+def _reason(value: int) -> str:
+    return common_pb2.FinishReason.Name(value).removeprefix("FINISH_REASON_").lower() if value else ""
+
+
+def stream_responses(address: str, request: router_pb2.GenerateRequest,
+                     timeout: float | None = 120.0) -> Iterator[router_pb2.GenerateResponse]:
+    """The raw GenerateResponse stream; closing the iterator early cancels the request."""
+    with grpc.insecure_channel(address, options=_OPTIONS) as channel:
+        stub = router_pb2_grpc.GenerationStub(channel)
+        call = stub.Generate(request, timeout=timeout)
+        try:
+            yield from call
+        except grpc.RpcError as e:
+            raise from_rpc_error(e) from None
+        finally:
+            call.cancel()
+
+
+def stream_generate(address: str, prompt: Prompt, params: SamplingParams | None = None, chat: bool = True,
+                    timeout: float | None = 120.0, stop: Sequence[str] = ()) -> Iterator[str]:
+    """The generated text, piece by piece as the router streams it."""
+    for resp in stream_responses(address, build_request(prompt, params, chat, stop), timeout):
+        if resp.text:
+            yield resp.text
+
+
+def generate(address: str, prompt: Prompt, params: SamplingParams | None = None, chat: bool = True,
+             timeout: float | None = 120.0, stop: Sequence[str] = ()) -> GenerateOutput:
+    """The whole result of one request (streamed underneath)."""
+    out = GenerateOutput(request_id="", text="")
+    texts: list[str] = []
+    for resp in stream_responses(address, build_request(prompt, params, chat, stop), timeout):
+        out.request_id = resp.request_id
+        texts.append(resp.text)
+        out.token_ids.extend(resp.token_ids)
+        out.logprobs.extend(resp.logprobs)
+        if resp.finish_reason:
+            out.finish_reason = _reason(resp.finish_reason)
+            out.prompt_tokens = resp.usage.prompt_tokens
+            out.completion_tokens = resp.usage.completion_tokens
+            out.cached_tokens = resp.usage.cached_tokens
+            out.matched_stop = resp.matched_stop
+    out.text = "".join(texts)
+    return out

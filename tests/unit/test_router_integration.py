@@ -1,0 +1,387 @@
+"""The router over real gRPC, with scripted workers (bench/scripted_worker.py), all as separate
+processes on free local ports.
+
+Deployments (started once for the module, concurrently):
+- ``disagg``: router (embedded default model's tokenizer) + scripted prefill + scripted decode;
+- ``both``: router (tokenizer-less preset tiny-llama) + one scripted worker of role both, listed
+  as ``dns:///localhost:PORT`` (DNS discovery);
+- ``failover``: router (tiny-llama) + a both worker that fails every Submit with UNAVAILABLE and
+  a healthy one (killed during the tests).
+
+Outputs are checked against the script (``script_token``); cancellation and deadlines are
+checked on the workers' own GetStats (polled a bounded number of times).
+"""
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import grpc
+import pytest
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT))
+
+from bench.scripted_worker import script_logprob, script_token  # noqa: E402
+from pdserve.v1 import common_pb2, common_pb2_grpc, router_pb2, router_pb2_grpc, worker_pb2, worker_pb2_grpc  # noqa: E402
+
+SP = common_pb2.SamplingParams
+FR = common_pb2
+VOCAB = 49152
+TINY_VOCAB = 512
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@dataclass
+class Proc:
+    name: str
+    args: list[str]
+    log: Path
+    port: int = 0
+    popen: subprocess.Popen | None = None
+
+    @property
+    def address(self) -> str:
+        return f"127.0.0.1:{self.port}"
+
+    def start(self) -> None:
+        env = dict(os.environ, PYTHONPATH=str(ROOT), PDSERVE_LOG_LEVEL="INFO")
+        self.popen = subprocess.Popen([sys.executable, *self.args], cwd=ROOT, env=env,
+                                      stdout=open(self.log, "w"), stderr=subprocess.STDOUT)
+
+    def tail(self, n: int = 30) -> str:
+        lines = self.log.read_text(errors="replace").splitlines() if self.log.exists() else []
+        return f"--- {self.name} ---\n" + "\n".join(lines[-n:])
+
+    def stop(self, sig: int = signal.SIGTERM) -> None:
+        if self.popen is not None and self.popen.poll() is None:
+            self.popen.send_signal(sig)
+            try:
+                self.popen.wait(10)
+            except subprocess.TimeoutExpired:
+                self.popen.kill()
+                self.popen.wait(5)
+
+
+def wait_serving(procs: list[Proc], timeout: float = 120.0) -> None:
+    """Poll grpc.health of each process until SERVING; fail fast when one exits."""
+    end = time.monotonic() + timeout
+    pending = list(procs)
+    while pending:
+        for p in list(pending):
+            if p.popen.poll() is not None:
+                raise RuntimeError(f"{p.name} exited with {p.popen.returncode}\n{p.tail()}")
+            try:
+                with grpc.insecure_channel(p.address) as ch:
+                    reply = health_pb2_grpc.HealthStub(ch).Check(health_pb2.HealthCheckRequest(), timeout=0.5)
+                if reply.status == health_pb2.HealthCheckResponse.SERVING:
+                    pending.remove(p)
+            except grpc.RpcError:
+                pass
+        if time.monotonic() > end:
+            raise RuntimeError("not SERVING in time:\n" + "\n".join(p.tail() for p in pending))
+        if pending:
+            time.sleep(0.1)
+
+
+@dataclass
+class Deployment:
+    router: Proc
+    workers: dict[str, Proc] = field(default_factory=dict)
+    metrics_port: int = 0
+
+    def stub(self) -> router_pb2_grpc.GenerationStub:
+        return router_pb2_grpc.GenerationStub(grpc.insecure_channel(self.router.address))
+
+    def stats(self, name: str) -> worker_pb2.WorkerStats:
+        with grpc.insecure_channel(self.workers[name].address) as ch:
+            return worker_pb2_grpc.WorkerStub(ch).GetStats(worker_pb2.GetStatsRequest(), timeout=2)
+
+
+def worker(tmp: Path, name: str, role: str, *extra: str) -> Proc:
+    port = free_port()
+    return Proc(name, ["-m", "bench.scripted_worker", "--port", str(port), "--role", role, *extra],
+                tmp / f"{name}.log", port)
+
+
+def router(tmp: Path, name: str, model: str, prefill: str, decode: str, metrics_port: int = 0) -> Proc:
+    port = free_port()
+    return Proc(name, ["-m", "router.main", "--port", str(port), "--host", "127.0.0.1", "--metrics-port",
+                       str(metrics_port), "--model", model, "--prefill", prefill, "--decode", decode,
+                       "--router-id", name], tmp / f"{name}.log", port)
+
+
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory):
+    from router.tokenization import resolve_spec
+    resolve_spec("default")   # import the embedded model once, before the routers race for it
+    tmp = tmp_path_factory.mktemp("router")
+    tiny = ("--model", "tiny-llama", "--vocab", str(TINY_VOCAB), "--max-model-len", "1024")
+    w = {
+        "prefill": worker(tmp, "prefill", "prefill", "--prefill-ms", "50"),
+        "decode": worker(tmp, "decode", "decode"),
+        "both": worker(tmp, "both", "both", *tiny),
+        "faulty": worker(tmp, "faulty", "both", "--fail-submits", "-1", *tiny),
+        "healthy": worker(tmp, "healthy", "both", *tiny),
+    }
+    metrics = free_port()
+    deps = {
+        "disagg": Deployment(router(tmp, "r-disagg", "default", w["prefill"].address, w["decode"].address,
+                                    metrics_port=metrics), {k: w[k] for k in ("prefill", "decode")}, metrics),
+        "both": Deployment(router(tmp, "r-both", "tiny-llama", "", f"dns:///localhost:{w['both'].port}"),
+                           {"both": w["both"]}),
+    }
+    failover_metrics = free_port()
+    deps["failover"] = Deployment(
+        router(tmp, "r-failover", "tiny-llama", "", f"{w['faulty'].address},{w['healthy'].address}",
+               metrics_port=failover_metrics), {k: w[k] for k in ("faulty", "healthy")}, failover_metrics)
+    everything = list(w.values()) + [d.router for d in deps.values()]
+    try:
+        for p in w.values():
+            p.start()
+        wait_serving(list(w.values()))
+        for d in deps.values():
+            d.router.start()
+        wait_serving([d.router for d in deps.values()])
+        yield deps
+    finally:
+        for p in everything:      # SIGTERM all, then wait for each
+            if p.popen is not None and p.popen.poll() is None:
+                p.popen.send_signal(signal.SIGTERM)
+        for p in everything:
+            p.stop()
+
+
+def poll(check: Callable[[], bool], what: str, attempts: int = 50, interval: float = 0.1) -> None:
+    """Bounded polling of a condition (no blind sleeps)."""
+    for _ in range(attempts):
+        if check():
+            return
+        time.sleep(interval)
+    raise AssertionError(f"timed out waiting for: {what}")
+
+
+def idle(dep: Deployment, name: str) -> Callable[[], bool]:
+    def check() -> bool:
+        s = dep.stats(name)
+        return s.num_running == 0 and s.num_reserved == 0 and s.num_used_blocks == 0
+    return check
+
+
+def ids_request(ids: list[int], **params) -> router_pb2.GenerateRequest:
+    return router_pb2.GenerateRequest(token_ids=router_pb2.TokenIds(ids=ids), params=SP(**params))
+
+
+def expected(prompt: list[int], n: int, vocab: int = VOCAB) -> list[int]:
+    return [script_token(prompt, i, vocab) for i in range(n)]
+
+
+# ---- generation ---------------------------------------------------------------------------
+def test_disaggregated_stream_tokens_usage_logprobs(cluster) -> None:
+    dep = cluster["disagg"]
+    prompt = list(range(100, 140))
+    msgs = list(dep.stub().Generate(ids_request(prompt, max_tokens=12, logprobs=True), timeout=20))
+    tokens = [t for m in msgs for t in m.token_ids]
+    assert tokens == expected(prompt, 12)
+    assert [lp for m in msgs for lp in m.logprobs] == pytest.approx([script_logprob(i) for i in range(12)])
+    assert msgs[0].token_ids == [tokens[0]]                      # the prefill's first token, alone
+    assert all(m.finish_reason == FR.FINISH_REASON_UNSPECIFIED for m in msgs[:-1])
+    last = msgs[-1]
+    assert last.finish_reason == FR.FINISH_REASON_LENGTH
+    assert (last.usage.prompt_tokens, last.usage.completion_tokens) == (40, 12)
+    assert all(m.request_id == msgs[0].request_id and m.request_id for m in msgs)
+    poll(idle(dep, "decode"), "decode worker idle")
+    stats = dep.stats("decode")
+    assert stats.num_cached_blocks >= 2 and stats.prefix_cache_query_tokens >= 40
+
+
+def test_chat_text_and_unary(cluster) -> None:
+    dep = cluster["disagg"]
+    stub = dep.stub()
+    chat = router_pb2.ChatMessages(messages=[router_pb2.ChatMessage(role="user", content="What is 2+2?")])
+    tok = stub.Tokenize(router_pb2.TokenizeRequest(chat=chat))
+    assert tok.count == len(tok.token_ids) > 5 and "<|im_start|>user" in tok.rendered_prompt
+    assert tok.rendered_prompt.endswith("<|im_start|>assistant\n")
+    result = stub.GenerateUnary(router_pb2.GenerateRequest(request_id="mine-1", chat=chat,
+                                                           params=SP(max_tokens=6)), timeout=20)
+    assert result.request_id == "mine-1"
+    assert list(result.token_ids) == expected(list(tok.token_ids), 6)
+    assert result.finish_reason == FR.FINISH_REASON_LENGTH and result.text
+    text_tok = stub.Tokenize(router_pb2.TokenizeRequest(text="Hello world"))
+    streamed = list(stub.Generate(router_pb2.GenerateRequest(text="Hello world", params=SP(max_tokens=5)), timeout=20))
+    assert [t for m in streamed for t in m.token_ids] == expected(list(text_tok.token_ids), 5)
+
+
+def test_stop_string_truncates_and_cancels(cluster) -> None:
+    dep = cluster["disagg"]
+    stub = dep.stub()
+    prompt = list(range(200, 230))
+    full = stub.GenerateUnary(ids_request(prompt, max_tokens=30), timeout=20).text
+    stop = full[len(full) // 2: len(full) // 2 + 4]
+    cut = full[:full.index(stop)]
+    msgs = list(stub.Generate(ids_request(prompt, max_tokens=3000, stop=[stop]), timeout=20))
+    assert "".join(m.text for m in msgs) == cut
+    assert msgs[-1].finish_reason == FR.FINISH_REASON_STOP_STRING and msgs[-1].matched_stop == stop
+    assert msgs[-1].usage.completion_tokens < 30
+    kept = stub.GenerateUnary(ids_request(prompt, max_tokens=3000, stop=[stop]), timeout=20)
+    assert kept.text == cut
+    incl = router_pb2.GenerateRequest(token_ids=router_pb2.TokenIds(ids=prompt), include_stop_str_in_output=True,
+                                      params=SP(max_tokens=3000, stop=[stop]))
+    assert stub.GenerateUnary(incl, timeout=20).text == cut + stop
+    poll(idle(dep, "decode"), "decode worker cancelled the stopped requests")   # max_tokens=3000 otherwise
+
+
+def test_stop_token_and_first_token_finish(cluster) -> None:
+    dep = cluster["disagg"]
+    stub = dep.stub()
+    prompt = list(range(300, 320))
+    want = expected(prompt, 4)
+    r = stub.GenerateUnary(ids_request(prompt, max_tokens=50, stop_token_ids=[want[3]]), timeout=20)
+    assert list(r.token_ids) == want and r.finish_reason == FR.FINISH_REASON_STOP
+    one = stub.GenerateUnary(ids_request(prompt, max_tokens=1), timeout=20)   # the prefill ends it
+    assert list(one.token_ids) == want[:1] and one.finish_reason == FR.FINISH_REASON_LENGTH
+    poll(idle(dep, "decode"), "the reservation of the max_tokens=1 request is cancelled")
+
+
+def test_both_flow_and_prefix_cache(cluster) -> None:
+    dep = cluster["both"]
+    stub = dep.stub()
+    prompt = list(range(1, 41))       # 2 full blocks of 16 + 8
+    msgs = list(stub.Generate(ids_request(prompt, max_tokens=10, logprobs=True), timeout=20))
+    assert [t for m in msgs for t in m.token_ids] == expected(prompt, 10, TINY_VOCAB)
+    assert msgs[-1].finish_reason == FR.FINISH_REASON_LENGTH
+    assert msgs[-1].usage.completion_tokens == 10 and msgs[-1].usage.prompt_tokens == 40
+    again = list(stub.Generate(ids_request(prompt, max_tokens=3), timeout=20))
+    assert again[-1].usage.cached_tokens == 32
+    info = stub.GetModelInfo(router_pb2.GetModelInfoRequest())
+    assert (info.model, info.vocab_size, info.max_model_len, info.has_chat_template) == ("tiny-llama", 512, 1024, False)
+    assert info.num_decode_workers == 1 and info.num_prefill_workers == 1
+
+
+# ---- validation -----------------------------------------------------------------------------
+BAD = [
+    (router_pb2.GenerateRequest(text=""), "text"),
+    (router_pb2.GenerateRequest(), "input"),
+    (router_pb2.GenerateRequest(text="hi", params=SP(top_p=2.0)), "top_p"),
+    (router_pb2.GenerateRequest(text="hi", params=SP(temperature=-1)), "temperature"),
+    (router_pb2.GenerateRequest(text="hi", params=SP(max_tokens=9000)), "max_tokens"),
+    (router_pb2.GenerateRequest(chat=router_pb2.ChatMessages(messages=[router_pb2.ChatMessage(role="wizard", content="x")])),
+     "role"),
+    (router_pb2.GenerateRequest(chat=router_pb2.ChatMessages()), "chat.messages"),
+    (ids_request([1, VOCAB + 5]), "token_ids.ids[1]"),
+    (router_pb2.GenerateRequest(text="hi", params=SP(stop_token_ids=[VOCAB])), "stop_token_ids"),
+]
+
+
+@pytest.mark.parametrize("request_,field_name", BAD, ids=[f for _, f in BAD])
+def test_invalid_argument_names_the_field(cluster, request_, field_name) -> None:
+    stub = cluster["disagg"].stub()
+    for call in (lambda: list(stub.Generate(request_, timeout=10)), lambda: stub.GenerateUnary(request_, timeout=10)):
+        with pytest.raises(grpc.RpcError) as e:
+            call()
+        assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert field_name in e.value.details()
+
+
+def test_text_input_without_tokenizer(cluster) -> None:
+    stub = cluster["both"].stub()
+    for call in (lambda: list(stub.Generate(router_pb2.GenerateRequest(text="hello"), timeout=10)),
+                 lambda: stub.Tokenize(router_pb2.TokenizeRequest(text="hello"), timeout=10)):
+        with pytest.raises(grpc.RpcError) as e:
+            call()
+        assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "text" in e.value.details()
+    with pytest.raises(grpc.RpcError) as e:
+        list(stub.Generate(ids_request([i % 500 for i in range(1000)], max_tokens=100), timeout=10))
+    assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "max_tokens" in e.value.details()
+
+
+# ---- cancellation and deadlines -------------------------------------------------------------
+def test_client_cancel_during_decode_frees_blocks(cluster) -> None:
+    for name, workers in (("disagg", ("decode", "prefill")), ("both", ("both",))):
+        dep = cluster[name]
+        call = dep.stub().Generate(ids_request(list(range(400, 450)), max_tokens=900), timeout=30)
+        next(call), next(call), next(call)
+        busy = dep.stats(workers[0])
+        assert busy.num_running == 1 and busy.num_used_blocks >= 4
+        call.cancel()
+        for w in workers:
+            poll(idle(dep, w), f"{name}/{w} freed the cancelled request")
+
+
+def test_client_cancel_during_prefill(cluster) -> None:
+    dep = cluster["disagg"]
+    call = dep.stub().Generate(ids_request(list(range(500, 540)), max_tokens=900), timeout=30)
+    poll(lambda: dep.stats("prefill").num_running == 1, "prefill started", attempts=100, interval=0.005)
+    call.cancel()
+    for w in ("prefill", "decode"):
+        poll(idle(dep, w), f"{w} freed the request cancelled in prefill")
+
+
+def test_deadline_exceeded_frees_blocks(cluster) -> None:
+    for name, workers in (("disagg", ("decode", "prefill")), ("both", ("both",))):
+        dep = cluster[name]
+        started = time.monotonic()
+        with pytest.raises(grpc.RpcError) as e:
+            list(dep.stub().Generate(ids_request(list(range(50, 90)), max_tokens=900), timeout=0.4))
+        assert e.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+        assert time.monotonic() - started < 2.0
+        for w in workers:
+            poll(idle(dep, w), f"{name}/{w} freed the expired request")
+
+
+# ---- info, metrics --------------------------------------------------------------------------
+def test_model_info_router_info_metrics(cluster) -> None:
+    dep = cluster["disagg"]
+    info = dep.stub().GetModelInfo(router_pb2.GetModelInfoRequest())
+    assert info.model == "SmolLM2-135M-Instruct" and info.vocab_size == VOCAB and info.block_size == 16
+    assert info.max_model_len == 8192 and info.has_chat_template and list(info.eos_token_ids) == [2]
+    assert (info.num_prefill_workers, info.num_decode_workers) == (1, 1)
+    with grpc.insecure_channel(dep.router.address) as ch:
+        server = common_pb2_grpc.InfoServiceStub(ch).Info(common_pb2.InfoRequest(), timeout=5)
+    assert server.role == common_pb2.ROLE_ROUTER and server.worker_id == "r-disagg" and server.protocol_version == "v1"
+    body = urllib.request.urlopen(f"http://127.0.0.1:{dep.metrics_port}/metrics", timeout=5).read().decode()
+    assert 'pdserve_router_requests_total{method="Generate",status="OK"}' in body
+    assert "pdserve_router_ttft_seconds_bucket" in body and "pdserve_router_output_tokens_total" in body
+
+
+# ---- failures ---------------------------------------------------------------------------------
+def _metric(dep: Deployment, name: str) -> float:
+    body = urllib.request.urlopen(f"http://127.0.0.1:{dep.metrics_port}/metrics", timeout=5).read().decode()
+    return sum(float(line.split()[-1]) for line in body.splitlines() if line.startswith(name))
+
+
+def test_failover_retry_then_worker_down(cluster) -> None:
+    dep = cluster["failover"]
+    stub = dep.stub()
+    prompt = list(range(10, 30))
+    for _ in range(6):   # some land on the faulty worker first and are retried on the healthy one
+        r = stub.GenerateUnary(ids_request(prompt, max_tokens=4), timeout=10)
+        assert list(r.token_ids) == expected(prompt, 4, TINY_VOCAB)
+    assert _metric(dep, "pdserve_router_retries_total") >= 1
+
+    call = stub.Generate(ids_request(prompt, max_tokens=900), timeout=30)
+    next(call)
+    dep.workers["healthy"].stop(signal.SIGKILL)
+    started = time.monotonic()
+    with pytest.raises(grpc.RpcError) as e:
+        list(call)
+    assert e.value.code() == grpc.StatusCode.UNAVAILABLE and time.monotonic() - started < 2.0
+
+    started = time.monotonic()
+    with pytest.raises(grpc.RpcError) as e:
+        stub.GenerateUnary(ids_request(prompt, max_tokens=4), timeout=10)
+    assert e.value.code() == grpc.StatusCode.UNAVAILABLE and time.monotonic() - started < 2.0

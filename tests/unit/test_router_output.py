@@ -1,0 +1,145 @@
+"""Router pieces without a network: stop strings / detokenization, sampling validation, prompts."""
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+
+from common.grpc_utils import InvalidArgument  # noqa: E402
+from pdserve.v1 import common_pb2, router_pb2  # noqa: E402
+from router.output import OutputProcessor  # noqa: E402
+from router.tokenization import build_prompt, check_context, resolve_spec  # noqa: E402
+from router.validation import from_proto, to_proto  # noqa: E402
+from router.workers import parse_addresses, split_dns_target  # noqa: E402
+
+
+class CharTokenizer:
+    """Token id = code point; decode joins characters (ids >= 1000 are 'special')."""
+
+    def decode(self, ids, skip_special_tokens=True):
+        return "".join(chr(i) for i in ids if not (skip_special_tokens and i >= 1000))
+
+
+def ids(text: str) -> list[int]:
+    return [ord(c) for c in text]
+
+
+def run(proc: OutputProcessor, steps: list[str]) -> tuple[str, str | None]:
+    text, matched = "", None
+    for s in steps:
+        d = proc.add(ids(s))
+        text += d.text
+        if d.matched_stop:
+            return text, d.matched_stop
+    d = proc.finish()
+    return text + d.text, d.matched_stop
+
+
+def test_no_stop_streams_everything() -> None:
+    assert run(OutputProcessor(CharTokenizer()), ["Hel", "lo", " world"]) == ("Hello world", None)
+
+
+def test_stop_string_across_steps_is_never_sent() -> None:
+    proc = OutputProcessor(CharTokenizer(), stop=["END"])
+    sent = [proc.add(ids(s)).text for s in ["abc E", "N"]]
+    assert sent == ["abc ", ""]                      # "E", then "EN" held back
+    d = proc.add(ids("Dxyz"))
+    assert d.text == "" and d.matched_stop == "END"
+    assert proc.text == "abc "
+
+
+def test_held_back_text_released_when_it_is_not_a_stop() -> None:
+    proc = OutputProcessor(CharTokenizer(), stop=["END"])
+    assert proc.add(ids("abE")).text == "ab"
+    assert proc.add(ids("x")).text == "Ex"
+    assert proc.finish().text == ""
+
+
+def test_include_stop_and_earliest_match_wins() -> None:
+    proc = OutputProcessor(CharTokenizer(), stop=["cd", "b"], include_stop=True)
+    text, matched = run(proc, ["abcd"])
+    assert (text, matched) == ("ab", "b")
+
+
+def test_stop_found_in_flushed_tail() -> None:
+    proc = OutputProcessor(CharTokenizer(), stop=["xyz"])
+    text, matched = run(proc, ["aaxy", "z"])
+    assert (text, matched) == ("aa", "xyz")
+
+
+def test_special_tokens_skipped_unless_kept() -> None:
+    assert run(OutputProcessor(CharTokenizer()), ["a"])[0] == "a"
+    proc = OutputProcessor(CharTokenizer(), skip_special_tokens=True)
+    assert proc.add([ord("a"), 1001]).text == "a"
+
+
+def test_without_tokenizer_only_tokens() -> None:
+    proc = OutputProcessor(None)
+    d = proc.add([5, 6], [-0.1, -0.2])
+    assert d.token_ids == [5, 6] and d.logprobs == [-0.1, -0.2] and d.text == ""
+
+
+@pytest.mark.parametrize("field,kwargs", [
+    ("params.temperature", dict(temperature=-1.0)),
+    ("params.top_p", dict(top_p=2.0)),
+    ("params.top_p", dict(top_p=-0.5)),
+    ("params.top_k", dict(top_k=-2)),
+    ("params.min_p", dict(min_p=1.5)),
+    ("params.repetition_penalty", dict(repetition_penalty=-1.0)),
+    ("params.presence_penalty", dict(presence_penalty=3.0)),
+    ("params.frequency_penalty", dict(frequency_penalty=-2.5)),
+    ("params.temperature", dict(temperature=float("nan"))),
+    ("params.stop_token_ids[1]", dict(stop_token_ids=[1, 600])),
+    ("params.stop[0]", dict(stop=[""])),
+])
+def test_bad_sampling_names_the_field(field: str, kwargs: dict) -> None:
+    with pytest.raises(InvalidArgument) as e:
+        from_proto(common_pb2.SamplingParams(**kwargs), vocab_size=512, has_tokenizer=True)
+    assert e.value.field == field and str(e.value).startswith(field)
+
+
+def test_zero_means_default() -> None:
+    rp = from_proto(common_pb2.SamplingParams(), vocab_size=512, has_tokenizer=False)
+    s = rp.sampling
+    assert (s.temperature, s.top_p, s.top_k, s.repetition_penalty, s.seed) == (0.0, 1.0, -1, 1.0, None)
+    assert rp.max_tokens == 0
+    wire = to_proto(s, 7)
+    assert wire.max_tokens == 7 and wire.top_p == 1.0 and wire.top_k == -1 and not wire.HasField("seed")
+    seeded = from_proto(common_pb2.SamplingParams(seed=0), 512, False).sampling
+    assert seeded.seed == 0 and to_proto(seeded, 1).HasField("seed")
+    with pytest.raises(InvalidArgument, match="params.stop"):
+        from_proto(common_pb2.SamplingParams(stop=["x"]), 512, has_tokenizer=False)
+
+
+def test_prompts_without_tokenizer() -> None:
+    spec = resolve_spec("tiny-llama")
+    assert spec.tokenizer_dir is None and spec.vocab_size == 512 and spec.max_model_len == 1024
+    req = router_pb2.GenerateRequest(token_ids=router_pb2.TokenIds(ids=[1, 2, 3]))
+    prompt = build_prompt(req, None, spec, spec.vocab_size)
+    assert prompt.token_ids == [1, 2, 3]
+    assert check_context(prompt, 0, 1024) == 1021
+    cases = [
+        (router_pb2.GenerateRequest(), "input"),
+        (router_pb2.GenerateRequest(text="hello"), "text"),
+        (router_pb2.GenerateRequest(token_ids=router_pb2.TokenIds(ids=[])), "token_ids.ids"),
+        (router_pb2.GenerateRequest(token_ids=router_pb2.TokenIds(ids=[1, 512])), "token_ids.ids[1]"),
+    ]
+    for request, field in cases:
+        with pytest.raises(InvalidArgument) as e:
+            build_prompt(request, None, spec, spec.vocab_size)
+        assert e.value.field == field
+    with pytest.raises(InvalidArgument) as e:
+        check_context(prompt, 1022, 1024)
+    assert e.value.field == "params.max_tokens"
+
+
+def test_worker_addresses() -> None:
+    assert parse_addresses(" a:1, ,dns:///b:2") == ["a:1", "dns:///b:2"]
+    assert split_dns_target("a:1") is None
+    assert split_dns_target("dns:///pods.ns.svc:50053") == ("pods.ns.svc", 50053)
+    assert split_dns_target("dns://8.8.8.8/pods:1") == ("pods", 1)
+    with pytest.raises(ValueError):
+        split_dns_target("dns:///nopport")

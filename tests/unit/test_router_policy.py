@@ -1,0 +1,88 @@
+"""Router placement, pure: the prefix index (longest-prefix match over KV events) and the policy."""
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+
+from common.hashing import block_hash_chain  # noqa: E402
+from router.policy import (DecodeCandidate, PrefillCandidate, decode_score, pick_decode,  # noqa: E402
+                           pick_prefill, prefill_cost)
+from router.prefix_index import PrefixIndex  # noqa: E402
+
+BS = 4
+
+
+def test_match_is_longest_leading_run() -> None:
+    chain = block_hash_chain(list(range(20)), BS)          # 5 blocks
+    idx = PrefixIndex()
+    idx.apply("a", stored=chain[:3], snapshot=True)
+    idx.apply("b", stored=chain)                            # all 5
+    idx.apply("c", stored=chain[1:])                        # no first block: no match
+    assert idx.match(chain) == {"a": 3, "b": 5}
+    assert idx.match(chain, workers=["a"]) == {"a": 3}
+    assert idx.match([]) == {}
+
+
+def test_evicted_and_snapshot_replace_the_view() -> None:
+    chain = block_hash_chain(list(range(16)), BS)
+    idx = PrefixIndex()
+    idx.apply("a", stored=chain)
+    idx.apply("a", evicted=[chain[2]])
+    assert idx.match(chain) == {"a": 2}
+    idx.apply("a", stored=[chain[0]], snapshot=True)        # a restarted: only block 0 now
+    assert idx.match(chain) == {"a": 1}
+    assert idx.num_blocks("a") == 1
+    idx.remove_worker("a")
+    assert idx.match(chain) == {} and idx.workers() == []
+
+
+def test_shared_prefix_diverging_suffix() -> None:
+    base = list(range(8))
+    chain_x = block_hash_chain(base + [100, 101, 102, 103], BS)
+    chain_y = block_hash_chain(base + [200, 201, 202, 203], BS)
+    idx = PrefixIndex()
+    idx.apply("a", stored=chain_x)
+    assert idx.match(chain_y) == {"a": 2}                   # the two shared blocks only
+
+
+def test_decode_prefers_cache_until_load_outweighs_it() -> None:
+    hot = DecodeCandidate("hot", matched_blocks=10, inflight_tokens=30)   # 40 cached tokens
+    cold = DecodeCandidate("cold", matched_blocks=0, inflight_tokens=0)
+    assert decode_score(hot, BS, 1.0) == 40 - 30
+    assert pick_decode([hot, cold], prompt_tokens=48, block_size=BS, alpha=1.0) == "hot"
+    busy = DecodeCandidate("hot", matched_blocks=10, inflight_tokens=50)
+    assert pick_decode([busy, cold], 48, BS, alpha=1.0) == "cold"
+    assert pick_decode([busy, cold], 48, BS, alpha=0.0) == "hot"        # pure cache affinity
+
+
+def test_decode_load_uses_worker_stats_too() -> None:
+    a = DecodeCandidate("a", inflight_tokens=0, used_blocks=100, total_blocks=1000)  # other routers' load
+    b = DecodeCandidate("b", inflight_tokens=10, used_blocks=2, total_blocks=1000)
+    assert pick_decode([a, b], 16, BS) == "b"
+
+
+def test_decode_avoids_workers_without_room() -> None:
+    full = DecodeCandidate("full", matched_blocks=2, used_blocks=99, total_blocks=100)
+    roomy = DecodeCandidate("roomy", inflight_tokens=500, used_blocks=10, total_blocks=100)
+    assert pick_decode([full, roomy], prompt_tokens=40, block_size=BS) == "roomy"
+    assert pick_decode([full], prompt_tokens=40, block_size=BS) == "full"   # nobody fits: best anyway
+
+
+def test_ties_rotate_and_prefer_fewer_requests() -> None:
+    a, b = DecodeCandidate("a"), DecodeCandidate("b")
+    assert {pick_decode([a, b], 8, BS, turn=t) for t in range(4)} == {"a", "b"}
+    c = DecodeCandidate("c", inflight_requests=1)
+    assert pick_decode([c, DecodeCandidate("d")], 8, BS) == "d"
+    assert pick_decode([], 8, BS) is None
+
+
+def test_prefill_fewest_uncached_prompt_tokens() -> None:
+    p1 = PrefillCandidate("p1", inflight_prompt_tokens=100)
+    p2 = PrefillCandidate("p2", inflight_prompt_tokens=20)
+    assert pick_prefill([p1, p2], prompt_tokens=64, block_size=BS) == "p2"
+    p1_cached = PrefillCandidate("p1", matched_blocks=16, inflight_prompt_tokens=60)   # 64 cached
+    assert prefill_cost(p1_cached, 64, BS) == 60
+    assert pick_prefill([p1_cached, p2], prompt_tokens=64, block_size=BS) == "p1"
+    assert pick_prefill([], 64, BS) is None
