@@ -50,3 +50,8 @@ def cache_dir() -> Path:
 
 def log_level() -> str:
     return (get("LOG_LEVEL") or "INFO").upper()
+
+
+def fused_ops() -> bool:
+    """Fused Triton elementwise kernels on CUDA (``PDSERVE_FUSED_OPS``, default on)."""
+    return get_bool("FUSED_OPS", True)

@@ -88,7 +88,7 @@ class WorkerClient:
         for task in (self._task, self._kv_task):
             if task is not None:
                 task.cancel()
-        self.mark_down("closed")
+        self.mark_down("closed", quiet=True)
         await self.channel.close(grace=None)
 
     async def _supervise(self) -> None:
@@ -150,7 +150,7 @@ class WorkerClient:
         if not self._kv_unimplemented and (self._kv_task is None or self._kv_task.done()):
             self._start_kv_events()
 
-    def mark_down(self, reason: str) -> None:
+    def mark_down(self, reason: str, quiet: bool = False) -> None:
         """Stop routing here; requests on its output stream get UNAVAILABLE; reconnect later."""
         was_up, self.up = self.up, False
         if self.subscription is not None:
@@ -161,7 +161,7 @@ class WorkerClient:
             self._kv_task = None
         self.prefix_index.remove_worker(self.key)
         if was_up:
-            log.warning("worker %s is down: %s", self.describe(), reason)
+            log.log(logging.INFO if quiet else logging.WARNING, "worker %s is down: %s", self.describe(), reason)
             self.on_change()
 
     # ---- prefix-cache events ----------------------------------------------------------

@@ -48,7 +48,8 @@ class RequestRecord:
     """What the client saw of one request (times in perf_counter seconds)."""
 
     index: int                      # position in the dataset
-    scheduled_time: float = 0.0     # when the arrival process released it
+    scheduled_time: float = 0.0     # when the arrival schedule wanted it sent
+    release_time: float = 0.0       # when the client released it (late if the client lags)
     send_time: float = 0.0          # when the call was issued (after any concurrency wait)
     msg_times: list[float] = field(default_factory=list)   # arrival of each streamed message
     msg_tokens: list[int] = field(default_factory=list)    # tokens carried by each message
@@ -224,7 +225,7 @@ def detailed_lists(records: Sequence[RequestRecord], itl_mode: str = "chunk") ->
         "itls": [r.itls(itl_mode) if r.success else [] for r in recs],
         "latencies": [r.e2el() if r.success else 0.0 for r in recs],
         "start_times": [r.send_time for r in recs],
-        "queue_times": [r.send_time - r.scheduled_time for r in recs],
+        "queue_times": [r.send_time - r.release_time for r in recs],
         "errors": [r.error if not r.success else "" for r in recs],
         "status_codes": [r.status for r in recs],
     }

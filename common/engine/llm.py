@@ -104,6 +104,9 @@ class LLM:
         bar = tqdm(total=total, desc="Generating", dynamic_ncols=True, disable=not use_tqdm)
         prefill_tps = decode_tps = 0.0
         while self.engine.has_unfinished():
+            if not use_tqdm:
+                self.engine.step()
+                continue
             start = time.perf_counter()
             out = self.engine.step()
             elapsed = max(time.perf_counter() - start, 1e-9)

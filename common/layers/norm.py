@@ -4,6 +4,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from common.layers.fused_dispatch import use_fused
+
 
 class RMSNorm(nn.Module):
     def __init__(self, dim: int, eps: float) -> None:
@@ -20,6 +22,9 @@ class RMSNorm(nn.Module):
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None
                 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         """Without ``residual``: norm(x). With it: (norm(x + residual), x + residual)."""
+        if x.dim() == 2 and use_fused(x):
+            from common.ops.fused import rms_norm
+            return rms_norm(x, self.weight, self.eps, residual)
         if residual is None:
             return self._norm(x)
         residual = x + residual

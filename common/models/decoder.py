@@ -15,6 +15,7 @@ from torch import nn
 from common.config import ModelConfig
 from common.layers.activation import SiluAndMul
 from common.layers.attention import PagedAttention
+from common.layers.fused_dispatch import use_fused
 from common.layers.norm import RMSNorm
 from common.layers.rotary import RotaryEmbedding
 
@@ -39,6 +40,9 @@ class SelfAttention(nn.Module):
     def forward(self, positions: torch.Tensor, hidden: torch.Tensor) -> torch.Tensor:
         """positions: [T]; hidden: [T, H] -> [T, H]."""
         qkv = self.qkv_proj(hidden)
+        if use_fused(qkv):
+            q, k, v = self._fused_qk_norm_rope(qkv, positions)
+            return self.o_proj(self.attn(q, k, v).reshape(-1, self.q_size))
         q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q = q.view(-1, self.num_heads, self.head_dim)
         k = k.view(-1, self.num_kv_heads, self.head_dim)
@@ -49,6 +53,15 @@ class SelfAttention(nn.Module):
         q, k = self.rotary(positions, q, k)
         out = self.attn(q, k, v)                               # [T, Hq, D]
         return self.o_proj(out.reshape(-1, self.q_size))
+
+
+    def _fused_qk_norm_rope(self, qkv: torch.Tensor, positions: torch.Tensor):
+        from common.ops.fused import qk_norm_rope
+        qw = self.q_norm.weight if self.qk_norm else None
+        kw = self.k_norm.weight if self.qk_norm else None
+        eps = self.q_norm.eps if self.qk_norm else 0.0
+        return qk_norm_rope(qkv, positions, self.rotary.cos_cache, self.rotary.sin_cache, self.num_heads,
+                            self.num_kv_heads, self.head_dim, qw, kw, eps)
 
 
 class MLP(nn.Module):

@@ -67,9 +67,15 @@ class Proc:
         lines = self.log.read_text(errors="replace").splitlines() if self.log.exists() else []
         return f"--- {self.name} ---\n" + "\n".join(lines[-n:])
 
-    def stop(self, sig: int = signal.SIGTERM) -> None:
+    def send(self, sig: int = signal.SIGTERM) -> None:
         if self.popen is not None and self.popen.poll() is None:
             self.popen.send_signal(sig)
+
+    def stop(self, sig: int | None = signal.SIGTERM) -> None:
+        """Send ``sig`` (None: it was sent already) and wait for the exit (kill after 10 s)."""
+        if self.popen is not None and self.popen.poll() is None:
+            if sig is not None:
+                self.popen.send_signal(sig)
             try:
                 self.popen.wait(10)
             except subprocess.TimeoutExpired:
@@ -132,7 +138,7 @@ def cluster(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("router")
     tiny = ("--model", "tiny-llama", "--vocab", str(TINY_VOCAB), "--max-model-len", "1024")
     w = {
-        "prefill": worker(tmp, "prefill", "prefill", "--prefill-ms", "50"),
+        "prefill": worker(tmp, "prefill", "prefill", "--prefill-ms", "150"),
         "decode": worker(tmp, "decode", "decode"),
         "both": worker(tmp, "both", "both", *tiny),
         "faulty": worker(tmp, "faulty", "both", "--fail-submits", "-1", *tiny),
@@ -160,10 +166,9 @@ def cluster(tmp_path_factory):
         yield deps
     finally:
         for p in everything:      # SIGTERM all, then wait for each
-            if p.popen is not None and p.popen.poll() is None:
-                p.popen.send_signal(signal.SIGTERM)
+            p.send(signal.SIGTERM)
         for p in everything:
-            p.stop()
+            p.stop(None)
 
 
 def poll(check: Callable[[], bool], what: str, attempts: int = 50, interval: float = 0.1) -> None:
@@ -367,11 +372,12 @@ def _metric(dep: Deployment, name: str) -> float:
 def test_failover_retry_then_worker_down(cluster) -> None:
     dep = cluster["failover"]
     stub = dep.stub()
-    prompt = list(range(10, 30))
-    for _ in range(6):   # some land on the faulty worker first and are retried on the healthy one
+    for k in range(6):   # short distinct prompts (no cached prefix): placement alternates, and
+        prompt = [k + 1] * 10   # those that land on the faulty worker are retried on the healthy one
         r = stub.GenerateUnary(ids_request(prompt, max_tokens=4), timeout=10)
         assert list(r.token_ids) == expected(prompt, 4, TINY_VOCAB)
-    assert _metric(dep, "pdserve_router_retries_total") >= 1
+    prompt = list(range(10, 30))
+    assert _metric(dep, "pdserve_router_retries_total") >= 1, dep.router.tail()
 
     call = stub.Generate(ids_request(prompt, max_tokens=900), timeout=30)
     next(call)

@@ -1,0 +1,67 @@
+"""Fused Triton elementwise kernels vs the layers' torch code (CPU: Triton interpreter, fp32)."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+triton = pytest.importorskip("triton")
+
+from common.layers.activation import SiluAndMul  # noqa: E402
+from common.layers.norm import RMSNorm  # noqa: E402
+from common.layers.rotary import RotaryEmbedding  # noqa: E402
+from common.ops.fused import qk_norm_rope, rms_norm, silu_and_mul  # noqa: E402
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+DTYPES = [torch.float32] + ([torch.bfloat16] if DEVICE == "cuda" else [])
+
+
+def _tol(dtype):
+    return dict(rtol=1e-5, atol=1e-5) if dtype == torch.float32 else dict(rtol=2e-2, atol=2e-2)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("hidden", [64, 96])
+def test_rms_norm_with_and_without_residual(dtype, hidden):
+    torch.manual_seed(hidden)
+    norm = RMSNorm(hidden, 1e-6).to(DEVICE, dtype)
+    with torch.no_grad():
+        norm.weight.normal_(1.0, 0.1)
+    x = torch.randn(7, hidden, device=DEVICE, dtype=dtype)
+    r = torch.randn(7, hidden, device=DEVICE, dtype=dtype)
+    torch.testing.assert_close(rms_norm(x, norm.weight, 1e-6), norm._norm(x), **_tol(dtype))
+    out, res = rms_norm(x, norm.weight, 1e-6, r)
+    torch.testing.assert_close(res, x + r, **_tol(dtype))
+    torch.testing.assert_close(out, norm._norm(x + r), **_tol(dtype))
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_silu_and_mul(dtype):
+    torch.manual_seed(1)
+    x = torch.randn(5, 2 * 80, device=DEVICE, dtype=dtype)
+    gate, up = x.chunk(2, dim=-1)
+    torch.testing.assert_close(silu_and_mul(x), torch.nn.functional.silu(gate) * up, **_tol(dtype))
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("qk_norm", [True, False])
+@pytest.mark.parametrize("heads", [(4, 2), (3, 1)])
+def test_qk_norm_rope_matches_layers(dtype, qk_norm, heads):
+    torch.manual_seed(2)
+    hq, hkv, d, T = heads[0], heads[1], 32, 6
+    rot = RotaryEmbedding(d, 128, 10000.0).to(DEVICE)
+    qkv = torch.randn(T, (hq + 2 * hkv) * d, device=DEVICE, dtype=dtype)
+    pos = torch.tensor([0, 5, 9, 17, 64, 127], device=DEVICE)
+    qn, kn = RMSNorm(d, 1e-6).to(DEVICE, dtype), RMSNorm(d, 1e-6).to(DEVICE, dtype)
+    with torch.no_grad():
+        qn.weight.normal_(1.0, 0.1)
+        kn.weight.normal_(1.0, 0.1)
+    q_ref, k_ref, v_ref = qkv.split([hq * d, hkv * d, hkv * d], dim=-1)
+    q_ref, k_ref = q_ref.reshape(T, hq, d), k_ref.reshape(T, hkv, d)
+    if qk_norm:
+        q_ref, k_ref = qn._norm(q_ref), kn._norm(k_ref)
+    q_ref, k_ref = rot(pos, q_ref, k_ref)
+    q, k, v = qk_norm_rope(qkv, pos, rot.cos_cache, rot.sin_cache, hq, hkv, d,
+                           qn.weight if qk_norm else None, kn.weight if qk_norm else None, 1e-6)
+    torch.testing.assert_close(q, q_ref, **_tol(dtype))
+    torch.testing.assert_close(k, k_ref, **_tol(dtype))
+    torch.testing.assert_close(v, v_ref.reshape(T, hkv, d), rtol=0, atol=0)
