@@ -46,6 +46,7 @@ import torch
 from torch import nn
 
 from common.engine.sequence import Sequence
+from common.layers.fused_dispatch import use_fused
 
 __all__ = ["SamplingBatch", "SamplerOutput", "Sampler", "prepare_sampling"]
 
@@ -234,6 +235,10 @@ class Sampler(nn.Module):
         if batch.all_greedy and not batch.any_penalty and not batch.need_logprobs:
             # Upcasting is exact and monotone: the argmax of the raw dtype is the same token.
             return SamplerOutput(token_ids=logits.argmax(dim=-1), logprobs=None)
+        if self._fused_ok(logits, batch):
+            from common.ops.sampling import gumbel_sample
+            seed = int(torch.randint(0, 2**31 - 1, (1,)))   # host RNG: no device sync
+            return SamplerOutput(token_ids=gumbel_sample(logits, batch.temperatures, seed), logprobs=None)
         raw = logits.float()          # may alias ``logits``: never modified in place
         lse = torch.logsumexp(raw, dim=-1) if batch.need_logprobs else None
 
@@ -252,6 +257,13 @@ class Sampler(nn.Module):
         if lse is not None:
             logprobs = raw.gather(1, token_ids.unsqueeze(1)).squeeze(1) - lse
         return SamplerOutput(token_ids=token_ids, logprobs=logprobs)
+
+    @staticmethod
+    def _fused_ok(logits: torch.Tensor, batch: SamplingBatch) -> bool:
+        """Temperature-only rows (greedy or sampled, unseeded), on CUDA: one fused Gumbel-max pass."""
+        return (use_fused(logits) and not batch.any_penalty and not batch.need_logprobs
+                and not batch.any_top_k and not batch.any_top_p and not batch.any_min_p
+                and not batch.seeded_rows)
 
     @staticmethod
     def _apply_penalties(x: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:

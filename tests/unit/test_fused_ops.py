@@ -65,3 +65,21 @@ def test_qk_norm_rope_matches_layers(dtype, qk_norm, heads):
     torch.testing.assert_close(q, q_ref, **_tol(dtype))
     torch.testing.assert_close(k, k_ref, **_tol(dtype))
     torch.testing.assert_close(v, v_ref.reshape(T, hkv, d), rtol=0, atol=0)
+
+
+def test_gumbel_sample_greedy_rows_and_distribution():
+    from common.ops.sampling import gumbel_sample
+    torch.manual_seed(3)
+    V = 5000
+    logits = torch.randn(4, V, device=DEVICE)
+    temps = torch.tensor([0.0, 0.0, 1.0, 1.0], device=DEVICE)
+    out = gumbel_sample(logits, temps, seed=123)
+    assert out[:2].tolist() == logits[:2].argmax(-1).tolist()
+    # a 4-token distribution: empirical frequencies match softmax(logits / T)
+    small = torch.tensor([[2.0, 1.0, 0.0, -1.0]], device=DEVICE).repeat(2000, 1)
+    t = torch.full((2000,), 0.7, device=DEVICE)
+    draws = gumbel_sample(small, t, seed=7)
+    freq = torch.bincount(draws.cpu(), minlength=4).float() / 2000
+    expected = torch.softmax(small[0].cpu() / 0.7, -1)
+    assert (freq - expected).abs().max() < 0.04
+    assert not torch.equal(gumbel_sample(small[:50], t[:50], 1), gumbel_sample(small[:50], t[:50], 2))
