@@ -194,6 +194,9 @@ class Flow:
         except asyncio.CancelledError:
             status = "DEADLINE_EXCEEDED" if job.expired() else "CANCELLED"
             raise
+        except Retry as r:          # a failure on a step that carried no token yet: no retry now
+            status = r.cause.code.name
+            raise r.cause from None
         except PdserveError as e:
             status = e.code.name
             raise

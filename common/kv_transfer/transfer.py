@@ -27,7 +27,6 @@ from concurrent.futures import Future
 from dataclasses import dataclass, field
 
 import torch
-import torch.distributed as dist
 
 from .blocks import (DEFAULT_MAX_MESSAGE_BYTES, BlockIds, bytes_per_block, check_block_ids,
                      check_pool, contiguous_range, gather_blocks, plan_chunks, scatter_blocks)
@@ -56,8 +55,10 @@ def _staging(slots: list, slot: int, n: int, kv_cache: torch.Tensor) -> torch.Te
 
 def _send_blocks_on(ch: PairChannel, kv_cache: torch.Tensor, ids: list[int],
                     max_message_bytes: int, deadline: float,
-                    ready_event: "torch.cuda.Event | None" = None) -> int:
-    """Send the blocks ``ids`` of ``kv_cache`` over ``ch``; returns once all has crossed."""
+                    ready_event: "torch.cuda.Event | None" = None,
+                    staging: list | None = None) -> int:
+    """Send the blocks ``ids`` of ``kv_cache`` over ``ch``; returns once all has crossed.
+    ``staging``: two reusable buffer slots (CPU; on CUDA the caching allocator reuses)."""
     block_bytes = bytes_per_block(kv_cache)
     chunks = plan_chunks(len(ids), block_bytes, max_message_bytes)
     stream = ch.stream
@@ -66,7 +67,7 @@ def _send_blocks_on(ch: PairChannel, kv_cache: torch.Tensor, ids: list[int],
             stream.wait_event(ready_event)
         else:
             stream.wait_stream(torch.cuda.current_stream(kv_cache.device))
-    slots: list = [None, None]
+    slots: list = staging if staging is not None else [None, None]
     last: list = [None, None]   # the last send from each staging buffer
     ops: list = []              # every send: each must be waited (a Gloo send is cancelled
                                 # if its Work is dropped before completion)
@@ -90,14 +91,15 @@ def _send_blocks_on(ch: PairChannel, kv_cache: torch.Tensor, ids: list[int],
 
 
 def _recv_blocks_on(ch: PairChannel, kv_cache: torch.Tensor, ids: list[int],
-                    max_message_bytes: int, deadline: float) -> int:
+                    max_message_bytes: int, deadline: float,
+                    staging: list | None = None) -> int:
     """Receive the blocks ``ids`` of ``kv_cache`` over ``ch`` and scatter them into the pool.
     On return the data has landed (CPU) or the scatter is enqueued on ``ch.stream`` after the
     completed receive (CUDA)."""
     block_bytes = bytes_per_block(kv_cache)
     chunks = plan_chunks(len(ids), block_bytes, max_message_bytes)
     stream = ch.stream
-    slots: list = [None, None]
+    slots: list = staging if staging is not None else [None, None]
     posted: list = [None] * len(chunks)   # (work, buffer or None)
 
     def post(i: int) -> None:
@@ -142,6 +144,9 @@ class _SendPair:
     channel: PairChannel | None = None
     store_address: str = ""
     stream: object = None
+    # CPU staging buffers, reused across transfers (fresh host memory costs page faults);
+    # on CUDA the caching allocator does this job
+    staging: list = field(default_factory=lambda: [None, None])
 
 
 class KvSender:
@@ -205,6 +210,7 @@ class KvSender:
             pair.channel.abort(reason)
             pair.channel.close()
             pair.channel = None
+        pair.staging = [None, None]  # an aborted operation may still touch the old ones
         pair.epoch += 1
 
     def send_blocks(self, decode_worker_id: str, store_address: str, epoch: int,
@@ -248,7 +254,8 @@ class KvSender:
                 t0 = time.perf_counter()
                 deadline = time.monotonic() + self.timeout
                 nbytes = _send_blocks_on(ch, kv_cache, ids, self.max_message_bytes, deadline,
-                                         ready_event)
+                                         ready_event,
+                                         None if kv_cache.is_cuda else pair.staging)
                 return nbytes, time.perf_counter() - t0
             except Exception as e:
                 old = pair.epoch
@@ -258,15 +265,26 @@ class KvSender:
                 log.warning(msg)
                 raise KvTransferError(msg) from e
 
-    def close(self) -> None:
-        """Abort every channel (no peer needed). The sender cannot be used afterwards."""
+    def close(self, wait: float = 1.0) -> None:
+        """Abort every channel (no peer needed); a send in flight fails. The sender cannot be
+        used afterwards. Waits up to ``wait`` seconds per pair for a send in flight to end
+        (a Gloo send ends at its timeout or when the peer drops; it then cleans up itself)."""
         with self._lock:
             self._closed = True
             pairs = list(self._pairs.values())
         for pair in pairs:
-            ch, pair.channel = pair.channel, None
+            ch = pair.channel
             if ch is not None:
-                ch.close()
+                ch.abort("sender closed")
+        for pair in pairs:
+            if not pair.lock.acquire(timeout=wait):
+                continue
+            try:
+                ch, pair.channel = pair.channel, None
+                if ch is not None:
+                    ch.close()
+            finally:
+                pair.lock.release()
 
     def __enter__(self) -> "KvSender":
         return self
@@ -304,6 +322,7 @@ class _RecvPeer:
         self.channel: PairChannel | None = None
         self.stream = (torch.cuda.Stream(owner.kv_cache.device)
                        if owner.kv_cache.is_cuda else None)
+        self.staging: list | None = None if owner.kv_cache.is_cuda else [None, None]
         self.stopping = False
         self.thread = threading.Thread(target=self._run, name=f"kv-recv-{prefill_id}",
                                        daemon=True)
@@ -338,7 +357,7 @@ class _RecvPeer:
                 ch = self._channel_for(item.epoch)
                 deadline = time.monotonic() + owner.timeout
                 nbytes = _recv_blocks_on(ch, owner.kv_cache, item.ids, owner.max_message_bytes,
-                                         deadline)
+                                         deadline, self.staging)
                 event = ch.record_event()
                 item.future.set_result((nbytes, event))
             except Exception as e:  # noqa: BLE001 - every failure goes to the future
@@ -348,6 +367,8 @@ class _RecvPeer:
                     ch, self.channel = self.channel, None
                 if ch is not None:
                     ch.close()
+                if self.staging is not None:
+                    self.staging = [None, None]  # an aborted receive may still write the old
                 err = e if isinstance(e, KvTransferError) else KvTransferError(str(e))
                 _fail(item, KvTransferError(
                     f"KV receive of {len(item.ids)} blocks from {self.prefill_id} epoch "

@@ -123,6 +123,8 @@ def _prefill_child(cfg: dict, prefill_id: str, addr_q, go_q, res_q) -> None:
             out.append(nbytes)
         res_q.put(("ok", out))
         if cfg.get("die_after_next_go"):
+            res_q.close()
+            res_q.join_thread()   # flush the answer: os._exit skips the queue's feeder thread
             go_q.get(timeout=CHILD_WAIT)  # a receive is posted for us: exit without sending
             os._exit(0)
         sender.close()

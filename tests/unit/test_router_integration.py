@@ -209,6 +209,9 @@ def test_disaggregated_stream_tokens_usage_logprobs(cluster) -> None:
     assert last.finish_reason == FR.FINISH_REASON_LENGTH
     assert (last.usage.prompt_tokens, last.usage.completion_tokens) == (40, 12)
     assert all(m.request_id == msgs[0].request_id and m.request_id for m in msgs)
+    from router.tokenization import RouterTokenizer, resolve_spec
+    hf = RouterTokenizer(resolve_spec("default").tokenizer_dir).hf
+    assert "".join(m.text for m in msgs) == hf.decode(tokens, skip_special_tokens=True)
     poll(idle(dep, "decode"), "decode worker idle")
     stats = dep.stats("decode")
     assert stats.num_cached_blocks >= 2 and stats.prefix_cache_query_tokens >= 40

@@ -1,0 +1,540 @@
+"""KV transfer benchmark: prefill (GPU 0) -> decode (GPU 1) over a NCCL pair channel.
+
+Two processes (multiprocessing 'spawn'): rank 0 is the prefill worker's sender
+(``KvSender``), rank 1 the decode worker's receiver (``KvReceiver``), which hosts the
+``KvStoreServer``. A queue plays PushKV: the decode side posts its receive, then tells the
+sender to go. Geometry defaults to Qwen3-0.6B (28 layers, 8 KV heads, head_dim 128, bf16,
+block size 16: 114,688 bytes of KV per token).
+
+Measured, per request size (tokens):
+* effective bandwidth = bytes / (time from before the gather on the sender, with the KV
+  ready, to the scatter complete on the receiver, i.e. its event synchronised); both
+  timestamps are ``time.perf_counter()`` (CLOCK_MONOTONIC, one clock for the whole host);
+  median over the trials, for scattered block ids (gather + send + recv + scatter) and for
+  contiguous ids on both sides (sent from and received into the pool directly);
+* the sender's own wall time (``send_blocks``);
+* handover latency of one request (default 1024 tokens, scattered ids): the same interval,
+  p50 / p99 over ``--handover-trials``.
+
+Before timing, it checks bit-exactness on random data (scattered ids, a chunked transfer,
+contiguous ids; untouched blocks must keep their poison). ``--check-failures`` then checks
+recovery: a receive whose send never comes fails within the timeout and a new epoch works;
+the sender process dies with a receive posted, the receiver fails it (and survives), and a
+restarted sender on a new epoch works.
+
+  python bench/kv_transfer.py                         # 2 GPUs, NCCL
+  python bench/kv_transfer.py --device cpu            # Gloo on the CPU, small sizes
+Writes a table to stdout and JSON to --out (default bench/results/kv_transfer.json).
+"""
+from __future__ import annotations
+
+import os
+
+# NVLink multicast stays off on the lent machines (before torch or NCCL start).
+os.environ["NCCL_NVLS_ENABLE"] = "0"
+os.environ["TORCH_SYMM_MEM_DISABLE_MULTICAST"] = "1"
+os.environ["NVSHMEM_DISABLE_NVLS"] = "1"
+
+import argparse  # noqa: E402
+import datetime  # noqa: E402
+import json  # noqa: E402
+import multiprocessing as mp  # noqa: E402
+import queue  # noqa: E402
+import random  # noqa: E402
+import statistics  # noqa: E402
+import subprocess  # noqa: E402
+import sys  # noqa: E402
+import time  # noqa: E402
+from pathlib import Path  # noqa: E402
+
+ROOT = Path(__file__).resolve().parents[1]
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+
+PREFILL_ID = "bench-prefill"
+DECODE_ID = "bench-decode"
+POISON_BITS = 0x40E0  # bf16 7.0 / the int16 pattern the receiver pool is filled with
+WAIT = 120.0
+
+
+# ---------------------------------------------------------------------------- helpers
+def _device(args: dict, rank: int):
+    import torch
+    if args["device"] == "cpu":
+        return torch.device("cpu")
+    return torch.device("cuda", rank)
+
+
+def _sync(dev) -> None:
+    import torch
+    if dev.type == "cuda":
+        torch.cuda.synchronize(dev)
+
+
+def _dtype(name: str):
+    import torch
+    return {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}[name]
+
+
+def _geom(args: dict) -> tuple:
+    return (args["layers"], 2, args["block_size"], args["kv_heads"], args["head_dim"])
+
+
+def _verify_data(args: dict, n: int):
+    """Deterministic random blocks (bit patterns), generated on the CPU: the same on both
+    sides whatever the device."""
+    import torch
+    g = torch.Generator().manual_seed(1234)
+    dt = _dtype(args["dtype"])
+    numel = n * int(torch.Size(_geom(args)).numel())
+    itemsize = torch.empty(0, dtype=dt).element_size()
+    raw = torch.randint(0, 256, (numel * itemsize,), generator=g, dtype=torch.uint8)
+    t = raw.view(dt).view(n, *_geom(args))
+    if dt.is_floating_point:  # keep clear of NaN payloads (bit-exact anyway, but tidy)
+        t = torch.nan_to_num(t, nan=0.0, posinf=1.0, neginf=-1.0)
+    return t
+
+
+def _bits(t):
+    import torch
+    return t.view(torch.int16) if t.element_size() == 2 else t.view(torch.int32)
+
+
+def _pct(xs: list[float], p: float) -> float:
+    xs = sorted(xs)
+    if not xs:
+        return float("nan")
+    k = (len(xs) - 1) * p / 100.0
+    lo, hi = int(k), min(int(k) + 1, len(xs) - 1)
+    return xs[lo] + (xs[hi] - xs[lo]) * (k - lo)
+
+
+def make_schedule(args: dict) -> dict:
+    """Every transfer both sides run, in order (both processes get the same list)."""
+    rng = random.Random(0)
+    bs = args["block_size"]
+    nb = args["num_blocks"]
+    vb = args["verify_blocks"]
+    sched = []
+
+    def scattered(n, lo=0, hi=nb):
+        src = rng.sample(range(lo, hi), n)
+        dst = rng.sample(range(nb), n)
+        return src, dst
+
+    # verification (bit-exact): scattered, chunked, contiguous
+    src, dst = scattered(vb, 0, vb)
+    sched.append({"kind": "verify", "label": "scattered", "src": src, "dst": dst})
+    src, dst = scattered(vb, 0, vb)
+    sched.append({"kind": "verify", "label": "chunked", "src": src, "dst": dst,
+                  "max_message_bytes": max(1, args["verify_chunk_bytes"])})
+    sched.append({"kind": "verify", "label": "contiguous", "src": list(range(vb)),
+                  "dst": list(range(nb - vb, nb))})
+    for tokens in args["sizes"]:
+        n = -(-tokens // bs)
+        for mode in ("scattered", "contiguous"):
+            for t in range(args["warmup"] + args["trials"]):
+                if mode == "scattered":
+                    src, dst = scattered(n)
+                else:
+                    src, dst = list(range(n)), list(range(nb - n, nb))
+                sched.append({"kind": "bench", "tokens": tokens, "mode": mode,
+                              "warmup": t < args["warmup"], "src": src, "dst": dst})
+    n = -(-args["handover_tokens"] // bs)
+    for t in range(args["warmup"] + args["handover_trials"]):
+        src, dst = scattered(n)
+        sched.append({"kind": "handover", "tokens": args["handover_tokens"],
+                      "warmup": t < args["warmup"], "src": src, "dst": dst})
+    return {"items": sched}
+
+
+# ---------------------------------------------------------------------------- processes
+def decode_proc(args: dict, sched: dict, addr_q, go_q, t_q, res_q) -> None:
+    """Rank 1: hosts the store, posts receives, times them, verifies data."""
+    try:
+        import torch
+
+        from common.kv_transfer import KvReceiver, KvStoreServer, KvTransferError
+        dev = _device(args, 1)
+        if dev.type == "cuda":
+            torch.cuda.set_device(dev)
+        else:
+            torch.set_num_threads(max(1, args["cpu_threads"]))
+        server = KvStoreServer("127.0.0.1", 0)
+        addr_q.put(server.address)
+        dt = _dtype(args["dtype"])
+        pool = torch.empty(args["num_blocks"], *_geom(args), dtype=dt, device=dev)
+        _bits(pool).fill_(POISON_BITS if pool.element_size() == 2 else 0x40E00000)
+        recv = KvReceiver(pool, DECODE_ID, server, timeout=args["timeout"],
+                          max_message_bytes=args["max_message_bytes"])
+        expected = _verify_data(args, args["verify_blocks"]).to(dev)
+        poison_block = pool[0].clone()
+        kind, epoch = t_q.get(timeout=WAIT)
+        assert kind == "epoch"
+        verify, timings = [], []
+        for i, item in enumerate(sched["items"]):
+            recv.max_message_bytes = item.get("max_message_bytes", args["max_message_bytes"])
+            fut = recv.post(PREFILL_ID, epoch, item["dst"])
+            go_q.put(("go", i))
+            nbytes, event = fut.result(timeout=WAIT)
+            if event is not None:
+                event.synchronize()
+            t1 = time.perf_counter()
+            kind, j, t0, send_s, send_bytes = t_q.get(timeout=WAIT)
+            assert kind == "sent" and j == i, (kind, j, i)
+            assert nbytes == send_bytes
+            if item["kind"] == "verify":
+                src_idx = torch.tensor(item["src"], device=dev)
+                dst_idx = torch.tensor(item["dst"], device=dev)
+                exact = bool(torch.equal(_bits(pool.index_select(0, dst_idx)),
+                                         _bits(expected.index_select(0, src_idx))))
+                mask = torch.ones(args["num_blocks"], dtype=torch.bool, device=dev)
+                mask[dst_idx] = False
+                untouched = pool[mask]
+                clean = bool(torch.equal(_bits(untouched),
+                                         _bits(poison_block.expand_as(untouched))))
+                verify.append({"label": item["label"], "blocks": len(item["dst"]),
+                               "bytes": nbytes, "bit_exact": exact, "untouched_clean": clean})
+                pool.index_copy_(0, dst_idx, poison_block.expand(len(item["dst"]),
+                                                                 *poison_block.shape))
+            else:
+                timings.append((i, t1 - t0, send_s, nbytes))
+        recv.max_message_bytes = args["max_message_bytes"]
+        failures = None
+        if args["check_failures"]:
+            failures = _decode_failure_checks(args, recv, pool, expected, epoch, go_q, t_q,
+                                              KvTransferError)
+        recv.close()
+        server.close()
+        res_q.put(("decode", {"verify": verify, "timings": timings, "failures": failures}))
+    except BaseException as e:  # noqa: BLE001
+        import traceback
+        res_q.put(("error", f"decode: {e!r}\n{traceback.format_exc()}"))
+
+
+def _decode_failure_checks(args, recv, pool, expected, epoch, go_q, t_q, KvTransferError):
+    import torch
+    out = {}
+    recv.timeout = args["failure_timeout"]
+    dev = pool.device
+
+    def landed(src, dst):
+        return bool(torch.equal(_bits(pool[torch.tensor(dst, device=dev)]),
+                                _bits(expected[torch.tensor(src, device=dev)])))
+
+    # 1. a receive whose send never comes (the sender is alive): timeout, then a new epoch
+    t0 = time.monotonic()
+    fut = recv.post(PREFILL_ID, epoch, [1, 2, 3])
+    go_q.put(("skip", -1))
+    try:
+        fut.result(timeout=WAIT)
+        out["stalled"] = {"ok": False, "error": "no error"}
+    except KvTransferError as e:
+        out["stalled"] = {"ok": True, "seconds": time.monotonic() - t0, "error": str(e)[:300]}
+    go_q.put(("failed", -1))
+    kind, epoch2 = t_q.get(timeout=WAIT)
+    fut = recv.post(PREFILL_ID, epoch2, [10, 12, 14])
+    go_q.put(("verify", [4, 5, 6]))
+    fut.result(timeout=WAIT)
+    _sync(dev)
+    out["new_epoch_after_timeout"] = {"epoch": epoch2, "bit_exact": landed([4, 5, 6],
+                                                                             [10, 12, 14])}
+    # 2. the sender process dies with a receive posted; a restarted sender (new process)
+    t0 = time.monotonic()
+    fut = recv.post(PREFILL_ID, epoch2, [20, 21])
+    go_q.put(("die", -1))
+    try:
+        fut.result(timeout=WAIT)
+        out["peer_death"] = {"ok": False, "error": "no error"}
+    except KvTransferError as e:
+        out["peer_death"] = {"ok": True, "seconds": time.monotonic() - t0, "error": str(e)[:300]}
+    kind, epoch3 = t_q.get(timeout=WAIT)   # from the restarted sender
+    fut = recv.post(PREFILL_ID, epoch3, [30, 31, 33])
+    go_q.put(("verify", [7, 8, 9]))
+    fut.result(timeout=WAIT)
+    _sync(dev)
+    out["restarted_sender"] = {"epoch": epoch3, "bit_exact": landed([7, 8, 9], [30, 31, 33])}
+    t_q.get(timeout=WAIT)  # the restarted sender is done
+    return out
+
+
+def prefill_proc(args: dict, sched: dict | None, addr_q, go_q, t_q, res_q,
+                 first_epoch: int | None = None) -> None:
+    """Rank 0: sends on each go. With sched None: the restarted sender of the failure
+    checks (one verified transfer on a new epoch)."""
+    try:
+        import torch
+
+        from common.kv_transfer import KvSender
+        dev = _device(args, 0)
+        if dev.type == "cuda":
+            torch.cuda.set_device(dev)
+        else:
+            torch.set_num_threads(max(1, args["cpu_threads"]))
+        addr = addr_q.get(timeout=WAIT)
+        addr_q.put(addr)
+        dt = _dtype(args["dtype"])
+        pool = torch.empty(args["num_blocks"], *_geom(args), dtype=dt, device=dev)
+        if dt.is_floating_point:
+            pool.normal_()
+        pool[:args["verify_blocks"]] = _verify_data(args, args["verify_blocks"]).to(dev)
+        _sync(dev)
+        sender = KvSender(PREFILL_ID, timeout=args["timeout"],
+                          max_message_bytes=args["max_message_bytes"], first_epoch=first_epoch)
+        t_q.put(("epoch", sender.next_epoch(DECODE_ID)))
+        if sched is None:  # restarted sender
+            kind, src = go_q.get(timeout=WAIT)
+            sender.send_blocks(DECODE_ID, addr, sender.next_epoch(DECODE_ID), pool, src)
+            t_q.put(("done", 0))
+            sender.close()
+            return
+        info = {}
+        for i, item in enumerate(sched["items"]):
+            kind, j = go_q.get(timeout=WAIT)
+            assert kind == "go" and j == i, (kind, j, i)
+            sender.max_message_bytes = item.get("max_message_bytes", args["max_message_bytes"])
+            _sync(dev)                      # the KV is ready
+            t0 = time.perf_counter()
+            nbytes, secs = sender.send_blocks(DECODE_ID, addr, sender.next_epoch(DECODE_ID),
+                                              pool, item["src"])
+            t_q.put(("sent", i, t0, secs, nbytes))
+        sender.max_message_bytes = args["max_message_bytes"]
+        if args["check_failures"]:
+            sender.timeout = args["failure_timeout"]
+            kind, _ = go_q.get(timeout=WAIT)
+            assert kind == "skip"
+            kind, _ = go_q.get(timeout=WAIT)   # the receiver reports its failure
+            assert kind == "failed"
+            t_q.put(("epoch", sender.mark_broken(DECODE_ID, "PushKV outcome unknown")))
+            kind, src = go_q.get(timeout=WAIT)
+            sender.send_blocks(DECODE_ID, addr, sender.next_epoch(DECODE_ID), pool, src)
+            info["epoch_after_mark_broken"] = sender.next_epoch(DECODE_ID)
+            res_q.put(("prefill", info))
+            res_q.close()
+            res_q.join_thread()
+            t_q.close()
+            t_q.join_thread()
+            kind, _ = go_q.get(timeout=WAIT)
+            assert kind == "die"
+            os._exit(0)   # a receive is posted for us: die without sending
+        sender.close()
+        res_q.put(("prefill", info))
+    except BaseException as e:  # noqa: BLE001
+        import traceback
+        res_q.put(("error", f"prefill: {e!r}\n{traceback.format_exc()}"))
+
+
+# ---------------------------------------------------------------------------- main
+def _git_commit(override: str | None = None) -> str | None:
+    if override:
+        return override
+    try:
+        out = subprocess.run(["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True,
+                             text=True, timeout=10)
+        return out.stdout.strip() or None if out.returncode == 0 else None
+    except Exception:  # noqa: BLE001
+        return None
+
+
+def parse_args(argv=None) -> dict:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--device", choices=["cuda", "cpu"], default="cuda",
+                   help="cuda: NCCL between GPU 0 and GPU 1; cpu: Gloo")
+    p.add_argument("--sizes", type=str, default=None,
+                   help="request sizes in tokens, comma-separated (default: 16,64,256,1024,"
+                        "4096,16384 on cuda; 16,64,256 on cpu)")
+    p.add_argument("--trials", type=int, default=None, help="timed trials per size and mode")
+    p.add_argument("--warmup", type=int, default=3)
+    p.add_argument("--handover-tokens", type=int, default=None)
+    p.add_argument("--handover-trials", type=int, default=None)
+    p.add_argument("--layers", type=int, default=28)
+    p.add_argument("--kv-heads", type=int, default=8)
+    p.add_argument("--head-dim", type=int, default=128)
+    p.add_argument("--block-size", type=int, default=16)
+    p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"])
+    p.add_argument("--max-message-mib", type=float, default=512.0)
+    p.add_argument("--timeout", type=float, default=60.0)
+    p.add_argument("--check-failures", action="store_true",
+                   help="also check timeout / peer-death recovery")
+    p.add_argument("--failure-timeout", type=float, default=3.0)
+    p.add_argument("--cpu-threads", type=int, default=2)
+    p.add_argument("--git-commit", default=None,
+                   help="commit to record when `git rev-parse HEAD` is not available")
+    p.add_argument("--out", default=str(ROOT / "bench" / "results" / "kv_transfer.json"))
+    a = p.parse_args(argv)
+    cpu = a.device == "cpu"
+    sizes = ([int(s) for s in a.sizes.split(",")] if a.sizes
+             else ([16, 64, 256] if cpu else [16, 64, 256, 1024, 4096, 16384]))
+    args = {
+        "device": a.device, "sizes": sizes,
+        "trials": a.trials if a.trials is not None else (5 if cpu else 20),
+        "warmup": a.warmup,
+        "handover_tokens": a.handover_tokens or (256 if cpu else 1024),
+        "handover_trials": a.handover_trials or (20 if cpu else 100),
+        "layers": a.layers, "kv_heads": a.kv_heads, "head_dim": a.head_dim,
+        "block_size": a.block_size, "dtype": a.dtype,
+        "max_message_bytes": int(a.max_message_mib * 1024 * 1024),
+        "timeout": a.timeout, "check_failures": a.check_failures,
+        "failure_timeout": a.failure_timeout, "cpu_threads": a.cpu_threads, "out": a.out,
+        "git_commit": a.git_commit,
+    }
+    max_blocks = -(-max(sizes + [args["handover_tokens"]]) // a.block_size)
+    args["verify_blocks"] = min(64, max_blocks)
+    args["num_blocks"] = max(max_blocks, args["verify_blocks"]) + 64
+    itemsize = {"bfloat16": 2, "float16": 2, "float32": 4}[a.dtype]
+    args["bytes_per_token"] = a.layers * 2 * a.kv_heads * a.head_dim * itemsize
+    # the chunked verification: about 4 messages
+    args["verify_chunk_bytes"] = max(1, args["verify_blocks"] // 4) * a.block_size * \
+        args["bytes_per_token"]
+    return args
+
+
+def _get(q, procs, what: str):
+    deadline = time.monotonic() + 600
+    while time.monotonic() < deadline:
+        try:
+            msg = q.get(timeout=1.0)
+        except queue.Empty:
+            if any(p.exitcode not in (None, 0) for p in procs):
+                raise SystemExit(f"a benchmark process died while waiting for {what}: "
+                                 f"{[p.exitcode for p in procs]}")
+            continue
+        if msg[0] == "error":
+            raise SystemExit(msg[1])
+        return msg
+    raise SystemExit(f"timed out waiting for {what}")
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    import torch
+
+    from common.kv_transfer import plan_chunks
+    if args["device"] == "cuda":
+        if torch.cuda.device_count() < 2:
+            print("needs 2 GPUs (use --device cpu for the Gloo path)", file=sys.stderr)
+            return 2
+        device_name = torch.cuda.get_device_name(0)
+        nccl = ".".join(map(str, torch.cuda.nccl.version()))
+    else:
+        import platform
+        device_name = f"cpu ({platform.processor() or platform.machine()}, Gloo)"
+        nccl = None
+    sched = make_schedule(args)
+    ctx = mp.get_context("spawn")
+    addr_q, go_q, t_q, res_q = ctx.Queue(), ctx.Queue(), ctx.Queue(), ctx.Queue()
+    t_start = time.time()
+    dec = ctx.Process(target=decode_proc, args=(args, sched, addr_q, go_q, t_q, res_q))
+    pre = ctx.Process(target=prefill_proc, args=(args, sched, addr_q, go_q, t_q, res_q))
+    dec.start()
+    pre.start()
+    procs = [dec, pre]
+    results = {}
+    try:
+        kind, info = _get(res_q, procs, "the sender")
+        results[kind] = info
+        if args["check_failures"]:
+            pre.join(60)
+            restarted = ctx.Process(target=prefill_proc,
+                                    args=(args, None, addr_q, go_q, t_q, res_q,
+                                          None))
+            restarted.start()
+            procs.append(restarted)
+        kind, info = _get(res_q, [dec], "the receiver")
+        results[kind] = info
+    finally:
+        for p in procs:
+            p.join(30)
+            if p.is_alive():
+                p.kill()
+    wall = time.time() - t_start
+    dec_res = results["decode"]
+    bpt = args["bytes_per_token"]
+    rows = []
+    by_key: dict = {}
+    for i, elapsed, send_s, nbytes in dec_res["timings"]:
+        item = sched["items"][i]
+        if item["warmup"]:
+            continue
+        key = (item["kind"], item["tokens"], item.get("mode", "scattered"))
+        by_key.setdefault(key, []).append((elapsed, send_s, nbytes))
+    for tokens in args["sizes"]:
+        n_blocks = -(-tokens // args["block_size"])
+        row = {"tokens": tokens, "bytes": n_blocks * args["block_size"] * bpt,
+               "messages": len(plan_chunks(n_blocks, args["block_size"] * bpt,
+                                           args["max_message_bytes"]))}
+        for mode in ("scattered", "contiguous"):
+            xs = by_key[("bench", tokens, mode)]
+            el = statistics.median(x[0] for x in xs)
+            snd = statistics.median(x[1] for x in xs)
+            nbytes = xs[0][2]
+            row["bytes"] = nbytes
+            row[mode] = {"median_ms": el * 1e3, "p90_ms": _pct([x[0] for x in xs], 90) * 1e3,
+                         "GBps": nbytes / el / 1e9, "sender_median_ms": snd * 1e3,
+                         "trials": len(xs)}
+        rows.append(row)
+    hv = [x[0] for x in by_key[("handover", args["handover_tokens"], "scattered")]]
+    handover = {"tokens": args["handover_tokens"], "trials": len(hv),
+                "p50_ms": _pct(hv, 50) * 1e3, "p99_ms": _pct(hv, 99) * 1e3,
+                "min_ms": min(hv) * 1e3, "max_ms": max(hv) * 1e3}
+    print(f"KV transfer: {device_name}, {args['device']} "
+          f"({'NCCL ' + nccl if nccl else 'Gloo'}), {args['layers']} layers x "
+          f"{args['kv_heads']} kv heads x {args['head_dim']} {args['dtype']}, block "
+          f"{args['block_size']}: {bpt:,} B/token; max message "
+          f"{args['max_message_bytes'] / 2**20:.0f} MiB")
+    print("verification: " + ", ".join(
+        f"{v['label']} ({v['blocks']} blocks) "
+        f"{'bit-exact' if v['bit_exact'] and v['untouched_clean'] else 'MISMATCH'}"
+        for v in dec_res["verify"]))
+    hdr = (f"{'tokens':>7} {'MB':>9} {'msgs':>4} | {'scattered ms':>12} {'GB/s':>7} "
+           f"{'send ms':>8} | {'contig ms':>9} {'GB/s':>7} {'send ms':>8}")
+    print(hdr)
+    print("-" * len(hdr))
+    for r in rows:
+        s, c = r["scattered"], r["contiguous"]
+        print(f"{r['tokens']:>7} {r['bytes'] / 1e6:>9.2f} {r['messages']:>4} | "
+              f"{s['median_ms']:>12.3f} {s['GBps']:>7.1f} {s['sender_median_ms']:>8.3f} | "
+              f"{c['median_ms']:>9.3f} {c['GBps']:>7.1f} {c['sender_median_ms']:>8.3f}")
+    print(f"handover latency, {handover['tokens']} tokens, {handover['trials']} trials: "
+          f"p50 {handover['p50_ms']:.3f} ms, p99 {handover['p99_ms']:.3f} ms "
+          f"(min {handover['min_ms']:.3f}, max {handover['max_ms']:.3f})")
+    if dec_res["failures"] is not None:
+        print("failure checks: " + json.dumps(dec_res["failures"], indent=1))
+    ok = all(v["bit_exact"] and v["untouched_clean"] for v in dec_res["verify"])
+    if dec_res["failures"] is not None:
+        f = dec_res["failures"]
+        ok = ok and f["stalled"]["ok"] and f["peer_death"]["ok"] and \
+            f["new_epoch_after_timeout"]["bit_exact"] and f["restarted_sender"]["bit_exact"]
+    report = {
+        "benchmark": "kv_transfer",
+        "device": device_name,
+        "backend": "nccl" if args["device"] == "cuda" else "gloo",
+        "nccl_version": nccl,
+        "torch": torch.__version__,
+        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "command": " ".join([Path(sys.executable).name] + sys.argv),
+        "git_commit": _git_commit(args["git_commit"]),
+        "geometry": {k: args[k] for k in ("layers", "kv_heads", "head_dim", "block_size",
+                                          "dtype", "bytes_per_token")},
+        "max_message_bytes": args["max_message_bytes"],
+        "method": "time from before the gather on the sender (KV ready, synchronised) to the "
+                  "scatter complete on the receiver (event synchronised), perf_counter on one "
+                  "host; median over trials; scattered = random non-contiguous block ids on "
+                  "both sides (gather + send + recv + scatter), contiguous = block ranges sent "
+                  "from and received into the pool directly",
+        "verification": dec_res["verify"],
+        "sizes": rows,
+        "handover": handover,
+        "failure_checks": dec_res["failures"],
+        "all_ok": ok,
+        "wall_seconds": wall,
+    }
+    out = Path(args["out"])
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(report, indent=2) + "\n")
+    print(f"wrote {out}")
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

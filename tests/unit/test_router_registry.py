@@ -1,0 +1,87 @@
+"""Router internals on an event loop, without worker processes: DNS discovery in the registry,
+registration checks, and step merging in an attempt (several queued outputs -> one message)."""
+from __future__ import annotations
+
+import asyncio
+import sys
+from pathlib import Path
+from types import SimpleNamespace
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+
+import router.workers as workers_mod  # noqa: E402
+from pdserve.v1 import common_pb2, worker_pb2  # noqa: E402
+from router.attempt import Attempt  # noqa: E402
+from router.settings import RouterSettings  # noqa: E402
+from router.tokenization import ModelSpec  # noqa: E402
+from router.workers import WorkerRegistry  # noqa: E402
+
+SPEC = ModelSpec("m", max_model_len=1024, vocab_size=512)
+
+
+def test_dns_refresh_adds_retires_and_closes(monkeypatch) -> None:
+    answers = [["10.0.0.1:7", "10.0.0.2:7"], ["10.0.0.2:7", "10.0.0.3:7"]]
+
+    async def fake_resolve(host: str, port: int) -> list[str]:
+        assert (host, port) == ("pods.svc", 7)
+        return answers.pop(0)
+
+    monkeypatch.setattr(workers_mod, "resolve", fake_resolve)
+
+    async def scenario() -> None:
+        reg = WorkerRegistry(RouterSettings("r", worker_timeout_s=0.2), SPEC, [], "dns:///pods.svc:7")
+        target = workers_mod.split_dns_target("dns:///pods.svc:7")
+        await reg._refresh("dns:///pods.svc:7", target, workers_mod.DECODE_ROLES)
+        assert sorted(reg.clients) == ["10.0.0.1:7", "10.0.0.2:7"]
+        reg.clients["10.0.0.1:7"].inflight = 1          # busy: retired, kept until idle
+        await reg._refresh("dns:///pods.svc:7", target, workers_mod.DECODE_ROLES)
+        assert sorted(reg.clients) == ["10.0.0.1:7", "10.0.0.2:7", "10.0.0.3:7"]
+        assert reg.clients["10.0.0.1:7"].retired and not reg.clients["10.0.0.2:7"].retired
+        reg.clients["10.0.0.1:7"].inflight = 0
+        answers.append(["10.0.0.2:7", "10.0.0.3:7"])
+        await reg._refresh("dns:///pods.svc:7", target, workers_mod.DECODE_ROLES)
+        assert sorted(reg.clients) == ["10.0.0.2:7", "10.0.0.3:7"]
+        await reg.stop()
+
+    asyncio.run(scenario())
+
+
+def test_registration_checks() -> None:
+    async def scenario() -> None:
+        reg = WorkerRegistry(RouterSettings("r", block_size=16), SPEC, "p:1", "d:1")
+        dec = SimpleNamespace(key="d:1", expected_roles=workers_mod.DECODE_ROLES)
+        pre = SimpleNamespace(key="p:1", expected_roles=workers_mod.PREFILL_ROLES)
+        ok = common_pb2.ServerInfo(protocol_version="v1", role=common_pb2.ROLE_DECODE, block_size=16, vocab_size=512)
+        assert reg._check_info(dec, ok) is None
+        assert "role" in reg._check_info(pre, ok)
+        assert "block_size" in reg._check_info(dec, common_pb2.ServerInfo(
+            protocol_version="v1", role=common_pb2.ROLE_BOTH, block_size=32))
+        assert "vocab_size" in reg._check_info(dec, common_pb2.ServerInfo(
+            protocol_version="v1", role=common_pb2.ROLE_BOTH, block_size=16, vocab_size=1000))
+        assert "protocol_version" in reg._check_info(dec, common_pb2.ServerInfo(
+            protocol_version="v2", role=common_pb2.ROLE_DECODE, block_size=16))
+        learn = WorkerRegistry(RouterSettings("r"), SPEC, "", "")
+        assert learn._check_info(dec, common_pb2.ServerInfo(protocol_version="v1", role=common_pb2.ROLE_BOTH,
+                                                            block_size=32)) is None
+        assert learn.block_size == 32
+
+    asyncio.run(scenario())
+
+
+def test_queued_outputs_merge_into_one_step() -> None:
+    async def scenario() -> None:
+        decode = SimpleNamespace(key="d", add_load=lambda *a, **k: None, mark_down=lambda *a: None)
+        job = SimpleNamespace(prompt=SimpleNamespace(token_ids=[1, 2, 3]), expired=lambda: False,
+                              sampling=SimpleNamespace(logprobs=True))
+        att = Attempt(SimpleNamespace(), job, decode, None, "rid")
+        att.queue = asyncio.Queue()
+        for i, reason in ((5, 0), (6, 0), (7, common_pb2.FINISH_REASON_LENGTH)):
+            att.queue.put_nowait(worker_pb2.SequenceOutput(request_id="rid", token_ids=[i], logprobs=[-0.5],
+                                                           finish_reason=reason, num_prompt_tokens=3 if i == 5 else 0,
+                                                           num_cached_tokens=16 if i == 5 else 0))
+        step = await att.next()
+        assert step.token_ids == [5, 6, 7] and step.logprobs == [-0.5] * 3
+        assert step.finish_reason == common_pb2.FINISH_REASON_LENGTH and att.cached_tokens == 16
+        assert att.first_seen
+
+    asyncio.run(scenario())
