@@ -38,8 +38,8 @@ async def _main(args: argparse.Namespace) -> None:
     async def startup() -> None:
         await runtime.start(state.on_step, state.expire)
         state.loop = runtime.loop
-        servicer.receiver = KvReceiver(runtime.engine.model_runner.kv_cache, store=store,
-                                       decode_worker_id=runtime.worker_id, timeout_s=args.kv_timeout_s)
+        servicer.receiver = KvReceiver(runtime.engine.model_runner.kv_cache, runtime.worker_id, store,
+                                       timeout=args.kv_timeout_s)
         start_metrics(args.metrics_port)
 
     try:

@@ -6,6 +6,7 @@ import logging
 import time
 
 from common.engine.llm_engine import DuplicateRequest, OutOfBlocks
+from common.kv_transfer import KvTransferError
 from common.grpc_utils.convert import deadline_from_proto, finish_reason_to_proto, sampling_params_from_proto
 from common.grpc_utils.errors import (AlreadyExists, DeadlineExceeded, FailedPrecondition, InvalidArgument,
                                       NotFound, ResourceExhausted, Unavailable)
@@ -81,7 +82,11 @@ class DecodeServicer(BaseWorkerServicer):
         if not block_ids:
             self.runtime.loop.call(lambda e: self.state.finish_receive(e, rid, first, lp, None, None))
             return worker_pb2.PushKVResponse()
-        future = self.receiver.post(request.prefill_worker_id, request.channel_epoch, block_ids)
+        try:
+            future = self.receiver.post(request.prefill_worker_id, request.channel_epoch, block_ids)
+        except KvTransferError as e:   # nothing was posted: the reservation ends here
+            self.runtime.loop.call(lambda eng: self.state.finish_receive(eng, rid, first, lp, None, e))
+            raise FailedPrecondition(str(e)) from e
         future.add_done_callback(lambda f: resolve_receive(self.runtime.loop, self.state, rid, first, lp, f))
         return worker_pb2.PushKVResponse()
 
@@ -102,6 +107,7 @@ class DecodeServicer(BaseWorkerServicer):
             raise InvalidArgument("router_id", "must not be empty")
         router_id = request.router_id
         queue = self.runtime.outputs.subscribe(router_id)
+        await context.send_initial_metadata(())   # tells the router the stream is open
         step = 0
         try:
             while True:

@@ -101,6 +101,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     from_ro.add_argument("--latency-max-tokens", type=int, default=16, help="output tokens of the latency requests")
     from_ro.add_argument("--latency-step-ms", type=float, default=1.0, help="scripted step time for the latency part")
     from_ro.add_argument("--setups", default="colocated,disagg", help="latency setups: colocated, disagg")
+    from_ro.add_argument("--idle-measure-s", type=float, default=3.0,
+                         help="seconds of the router's idle CPU use measured before the latency requests")
     from_ro.add_argument("--fanout-concurrency", default="16,64,256", help="concurrent streams of the fan-out part")
     from_ro.add_argument("--fanout-step-ms", type=float, default=2.0, help="scripted step time for the fan-out part")
     from_ro.add_argument("--fanout-max-tokens", type=int, default=512, help="output tokens per fan-out stream")

@@ -88,9 +88,22 @@ def stop_processes(procs: list[subprocess.Popen], timeout: float = 30.0) -> None
             p.kill()
 
 
-async def _wait_all(addresses: list[str], timeout: float) -> None:
-    from common.grpc_utils.server import wait_ready
+async def _wait_all(addresses: list[str], timeout: float, num_prefill: int, num_decode: int) -> None:
+    """Every server SERVING, then the router seeing all its workers."""
+    from common.grpc_utils.server import client_channel, wait_ready
+    from pdserve.v1 import router_pb2, router_pb2_grpc
     await asyncio.gather(*(wait_ready(a, timeout) for a in addresses))
+    deadline = time.monotonic() + timeout
+    async with client_channel(addresses[-1]) as channel:
+        stub = router_pb2_grpc.GenerationStub(channel)
+        while True:
+            info = await stub.GetModelInfo(router_pb2.GetModelInfoRequest(), timeout=5)
+            if info.num_decode_workers >= num_decode and info.num_prefill_workers >= num_prefill:
+                return
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"router sees {info.num_prefill_workers} prefill / {info.num_decode_workers} "
+                                   f"decode workers, expected {num_prefill} / {num_decode}")
+            await asyncio.sleep(0.2)
 
 
 def _demo(router: str) -> None:
@@ -107,7 +120,7 @@ def _demo(router: str) -> None:
 def run(args: argparse.Namespace) -> int:
     procs, addresses = start_processes(args)
     try:
-        asyncio.run(_wait_all(addresses, args.startup_timeout))
+        asyncio.run(_wait_all(addresses, args.startup_timeout, args.prefill, args.decode))
         logger.info("all services are SERVING; router at %s", addresses[-1])
         if args.demo:
             _demo(addresses[-1])

@@ -21,7 +21,7 @@ async def _main(args: argparse.Namespace) -> None:
 
     runtime = WorkerRuntime("prefill", worker_id_from_args(args, "prefill"), engine_config_from_args(args))
     state = PrefillState(runtime.aio_loop)
-    sender = KvSender(prefill_worker_id=runtime.worker_id, timeout_s=args.kv_timeout_s)
+    sender = KvSender(runtime.worker_id, timeout=args.kv_timeout_s)
     servicer = PrefillServicer(runtime, state, sender)
 
     async def startup() -> None:

@@ -5,11 +5,14 @@ import asyncio
 import logging
 import time
 
+import grpc
+
 from common.engine.llm_engine import DuplicateRequest
 from common.engine.sequence import FinishReason
 from common.grpc_utils.convert import deadline_from_proto, finish_reason_to_proto, sampling_params_from_proto
 from common.grpc_utils.errors import (AlreadyExists, Cancelled, DeadlineExceeded, InvalidArgument, Unavailable)
 from common.grpc_utils.server import client_channel
+from common.kv_transfer import KvTransferError
 from common.serving.worker_runtime import WorkerRuntime
 from common.serving.worker_servicer import BaseWorkerServicer
 from pdserve.v1 import worker_pb2, worker_pb2_grpc
@@ -27,6 +30,7 @@ class PrefillServicer(BaseWorkerServicer):
         self.draining = False
         self.in_flight = 0
         self._decode_stubs: dict[str, worker_pb2_grpc.WorkerStub] = {}
+        self._pair_locks: dict[str, asyncio.Lock] = {}
 
     def _decode_stub(self, address: str) -> worker_pb2_grpc.WorkerStub:
         stub = self._decode_stubs.get(address)
@@ -82,29 +86,51 @@ class PrefillServicer(BaseWorkerServicer):
             self.in_flight -= 1
 
     async def _ship(self, request, result) -> worker_pb2.TransferDone:
-        """PushKV, then send the blocks the decode worker lacks; the held blocks are freed after."""
+        """PushKV, then send the blocks the decode worker lacks; the held blocks are freed after.
+
+        One transfer at a time per decode worker (its pair channel orders sends as PushKV calls
+        were answered); the asyncio lock keeps the event loop free while a send runs in a thread.
+        """
         rid, t = request.request_id, request.kv_target
         seq = self.runtime.engine.held.get(rid)
         first_block = t.num_cached_tokens // self.runtime.engine_config.block_size
         src, dst = seq.block_table[first_block:], list(t.block_ids)[first_block:]
         block_bytes = self.runtime.engine.model_runner.block_bytes
         transfer = None
+        lock = self._pair_locks.setdefault(t.decode_worker_id, asyncio.Lock())
         try:
-            epoch = self.sender.epoch(t.decode_worker_id)
-            await self._decode_stub(t.decode_address).PushKV(worker_pb2.PushKVRequest(
-                request_id=rid, prefill_worker_id=self.runtime.worker_id, channel_epoch=epoch,
-                first_token_id=result.token_id, first_token_logprob=result.logprob, num_blocks=len(dst),
-                block_ids=dst, num_bytes=len(dst) * block_bytes), timeout=PUSH_KV_TIMEOUT_S)
-            started = time.perf_counter()
-            if src:
-                transfer = asyncio.ensure_future(asyncio.to_thread(
-                    self.sender.send_blocks, t.decode_worker_id, t.kv_store_address, epoch,
-                    self.runtime.engine.model_runner.kv_cache, src))
-                await asyncio.shield(transfer)
-            elapsed_ms = (time.perf_counter() - started) * 1000
-            return worker_pb2.TransferDone(bytes=len(src) * block_bytes, transfer_ms=elapsed_ms, num_blocks=len(src))
+            async with lock:
+                epoch = self.sender.next_epoch(t.decode_worker_id)
+                await self._push_kv(request, result, epoch, dst, block_bytes)
+                started = time.perf_counter()
+                if src:
+                    transfer = asyncio.ensure_future(asyncio.to_thread(
+                        self.sender.send_blocks, t.decode_worker_id, t.kv_store_address, epoch,
+                        self.runtime.engine.model_runner.kv_cache, src))
+                    try:
+                        await asyncio.shield(transfer)
+                    except KvTransferError as e:
+                        raise Unavailable(f"KV transfer to {t.decode_worker_id} failed: {e}") from e
+                elapsed_ms = (time.perf_counter() - started) * 1000
+            return worker_pb2.TransferDone(bytes=len(src) * block_bytes, transfer_ms=elapsed_ms,
+                                           num_blocks=len(src))
         finally:
             self._release_after(rid, transfer)
+
+    async def _push_kv(self, request, result, epoch: int, dst: list[int], block_bytes: int) -> None:
+        t = request.kv_target
+        try:
+            await self._decode_stub(t.decode_address).PushKV(worker_pb2.PushKVRequest(
+                request_id=request.request_id, prefill_worker_id=self.runtime.worker_id, channel_epoch=epoch,
+                first_token_id=result.token_id, first_token_logprob=result.logprob, num_blocks=len(dst),
+                block_ids=dst, num_bytes=len(dst) * block_bytes), timeout=PUSH_KV_TIMEOUT_S)
+        except grpc.aio.AioRpcError as e:
+            if e.code() not in (grpc.StatusCode.NOT_FOUND, grpc.StatusCode.INVALID_ARGUMENT,
+                                grpc.StatusCode.FAILED_PRECONDITION):
+                # unknown whether the receive was posted: the pair starts a new epoch
+                await asyncio.to_thread(self.sender.mark_broken, t.decode_worker_id, f"PushKV {e.code().name}")
+            raise Unavailable(f"decode worker {t.decode_worker_id} refused the KV: "
+                              f"{e.code().name}: {e.details()}") from e
 
     def _release_after(self, rid: str, transfer: asyncio.Future | None) -> None:
         """Free the held blocks once no send reads them any more."""

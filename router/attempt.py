@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import time
 from dataclasses import dataclass, field
 
 import grpc
@@ -147,7 +146,8 @@ class Attempt:
                     break
                 raise self._fail(item, self.decode, "output stream")
             self._merge(step, item)
-            if step.finish_reason != common_pb2.FINISH_REASON_UNSPECIFIED or self.queue.empty():
+            if (step.finish_reason != common_pb2.FINISH_REASON_UNSPECIFIED or self._pending is not None
+                    or self.queue.empty()):
                 break
             item = self.queue.get_nowait()
         self._decode_load += len(step.token_ids)
@@ -203,15 +203,18 @@ class Attempt:
 
     async def _rest_of_prefill(self) -> None:
         try:
-            async for msg in self.prefill_call:
+            while True:     # read() only: an rpc's read API and its iterator may not be mixed
+                msg = await self.prefill_call.read()
+                if msg is grpc.aio.EOF:
+                    break
                 if msg.WhichOneof("event") == "transfer_done":
                     log.debug("%s: KV transfer done: %d blocks, %.2f ms", self.rid,
                               msg.transfer_done.num_blocks, msg.transfer_done.transfer_ms)
         except asyncio.CancelledError:
             raise
-        except grpc.aio.AioRpcError as e:
+        except grpc.aio.AioRpcError as e:   # after the first token: the request fails
             if self.queue is not None and not self.expired:
-                self.queue.put_nowait(e)
+                self.queue.put_nowait(self._fail(e, self.prefill, "Prefill (KV transfer)"))
         finally:
             self._release_prefill()
 
@@ -234,6 +237,9 @@ class Attempt:
 
     def close(self, cancel_workers: bool) -> None:
         """Release everything; with ``cancel_workers`` also Cancel the request on its workers."""
+        if self.timer is not None:
+            self.timer.cancel()
+            self.timer = None
         if self._subscription is not None:
             self._subscription.unregister(self.rid)
             self._subscription = None

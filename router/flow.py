@@ -133,24 +133,19 @@ class Flow:
                     raise last.cause from None
                 raise
             att = Attempt(self, job, decode, prefill, self.new_request_id())
-            timer = self._arm_deadline(job, att)
+            att.timer = self._arm_deadline(job, att)
             try:
                 await att.start()
-                step = await att.next()
-                att.timer = timer
-                return att, step
+                return att, await att.next()
             except Retry as r:
-                if timer is not None:
-                    timer.cancel()
                 att.close(cancel_workers=True)
                 log.info("request %s: %s; %s", job.request_id, r.cause.message,
                          "retrying on another worker" if attempt_no == 0 else "giving up")
                 excluded.add(r.worker_key)
                 last = r
-                self.metrics.retries.inc()
+                if attempt_no == 0:
+                    self.metrics.retries.inc()
             except BaseException:
-                if timer is not None:
-                    timer.cancel()
                 att.close(cancel_workers=True)
                 raise
         assert last is not None
@@ -205,8 +200,6 @@ class Flow:
             raise
         finally:
             if att is not None:
-                if att.timer is not None:
-                    att.timer.cancel()
                 att.close(cancel_workers=cancel_workers)
             self.inflight -= 1
             self.metrics.in_flight.dec()

@@ -39,6 +39,22 @@ CHANNEL_OPTIONS = (
 READY_TIMEOUT_S = 60.0
 
 
+_LOOP: asyncio.AbstractEventLoop | None = None
+
+
+def run_async(coro):
+    """Run ``coro`` on this process's one event loop (kept open between calls).
+
+    grpc.aio binds its completion-queue poller to the loop it first runs on; a fresh
+    ``asyncio.run`` per call leaves callbacks aimed at closed loops ("Event loop is closed").
+    """
+    global _LOOP
+    if _LOOP is None or _LOOP.is_closed():
+        _LOOP = asyncio.new_event_loop()
+    asyncio.set_event_loop(_LOOP)
+    return _LOOP.run_until_complete(coro)
+
+
 @dataclass
 class LoadResult:
     records: list[RequestRecord]
@@ -129,8 +145,8 @@ async def _run_proc(address: str, items: Sequence[tuple[int, BenchRequest, float
         records = list(await asyncio.gather(*tasks))
         cpu1 = _cpu_now()
         wall = time.perf_counter() - start_at
-        gc.unfreeze()
     finally:
+        gc.unfreeze()
         await asyncio.gather(*(c.close() for c in channels), return_exceptions=True)
     user, sys_ = cpu1[1] - cpu0[1], cpu1[2] - cpu0[2]
     info = {"pid": os.getpid(), "requests": len(items), "concurrency_limit": limit,
@@ -158,7 +174,7 @@ def _child_main(proc_no: int, address: str, items, limit, timeout, num_channels,
             pending[0], last[0] = 0, now
 
     try:
-        records, info = asyncio.run(_run_proc(address, items, limit, timeout, num_channels, ready, progress))
+        records, info = run_async(_run_proc(address, items, limit, timeout, num_channels, ready, progress))
         if pending[0]:
             q.put(("progress", proc_no, pending[0]))
         q.put(("result", proc_no, (records, info)))
@@ -203,7 +219,7 @@ def run_load(address: str, requests: Sequence[BenchRequest], offsets: Sequence[f
             start[0] = time.perf_counter() + 0.01
             return start[0]
 
-        records, info = asyncio.run(_run_proc(address, items, limits[0], timeout, channels_per_proc, ready, update))
+        records, info = run_async(_run_proc(address, items, limits[0], timeout, channels_per_proc, ready, update))
         procs = [info]
         start_at = start[0]
     else:

@@ -7,7 +7,6 @@ CPU use of a process is read from ``/proc/<pid>/stat`` (Linux).
 """
 from __future__ import annotations
 
-import asyncio
 import contextlib
 import os
 import signal
@@ -142,6 +141,7 @@ class Service:
 
 def wait_ready(services: list[Service], timeout: float = 120.0) -> None:
     """Wait until each service's gRPC health says SERVING; RuntimeError (with its log) if one dies."""
+    from bench.serve.client import run_async
     from common.grpc_utils.server import wait_ready as _wait
 
     end = time.monotonic() + timeout
@@ -155,7 +155,7 @@ def wait_ready(services: list[Service], timeout: float = 120.0) -> None:
             if remaining <= 0:
                 raise TimeoutError(f"{svc.name} at {svc.address} not SERVING in {timeout:.0f} s:\n{svc.log_tail()}")
             try:
-                asyncio.run(_wait(svc.address, min(2.0, remaining)))
+                run_async(_wait(svc.address, min(2.0, remaining)))
                 break
             except Exception:  # noqa: BLE001 - not yet
                 continue

@@ -10,7 +10,7 @@ separate processes): what it adds to a request, and how many streamed tokens it 
    the two latency distributions (TTFT and E2E; p50, p90, p99, mean; and the percentiles of the
    paired per-request differences) is what the router adds: its validation, block hashing,
    placement, the extra gRPC hop, incremental detokenization. The router's CPU time per request
-   comes from /proc.
+   comes from /proc (also net of its idle use, measured for ``--idle-measure-s`` before the requests).
 2. **Fan-out** (``fanout``): a ``both`` worker stepping every ``--fanout-step-ms`` and a closed
    loop of C concurrent streams (``--fanout-concurrency``), ``--fanout-max-tokens`` tokens each:
    streamed tokens/s and messages/s the clients receive, against the worker's ideal
@@ -38,7 +38,7 @@ from typing import Any
 import numpy as np
 
 from bench.serve import procs
-from bench.serve.client import run_load
+from bench.serve.client import run_async, run_load
 from bench.serve.datasets import BenchRequest
 from bench.serve.metrics import compute_metrics
 from bench.serve.runner import git_commit, host_info
@@ -156,7 +156,8 @@ async def _routed(stub, ids: list[int], max_tokens: int) -> tuple[float, float, 
 
 
 async def _latency_pairs(router: str, decode: str, prefill: str | None, n: int, warm: int, prompt_len: int,
-                         max_tokens: int, vocab: int, seed: int, router_svc: procs.Service) -> dict[str, Any]:
+                         max_tokens: int, vocab: int, seed: int, router_svc: procs.Service,
+                         idle_s: float = 3.0) -> dict[str, Any]:
     import grpc
 
     from pdserve.v1 import router_pb2_grpc
@@ -165,7 +166,10 @@ async def _latency_pairs(router: str, decode: str, prefill: str | None, n: int, 
     routed: dict[str, list[float]] = {"ttft": [], "e2e": []}
     async with DirectClient(decode, prefill) as dc, grpc.aio.insecure_channel(router) as ch:
         stub = router_pb2_grpc.GenerationStub(ch)
-        cpu0 = None
+        idle0, t_idle = router_svc.cpu_seconds(), time.perf_counter()
+        await asyncio.sleep(idle_s)              # the router's CPU use with nothing to do (stats polls, ...)
+        idle_cores = (router_svc.cpu_seconds() - idle0) / (time.perf_counter() - t_idle)
+        cpu0 = wall0 = 0.0
         for i in range(warm + n):
             if i == warm:
                 cpu0, wall0 = router_svc.cpu_seconds(), time.perf_counter()
@@ -194,6 +198,8 @@ async def _latency_pairs(router: str, decode: str, prefill: str | None, n: int, 
     if max_tokens > 1:
         out["added_per_output_token_ms"] = (out["added_e2e_ms"]["mean"] - out["added_ttft_ms"]["mean"]) / (max_tokens - 1)
     out["router_cpu_ms_per_request"] = router_cpu * 1000 / n
+    out["router_idle_cpu_cores"] = idle_cores
+    out["router_cpu_ms_per_request_net"] = max(0.0, router_cpu - idle_cores * wall) * 1000 / n
     out["router_cpu_util_during_phase"] = router_cpu / wall if wall > 0 else 0.0
     return out
 
@@ -220,14 +226,15 @@ def latency_benchmark(args: argparse.Namespace, log_dir: Path) -> dict[str, Any]
             procs.wait_workers(router.address, 1, 1, 60)
             print(f"latency [{setup}]: {args.num_requests} x (direct, routed), prompt {args.prompt_len}, "
                   f"{args.latency_max_tokens} tokens, step {step} ms", flush=True)
-            res = asyncio.run(_latency_pairs(router.address, decode, prefill, args.num_requests,
+            res = run_async(_latency_pairs(router.address, decode, prefill, args.num_requests,
                                              min(20, args.num_requests), args.prompt_len, args.latency_max_tokens,
-                                             49152, 0, router))
+                                             49152, 0, router, args.idle_measure_s))
             res.update({"workers": [w.cmd[2:] for w in workers], "router_cmd": router.cmd[2:]})
             results[setup] = res
             a, b = res["added_ttft_ms"], res["added_e2e_ms"]
             print(f"  added TTFT p50 {a['p50']:.3f} ms, p99 {a['p99']:.3f} ms; added E2E p50 {b['p50']:.3f} ms, "
-                  f"p99 {b['p99']:.3f} ms; router CPU {res['router_cpu_ms_per_request']:.2f} ms/request", flush=True)
+                  f"p99 {b['p99']:.3f} ms; router CPU {res['router_cpu_ms_per_request']:.2f} ms/request "
+                  f"({res['router_cpu_ms_per_request_net']:.2f} above its idle use)", flush=True)
         finally:
             procs.stop_all(services)
     return results
@@ -264,7 +271,7 @@ def fanout_benchmark(args: argparse.Namespace, log_dir: Path) -> list[dict[str, 
                     for _ in range(n)]
             run_load(router.address, reqs[:min(c, 8)], [0.0] * min(c, 8), channels_per_proc=2)   # warm
             w_d0 = worker.cpu_seconds()
-            d_wall, d_tokens = asyncio.run(_direct_fanout(worker.address, reqs, c))
+            d_wall, d_tokens = run_async(_direct_fanout(worker.address, reqs, c))
             direct_tps, direct_worker_cores = d_tokens / d_wall, (worker.cpu_seconds() - w_d0) / d_wall
             r0, w0 = router.cpu_seconds(), worker.cpu_seconds()
             load = run_load(router.address, reqs, [0.0] * n, max_concurrency=c, num_procs=args.num_client_procs,

@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 class SamplingParams:
     """How to pick each next token and when to stop.
 
-    temperature 0 means greedy; top_k -1 (or 0) means off; top_p in (0, 1]; min_p in [0, 1).
+    temperature 0 means greedy; top_k -1 (or 0) means off; top_p in (0, 1]; min_p in [0, 1].
     Penalties follow the usual conventions: repetition_penalty (1.0 = off) divides positive /
     multiplies negative logits of tokens seen in the prompt or output; presence_penalty and
     frequency_penalty (0.0 = off) are subtracted for tokens seen in the output.
@@ -34,7 +34,7 @@ class SamplingParams:
         _check(self.temperature >= 0.0, "temperature", f"must be >= 0, got {self.temperature}")
         _check(0.0 < self.top_p <= 1.0, "top_p", f"must be in (0, 1], got {self.top_p}")
         _check(self.top_k >= -1, "top_k", f"must be -1 (off) or >= 0, got {self.top_k}")
-        _check(0.0 <= self.min_p < 1.0, "min_p", f"must be in [0, 1), got {self.min_p}")
+        _check(0.0 <= self.min_p <= 1.0, "min_p", f"must be in [0, 1], got {self.min_p}")
         _check(self.repetition_penalty > 0.0, "repetition_penalty",
                f"must be > 0, got {self.repetition_penalty}")
         _check(-2.0 <= self.presence_penalty <= 2.0, "presence_penalty",

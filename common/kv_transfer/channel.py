@@ -224,6 +224,9 @@ class PairChannel:
             return dist.ProcessGroupGloo(prefix_store, self.rank, 2, _seconds(left))
         # Unless set, do not let an NCCL error (a dead peer) kill this process.
         os.environ.setdefault("TORCH_NCCL_ASYNC_ERROR_HANDLING", "2")
+        # Point-to-point on the eagerly created communicator is serialized with the group's
+        # other operations: that is what a pair channel wants; don't warn about it.
+        os.environ.setdefault("TORCH_NCCL_SHOW_EAGER_INIT_P2P_SERIALIZATION_WARNING", "false")
         opts = dist.ProcessGroupNCCL.Options()
         opts.is_high_priority_stream = bool(high_priority)
         # Backstop only: this module aborts the group itself at its own timeout.
@@ -312,7 +315,7 @@ class PairChannel:
                 self.wait(w, deadline)
             return
         pending = works
-        spins = 0
+        t_start = time.monotonic()
         while pending:
             if self._broken:
                 raise self._error("channel was aborted"
@@ -324,12 +327,15 @@ class PairChannel:
                 raise self._error("transfer failed", e) from e
             if not pending:
                 break
-            if time.monotonic() >= deadline:
-                self._fail(f"timed out after {self.timeout:.1f}s")
-                self.abort(f"timed out after {self.timeout:.1f}s")
-                raise self._error(f"timed out after {self.timeout:.1f}s (peer dead or stalled?)")
-            spins += 1
-            time.sleep(0 if spins < 100 else 20e-6)
+            now = time.monotonic()
+            if now >= deadline:
+                what = f"timed out after {now - t_start:.1f}s"
+                self._fail(what)
+                self.abort(what)
+                raise self._error(f"{what} (peer dead or stalled?)")
+            # Yield (the GIL too) for the first ~2 ms: most transfers end within it; then
+            # sleep in small steps.
+            time.sleep(0 if now - t_start < 0.002 else 50e-6)
         for w in works:  # completed; re-raise a recorded error (e.g. communicator aborted)
             self.wait(w, deadline)
 

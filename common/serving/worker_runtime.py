@@ -12,7 +12,7 @@ from common.serving.broadcast import Broadcast
 from common.serving.engine_loop import EngineLoop
 
 logger = logging.getLogger(__name__)
-PROTOCOL_VERSION = "pdserve.v1"
+PROTOCOL_VERSION = "v1"
 
 
 class WorkerRuntime:
@@ -57,6 +57,7 @@ class WorkerRuntime:
 
     async def call(self, fn):
         """Run ``fn(engine)`` on the engine thread and await its result."""
+        self.require_ready()
         return await asyncio.wrap_future(self.loop.call(fn))
 
     # ---- KV events (engine thread -> subscribers, batched per step) ----------------------
@@ -76,7 +77,13 @@ class WorkerRuntime:
         return await self.call(lambda engine: list(engine.block_manager.hash_to_block_id))
 
     # ---- identity and stats ---------------------------------------------------------------
+    def require_ready(self) -> None:
+        if self.engine is None or self.loop is None:
+            from common.grpc_utils.errors import Unavailable
+            raise Unavailable(f"worker {self.worker_id} is still loading its model")
+
     def info(self) -> dict:
+        self.require_ready()
         e = self.engine
         return {"protocol_version": PROTOCOL_VERSION, "model": e.source.config.name,
                 "dtype": str(e.model_runner.dtype).replace("torch.", ""), "block_size": e.config.block_size,

@@ -267,7 +267,7 @@ def test_router_overhead_smoke(tmp_path):
     from pdserve.cmd_bench import main
     out = tmp_path / "ro.json"
     rc = main(["router-overhead", "--num-requests", "6", "--prompt-len", "256", "--latency-max-tokens", "4",
-               "--fanout-concurrency", "4", "--fanout-max-tokens", "16", "--fanout-rounds", "1",
+               "--fanout-concurrency", "4", "--fanout-max-tokens", "16", "--fanout-rounds", "1", "--idle-measure-s", "0.5",
                "--output", str(out), "--log-dir", str(tmp_path / "logs")])
     assert rc == 0
     data = json.loads(out.read_text())

@@ -68,58 +68,67 @@ def _check_landed(pool: torch.Tensor, src: torch.Tensor, src_ids, dst_ids,
 
 # ------------------------------------------------------------------ child processes
 def _decode_child(cfg: dict, addr_q, go_qs: dict, res_q) -> None:
-    """Hosts the store, posts receives in the order of cfg['plan'], checks what landed.
+    """Hosts the store and one receiver per decode worker id of cfg['dtypes'] (each with its
+    own pool: one process playing several decode workers), posts the receives in the order of
+    cfg['plan'], checks what landed.
 
-    plan: list of (prefill_id, epoch, seed, src_ids, dst_ids). For each item the decode side
-    posts the receive, then puts (index) on go_qs[prefill_id] (the PushKV answer).
+    plan: list of (prefill_id, decode_id, epoch, seed, src_ids, dst_ids). For each item the
+    decode side posts the receive, then puts its index on go_qs[prefill_id] (the PushKV
+    answer).
     """
     try:
         torch.set_num_threads(1)
-        dtype = cfg["dtype"]
         with KvStoreServer("127.0.0.1", 0) as server:
             addr_q.put(server.address)
-            pool = _poisoned_pool(dtype)
-            recv = KvReceiver(pool, "decode0", server, timeout=cfg.get("timeout", 10.0),
-                              max_message_bytes=cfg.get("max_message_bytes", 512 << 20))
+            pools, recvs = {}, {}
+            for did, dtype in cfg["dtypes"].items():
+                pools[did] = _poisoned_pool(dtype)
+                recvs[did] = KvReceiver(
+                    pools[did], did, server, timeout=cfg.get("timeout", 10.0),
+                    max_message_bytes=cfg.get("max_message_bytes", {}).get(did, 512 << 20))
             futures = []
-            for i, (pid, epoch, seed, src_ids, dst_ids) in enumerate(cfg["plan"]):
-                futures.append(recv.post(pid, epoch, dst_ids))
+            for i, (pid, did, epoch, seed, src_ids, dst_ids) in enumerate(cfg["plan"]):
+                futures.append(recvs[did].post(pid, epoch, dst_ids))
                 go_qs[pid].put(i)
             results = []
-            touched = {b for item in cfg["plan"] for b in item[4]}
-            for (pid, epoch, seed, src_ids, dst_ids), fut in zip(cfg["plan"], futures):
+            touched = {did: {b for it in cfg["plan"] if it[1] == did for b in it[5]}
+                       for did in pools}
+            for (pid, did, epoch, seed, src_ids, dst_ids), fut in zip(cfg["plan"], futures):
                 nbytes, event = fut.result(timeout=CHILD_WAIT)
                 assert event is None
-                errs = _check_landed(pool, _source_pool(seed, dtype), src_ids, dst_ids, touched)
-                results.append((nbytes, errs))
+                src = _source_pool(seed, cfg["dtypes"][did])
+                results.append((nbytes, _check_landed(pools[did], src, src_ids, dst_ids,
+                                                      touched[did])))
             # all transfers done: check again that no later transfer disturbed an earlier one
             final = []
-            for pid, epoch, seed, src_ids, dst_ids in cfg["plan"]:
-                src = _source_pool(seed, dtype)
-                final += [f"block {d} overwritten" for s, d in zip(src_ids, dst_ids)
-                          if not _same_bits(pool[d], src[s])]
-            final += _check_landed(pool, pool, [], [], touched)
-            recv.close()
+            for pid, did, epoch, seed, src_ids, dst_ids in cfg["plan"]:
+                src = _source_pool(seed, cfg["dtypes"][did])
+                final += [f"{did} block {d} overwritten" for s, d in zip(src_ids, dst_ids)
+                          if not _same_bits(pools[did][d], src[s])]
+            for did, pool in pools.items():
+                final += _check_landed(pool, pool, [], [], touched[did])
+                recvs[did].close()
             res_q.put(("ok", results, final))
     except BaseException as e:  # noqa: BLE001
         res_q.put(("error", repr(e)))
 
 
 def _prefill_child(cfg: dict, prefill_id: str, addr_q, go_q, res_q) -> None:
-    """Sends, for each go signal, the next item of cfg['sends'] (epoch, seed, src_ids)."""
+    """Sends, for each go signal, the next item of cfg['sends']
+    (decode_id, epoch, seed, src_ids), from a pool of cfg['dtypes'][decode_id]."""
     try:
         torch.set_num_threads(1)
         addr = addr_q.get(timeout=CHILD_WAIT)
         addr_q.put(addr)  # leave it for the next reader
         sender = KvSender(prefill_id, timeout=cfg.get("timeout", 10.0),
-                          max_message_bytes=cfg.get("max_message_bytes", 512 << 20),
                           first_epoch=cfg["epoch"])
         out = []
-        for epoch, seed, src_ids in cfg["sends"]:
+        for did, epoch, seed, src_ids in cfg["sends"]:
             go_q.get(timeout=CHILD_WAIT)
-            pool = _source_pool(seed, cfg["dtype"])
-            assert sender.next_epoch("decode0") == epoch
-            nbytes, secs = sender.send_blocks("decode0", addr, epoch, pool, src_ids)
+            pool = _source_pool(seed, cfg["dtypes"][did])
+            sender.max_message_bytes = cfg.get("max_message_bytes", {}).get(did, 512 << 20)
+            assert sender.next_epoch(did) == epoch
+            nbytes, secs = sender.send_blocks(did, addr, epoch, pool, src_ids)
             out.append(nbytes)
         res_q.put(("ok", out))
         if cfg.get("die_after_next_go"):
@@ -161,30 +170,33 @@ def _rand_ids(rng, n, exclude=()):
 
 
 # ------------------------------------------------------------------ (1) + (2) one pair
-@pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
-def test_one_pair_bit_exact_and_ordered(ctx, dtype):
-    """One prefill process sends several transfers (non-contiguous, unordered ids; one of
-    them contiguous, one chunked) to a decode process hosting the store; each lands bit-exact
-    in different block ids, in order, untouched blocks stay poisoned."""
+def test_one_prefill_bit_exact_and_ordered(ctx):
+    """One prefill process sends several transfers each to two decode workers (a bf16 pool
+    and an fp32 pool, hosted by one decode process; one channel each): non-contiguous,
+    unordered source ids; one contiguous destination (received in place); some cut into
+    chunks. Each lands bit-exact in different block ids, in order; untouched blocks stay
+    poisoned."""
     import random
     rng = random.Random(1)
     epoch = 5
-    plan, sends, used = [], [], set()
+    dtypes = {"decode0": "bfloat16", "decode1": "float32"}
+    plan, used = [], {did: set() for did in dtypes}
     for k, n in enumerate([5, 1, 4, 3]):
-        seed = 100 + k
-        src = _rand_ids(rng, n)
-        dst = _rand_ids(rng, n, exclude=used)
-        if k == 2:
-            dst = sorted(dst)
-            start = min(b for b in range(NUM_BLOCKS - n + 1) if all(
-                x not in used for x in range(b, b + n)))
-            dst = list(range(start, start + n))       # contiguous: received in place
-        used.update(dst)
-        plan.append(("prefill0", epoch, seed, src, dst))
-        sends.append((epoch, seed, src))
-    cfg = {"dtype": dtype, "plan": plan, "sends": sends, "epoch": epoch,
+        for did in dtypes:
+            seed = 100 + k
+            src = _rand_ids(rng, n)
+            dst = _rand_ids(rng, n, exclude=used[did])
+            if k == 2:
+                start = min(b for b in range(NUM_BLOCKS - n + 1) if all(
+                    x not in used[did] for x in range(b, b + n)))
+                dst = list(range(start, start + n))       # contiguous: received in place
+            used[did].update(dst)
+            plan.append(("prefill0", did, epoch, seed, src, dst))
+    cfg = {"dtypes": dtypes, "plan": plan, "epoch": epoch,
+           "sends": [(did, ep, seed, src) for _, did, ep, seed, src, _ in plan],
            # two blocks per message: the 5- and 4-block transfers are cut into chunks
-           "max_message_bytes": 2 * bytes_per_block(_poisoned_pool(dtype))}
+           "max_message_bytes": {did: 2 * bytes_per_block(_poisoned_pool(dt))
+                                 for did, dt in dtypes.items()}}
     addr_q, res_d, res_p = ctx.Queue(), ctx.Queue(), ctx.Queue()
     go = {"prefill0": ctx.Queue()}
     d = ctx.Process(target=_decode_child, args=(cfg, addr_q, go, res_d))
@@ -195,10 +207,10 @@ def test_one_pair_bit_exact_and_ordered(ctx, dtype):
         _, results, final = _get(res_d, "decode")
     finally:
         _reap(p, d)
-    bb = bytes_per_block(_poisoned_pool(dtype))
-    assert sent == [len(s[2]) * bb for s in sends]
+    bb = {did: bytes_per_block(_poisoned_pool(dt)) for did, dt in dtypes.items()}
+    assert sent == [len(it[4]) * bb[it[1]] for it in plan]
     for (nbytes, errs), item in zip(results, plan):
-        assert nbytes == len(item[4]) * bb
+        assert nbytes == len(item[5]) * bb[item[1]]
         assert errs == []
     assert final == []
 
@@ -212,19 +224,20 @@ def test_two_prefill_processes_to_one_decode(ctx):
     rng.shuffle(free)
     for k in range(3):
         for pid, epoch in (("pA", 11), ("pB", 22)):
-            seed = hash((pid, k)) % 1000
+            seed = 10 * k + (1 if pid == "pA" else 2)
             src = _rand_ids(rng, 3)
             dst = [free.pop() for _ in range(3)]
-            plan.append((pid, epoch, seed, src, dst))
-            sends[pid].append((epoch, seed, src))
+            plan.append((pid, "decode0", epoch, seed, src, dst))
+            sends[pid].append(("decode0", epoch, seed, src))
+    dtypes = {"decode0": "float32"}
     addr_q, res_d = ctx.Queue(), ctx.Queue()
     go = {"pA": ctx.Queue(), "pB": ctx.Queue()}
-    cfg_d = {"dtype": "float32", "plan": plan}
-    d = ctx.Process(target=_decode_child, args=(cfg_d, addr_q, go, res_d))
+    d = ctx.Process(target=_decode_child,
+                    args=({"dtypes": dtypes, "plan": plan}, addr_q, go, res_d))
     procs, res_p = [], {}
     for pid, epoch in (("pA", 11), ("pB", 22)):
         res_p[pid] = ctx.Queue()
-        cfg = {"dtype": "float32", "sends": sends[pid], "epoch": epoch}
+        cfg = {"dtypes": dtypes, "sends": sends[pid], "epoch": epoch}
         procs.append(ctx.Process(target=_prefill_child,
                                  args=(cfg, pid, addr_q, go[pid], res_p[pid])))
     d.start()
@@ -290,9 +303,11 @@ def test_sender_death_then_new_epoch(ctx):
     addr_q, res_d, res_1, res_2 = ctx.Queue(), ctx.Queue(), ctx.Queue(), ctx.Queue()
     go1, go2 = ctx.Queue(), ctx.Queue()
     d = ctx.Process(target=_decode_restart_child, args=(addr_q, go1, go2, res_d, timeout))
-    cfg1 = {"dtype": "float32", "epoch": 7, "sends": [(7, 1, [0, 2])],
+    dtypes = {"decode0": "float32"}
+    cfg1 = {"dtypes": dtypes, "epoch": 7, "sends": [("decode0", 7, 1, [0, 2])],
             "die_after_next_go": True, "timeout": timeout}
-    cfg2 = {"dtype": "float32", "epoch": 8, "sends": [(8, 3, [0, 5, 1])], "timeout": timeout}
+    cfg2 = {"dtypes": dtypes, "epoch": 8, "sends": [("decode0", 8, 3, [0, 5, 1])],
+            "timeout": timeout}
     p1 = ctx.Process(target=_prefill_child, args=(cfg1, "prefill0", addr_q, go1, res_1))
     p2 = ctx.Process(target=_prefill_child, args=(cfg2, "prefill0", addr_q, go2, res_2))
     for p in (d, p1, p2):

@@ -169,6 +169,9 @@ def cluster(tmp_path_factory):
             p.send(signal.SIGTERM)
         for p in everything:
             p.stop(None)
+    for d in deps.values():   # no unexpected error or stray traceback in any router's log
+        log = d.router.log.read_text(errors="replace")
+        assert "Traceback" not in log and " ERROR " not in log, d.router.tail(60)
 
 
 def poll(check: Callable[[], bool], what: str, attempts: int = 50, interval: float = 0.1) -> None:
@@ -394,3 +397,23 @@ def test_failover_retry_then_worker_down(cluster) -> None:
     with pytest.raises(grpc.RpcError) as e:
         stub.GenerateUnary(ids_request(prompt, max_tokens=4), timeout=10)
     assert e.value.code() == grpc.StatusCode.UNAVAILABLE and time.monotonic() - started < 2.0
+
+
+# ---- the Python client --------------------------------------------------------------------------
+def test_python_client(cluster) -> None:
+    from common.engine.sampling_params import SamplingParams
+    from common.grpc_utils import InvalidArgument
+    from pdserve.client import generate, stream_generate
+
+    address = cluster["disagg"].router.address
+    params = SamplingParams(temperature=0.0, max_tokens=6)
+    out = generate(address, "Hello there", params, chat=True)
+    assert out.finish_reason == "length" and out.completion_tokens == 6 and len(out.token_ids) == 6
+    assert "".join(stream_generate(address, "Hello there", params, chat=True)) == out.text
+    ids_out = generate(cluster["both"].router.address, [5, 6, 7], SamplingParams(max_tokens=3))
+    assert ids_out.token_ids == expected([5, 6, 7], 3, TINY_VOCAB) and ids_out.text == ""
+    with pytest.raises(InvalidArgument, match="max_tokens"):
+        generate(address, "Hello", SamplingParams(max_tokens=100_000))
+    check = subprocess.run([sys.executable, "-c", "import sys, pdserve.client; assert 'torch' not in sys.modules"],
+                           cwd=ROOT, capture_output=True, text=True, timeout=60)
+    assert check.returncode == 0, check.stderr

@@ -28,7 +28,7 @@ def ids(text: str) -> list[int]:
 
 
 def run(proc: OutputProcessor, steps: list[str]) -> tuple[str, str | None]:
-    text, matched = "", None
+    text = ""
     for s in steps:
         d = proc.add(ids(s))
         text += d.text
