@@ -30,6 +30,9 @@ class DecodeServicer(BaseWorkerServicer):
     def num_reserved(self) -> int:
         return self.state.num_reserved()
 
+    def transfer_counts(self) -> tuple[int, int]:
+        return self.state.num_transfers, self.state.transfer_bytes
+
     # ---- checks shared by Reserve and Submit ------------------------------------------------
     def _admission_checks(self, request_id: str, router_id: str, token_ids, deadline_unix_ms: int) -> float | None:
         if self.draining:

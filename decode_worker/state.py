@@ -47,7 +47,8 @@ class DecodeState:
         self.default_lease_ms = default_lease_ms
         self.tracked: dict[str, Tracked] = {}
         self.loop: EngineLoop | None = None   # set by the service once the loop exists
-        self.num_transfers = 0
+        self.num_transfers = 0          # receives completed
+        self.transfer_bytes = 0
 
     # ---- admission paths -------------------------------------------------------------
     def reserve(self, engine: LLMEngine, request_id: str, token_ids: list[int], params: SamplingParams,
@@ -71,11 +72,10 @@ class DecodeState:
         if list(block_ids) != expected:
             raise BadTransfer(f"block_ids {list(block_ids)[:8]} do not match the reservation {expected[:8]}")
         t.phase, t.lease_expires = RECEIVING, None
-        self.num_transfers += 1
         return t
 
     def finish_receive(self, engine: LLMEngine, request_id: str, first_token: int, logprob: float,
-                       event, error: BaseException | None) -> None:
+                       event, error: BaseException | None, num_bytes: int = 0) -> None:
         """The KV landed (or failed): admit the sequence with its first token, or drop it."""
         t = self.tracked.get(request_id)
         if t is None:
@@ -86,6 +86,8 @@ class DecodeState:
             return
         if event is not None:
             event.wait()   # the decode stream waits for the scatter; no host sync
+        self.num_transfers += 1
+        self.transfer_bytes += num_bytes
         t.phase = ACTIVE
         if not engine.admit_imported(t.seq, first_token, logprob):
             self._emit(t, finished_update(t.seq, t.seq.finish_reason))
@@ -155,8 +157,5 @@ def resolve_receive(loop: EngineLoop, state: DecodeState, request_id: str, first
                     logprob: float, future: Future) -> None:
     """Callback of a KV receive future: hand the result to the engine thread."""
     error = future.exception()
-    event = None
-    if error is None:
-        result = future.result()
-        event = result[1] if isinstance(result, tuple) and len(result) > 1 else None
-    loop.call(lambda engine: state.finish_receive(engine, request_id, first_token, logprob, event, error))
+    num_bytes, event = (0, None) if error is not None else future.result()
+    loop.call(lambda engine: state.finish_receive(engine, request_id, first_token, logprob, event, error, num_bytes))

@@ -31,6 +31,11 @@ class PrefillServicer(BaseWorkerServicer):
         self.in_flight = 0
         self._decode_stubs: dict[str, worker_pb2_grpc.WorkerStub] = {}
         self._pair_locks: dict[str, asyncio.Lock] = {}
+        self.num_transfers = 0
+        self.transfer_bytes = 0
+
+    def transfer_counts(self) -> tuple[int, int]:
+        return self.num_transfers, self.transfer_bytes
 
     def _decode_stub(self, address: str) -> worker_pb2_grpc.WorkerStub:
         stub = self._decode_stubs.get(address)
@@ -112,6 +117,8 @@ class PrefillServicer(BaseWorkerServicer):
                     except KvTransferError as e:
                         raise Unavailable(f"KV transfer to {t.decode_worker_id} failed: {e}") from e
                 elapsed_ms = (time.perf_counter() - started) * 1000
+            self.num_transfers += 1
+            self.transfer_bytes += len(src) * block_bytes
             return worker_pb2.TransferDone(bytes=len(src) * block_bytes, transfer_ms=elapsed_ms,
                                            num_blocks=len(src))
         finally:

@@ -105,13 +105,7 @@ class Attempt:
         self.decode.add_load(1, self._decode_load)
         job = self.job
         if self.prefill is None:
-            req = worker_pb2.SubmitRequest(request_id=self.rid, token_ids=job.prompt.token_ids,
-                                           params=job.wire_params, deadline_unix_ms=job.deadline_unix_ms,
-                                           router_id=self.flow.settings.router_id)
-            try:
-                await self.decode.stub.Submit(req, timeout=self._timeout(), wait_for_ready=False)
-            except grpc.aio.AioRpcError as e:
-                raise self._fail(e, self.decode, "Submit") from e
+            await self._submit()
             return
         req = worker_pb2.ReserveRequest(request_id=self.rid, token_ids=job.prompt.token_ids,
                                         params=job.wire_params, lease_ms=self.flow.settings.lease_ms,
@@ -120,6 +114,12 @@ class Attempt:
         try:
             res = await self.decode.stub.Reserve(req, timeout=self._timeout(), wait_for_ready=False)
         except grpc.aio.AioRpcError as e:
+            if e.code() == grpc.StatusCode.RESOURCE_EXHAUSTED:
+                # no room for the prompt's KV on the decode worker right now: let it queue the
+                # request and prefill it locally when its scheduler has room (no transfer)
+                self.prefill = None
+                await self._submit()
+                return
             raise self._fail(e, self.decode, "Reserve") from e
         target = worker_pb2.KvTarget(decode_worker_id=res.worker_id or self.decode.worker_id,
                                      kv_store_address=res.kv_store_address, decode_address=self.decode.address,
@@ -130,6 +130,16 @@ class Attempt:
         self.prefill.add_load(1, prompt_tokens=self.prompt_len)
         self._prefill_load = True
         self.prefill_call = self.prefill.stub.Prefill(preq, timeout=job.remaining(), wait_for_ready=False)
+
+    async def _submit(self) -> None:
+        job = self.job
+        req = worker_pb2.SubmitRequest(request_id=self.rid, token_ids=job.prompt.token_ids,
+                                       params=job.wire_params, deadline_unix_ms=job.deadline_unix_ms,
+                                       router_id=self.flow.settings.router_id)
+        try:
+            await self.decode.stub.Submit(req, timeout=self._timeout(), wait_for_ready=False)
+        except grpc.aio.AioRpcError as e:
+            raise self._fail(e, self.decode, "Submit") from e
 
     # ---- steps ------------------------------------------------------------------------
     async def next(self) -> Step:

@@ -427,6 +427,10 @@ class KvReceiver:
     Thread model: one daemon thread per prefill worker (created at its first post), each with
     its own pair channel (rank 1) and, on CUDA, its own side stream; so many prefill workers
     can send at once, each in order.
+
+    ``timeout`` applies to each receive from the moment its thread starts it (after the
+    earlier receives from the same prefill worker), and to joining a new channel.
+    ``max_message_bytes`` must equal the senders' (both cut a transfer the same way).
     """
 
     def __init__(self, kv_cache: torch.Tensor, decode_worker_id: str,

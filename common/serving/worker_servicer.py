@@ -38,6 +38,10 @@ class BaseWorkerServicer(worker_pb2_grpc.WorkerServicer):
     def num_reserved(self) -> int:
         return 0
 
+    def transfer_counts(self) -> tuple[int, int]:
+        """(transfers, bytes) completed since start."""
+        return 0, 0
+
     def _refuse(self, rpc: str):
         raise FailedPrecondition(f"{rpc} is not served by a worker of role {self.runtime.role}")
 
@@ -58,7 +62,9 @@ class BaseWorkerServicer(worker_pb2_grpc.WorkerServicer):
 
     async def GetStats(self, request, context) -> worker_pb2.WorkerStats:
         s = await self.runtime.stats(self.num_reserved)
-        return worker_pb2.WorkerStats(role=ROLES[self.runtime.role], worker_id=self.runtime.worker_id, **s)
+        transfers, nbytes = self.transfer_counts()
+        return worker_pb2.WorkerStats(role=ROLES[self.runtime.role], worker_id=self.runtime.worker_id,
+                                      num_kv_transfers=transfers, kv_transfer_bytes=nbytes, **s)
 
     async def StreamKvEvents(self, request, context):
         key = f"kv-{id(context)}"

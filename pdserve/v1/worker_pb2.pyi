@@ -188,7 +188,7 @@ class GetStatsRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class WorkerStats(_message.Message):
-    __slots__ = ("num_free_blocks", "num_used_blocks", "num_total_blocks", "num_cached_blocks", "num_waiting", "num_running", "num_reserved", "prefix_cache_hit_tokens", "prefix_cache_query_tokens", "num_preemptions", "role", "worker_id")
+    __slots__ = ("num_free_blocks", "num_used_blocks", "num_total_blocks", "num_cached_blocks", "num_waiting", "num_running", "num_reserved", "prefix_cache_hit_tokens", "prefix_cache_query_tokens", "num_preemptions", "role", "worker_id", "num_kv_transfers", "kv_transfer_bytes")
     NUM_FREE_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     NUM_USED_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     NUM_TOTAL_BLOCKS_FIELD_NUMBER: _ClassVar[int]
@@ -201,6 +201,8 @@ class WorkerStats(_message.Message):
     NUM_PREEMPTIONS_FIELD_NUMBER: _ClassVar[int]
     ROLE_FIELD_NUMBER: _ClassVar[int]
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]
+    NUM_KV_TRANSFERS_FIELD_NUMBER: _ClassVar[int]
+    KV_TRANSFER_BYTES_FIELD_NUMBER: _ClassVar[int]
     num_free_blocks: int
     num_used_blocks: int
     num_total_blocks: int
@@ -213,7 +215,9 @@ class WorkerStats(_message.Message):
     num_preemptions: int
     role: _common_pb2.Role
     worker_id: str
-    def __init__(self, num_free_blocks: _Optional[int] = ..., num_used_blocks: _Optional[int] = ..., num_total_blocks: _Optional[int] = ..., num_cached_blocks: _Optional[int] = ..., num_waiting: _Optional[int] = ..., num_running: _Optional[int] = ..., num_reserved: _Optional[int] = ..., prefix_cache_hit_tokens: _Optional[int] = ..., prefix_cache_query_tokens: _Optional[int] = ..., num_preemptions: _Optional[int] = ..., role: _Optional[_Union[_common_pb2.Role, str]] = ..., worker_id: _Optional[str] = ...) -> None: ...
+    num_kv_transfers: int
+    kv_transfer_bytes: int
+    def __init__(self, num_free_blocks: _Optional[int] = ..., num_used_blocks: _Optional[int] = ..., num_total_blocks: _Optional[int] = ..., num_cached_blocks: _Optional[int] = ..., num_waiting: _Optional[int] = ..., num_running: _Optional[int] = ..., num_reserved: _Optional[int] = ..., prefix_cache_hit_tokens: _Optional[int] = ..., prefix_cache_query_tokens: _Optional[int] = ..., num_preemptions: _Optional[int] = ..., role: _Optional[_Union[_common_pb2.Role, str]] = ..., worker_id: _Optional[str] = ..., num_kv_transfers: _Optional[int] = ..., kv_transfer_bytes: _Optional[int] = ...) -> None: ...
 
 class KvEventsRequest(_message.Message):
     __slots__ = ()
