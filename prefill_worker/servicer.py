@@ -132,9 +132,9 @@ class PrefillServicer(BaseWorkerServicer):
                 first_token_id=result.token_id, first_token_logprob=result.logprob, num_blocks=len(dst),
                 block_ids=dst, num_bytes=len(dst) * block_bytes), timeout=PUSH_KV_TIMEOUT_S)
         except grpc.aio.AioRpcError as e:
-            if e.code() not in (grpc.StatusCode.NOT_FOUND, grpc.StatusCode.INVALID_ARGUMENT,
-                                grpc.StatusCode.FAILED_PRECONDITION):
-                # unknown whether the receive was posted: the pair starts a new epoch
+            if e.code() not in (grpc.StatusCode.NOT_FOUND, grpc.StatusCode.INVALID_ARGUMENT):
+                # the receive may have been posted, or the decode worker refused this epoch:
+                # either way the pair starts a new epoch
                 await asyncio.to_thread(self.sender.mark_broken, t.decode_worker_id, f"PushKV {e.code().name}")
             raise Unavailable(f"decode worker {t.decode_worker_id} refused the KV: "
                               f"{e.code().name}: {e.details()}") from e

@@ -14,7 +14,7 @@ import pytest
 
 from common.engine import LLM, SamplingParams
 from pdserve.v1 import common_pb2, router_pb2
-from tests.integration import services
+from bench import deployment as services
 
 MAX_TOKENS = 20
 SYSTEM = ("You are a meticulous assistant for a railway company. Answer briefly and precisely, "

@@ -1,0 +1,182 @@
+"""Disaggregated serving on two GPUs, checked end to end (nvidia-h200-x2):
+
+1. router + prefill worker (GPU 0) + decode worker (GPU 1) and, beside it, router + one
+   role-``both`` worker (GPU 0), both serving the same preset with the same dummy weights;
+2. 200 concurrent greedy requests with shared prefixes through each: token-for-token equality,
+   and every worker's block pool whole afterwards;
+3. the decode worker killed while KV is in flight: the clients get UNAVAILABLE, the prefill
+   worker frees its side, and a restarted decode worker is used again without restarting the
+   router or the prefill worker.
+
+    python -m bench.disagg_gpu --out bench/results/disagg_h200x2.json
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import os
+import random
+import tempfile
+import time
+from pathlib import Path
+
+import grpc
+
+from bench import deployment
+from bench.common import write_result
+from pdserve.v1 import common_pb2, router_pb2, router_pb2_grpc
+
+logger = logging.getLogger(__name__)
+KILL_PROMPT_LEN = 4000
+for var, value in (("NCCL_NVLS_ENABLE", "0"), ("TORCH_SYMM_MEM_DISABLE_MULTICAST", "1"), ("NVSHMEM_DISABLE_NVLS", "1")):
+    os.environ[var] = value
+
+
+VOCAB_MAX = 100000
+
+
+def make_prompts(n: int, num_prefixes: int, prefix_len: int, seed: int = 0) -> list[list[int]]:
+    rng = random.Random(seed)
+    prefixes = [[rng.randrange(100, VOCAB_MAX) for _ in range(prefix_len)] for _ in range(num_prefixes)]
+    return [prefixes[i % num_prefixes] + [rng.randrange(100, VOCAB_MAX) for _ in range(rng.randint(8, 128))]
+            for i in range(n)]
+
+
+def request(tokens: list[int], max_tokens: int) -> router_pb2.GenerateRequest:
+    return router_pb2.GenerateRequest(token_ids=router_pb2.TokenIds(ids=tokens), params=common_pb2.SamplingParams(
+        temperature=0, max_tokens=max_tokens, ignore_eos=True))
+
+
+async def run_all(router: str, prompts: list[list[int]], max_tokens: int, timeout: float = 300.0) -> list:
+    """Every prompt at once; returns (token ids, first-message latency s) or the error code name."""
+    async with grpc.aio.insecure_channel(router) as ch:
+        stub = router_pb2_grpc.GenerationStub(ch)
+
+        async def one(p):
+            start, ttft, ids = time.perf_counter(), None, []
+            try:
+                async for msg in stub.Generate(request(p, max_tokens), timeout=timeout):
+                    ttft = ttft if ttft is not None else time.perf_counter() - start
+                    ids.extend(msg.token_ids)
+                return ids, ttft
+            except grpc.aio.AioRpcError as e:
+                return e.code().name, None
+        return await asyncio.gather(*(one(p) for p in prompts))
+
+
+def compare(a: list, b: list) -> dict:
+    same = sum(x[0] == y[0] for x, y in zip(a, b))
+    diverged = [next((i for i, (u, v) in enumerate(zip(x[0], y[0])) if u != v), None)
+                for x, y in zip(a, b) if x[0] != y[0] and isinstance(x[0], list) and isinstance(y[0], list)]
+    errors = [x[0] for x in a + b if not isinstance(x[0], list)]
+    return {"requests": len(a), "identical": same, "first_divergence_positions": diverged[:20], "errors": errors[:20]}
+
+
+def pools_whole(dep: deployment.Deployment) -> dict:
+    out = {}
+    for addr in dep.decode + dep.prefill:
+        s = dep.wait_whole(addr, tries=300)
+        out[addr] = {"free": s.num_free_blocks, "total": s.num_total_blocks, "transfers": s.num_kv_transfers,
+                     "transfer_bytes": s.kv_transfer_bytes, "preemptions": s.num_preemptions,
+                     "prefix_hit_tokens": s.prefix_cache_hit_tokens}
+    return out
+
+
+async def kill_during_transfer(dep: deployment.Deployment, max_tokens: int) -> dict:
+    """Long prompts in flight; SIGKILL the decode worker as soon as a first token is out."""
+    prompts = make_prompts(8, 8, KILL_PROMPT_LEN, seed=7)
+    async with grpc.aio.insecure_channel(dep.router) as ch:
+        stub = router_pb2_grpc.GenerationStub(ch)
+        killed = asyncio.Event()
+
+        async def one(p):
+            try:
+                async for _ in stub.Generate(request(p, max_tokens), timeout=120):
+                    if not killed.is_set():
+                        dep.procs["decode0"].kill()
+                        killed.set()
+                return "OK"
+            except grpc.aio.AioRpcError as e:
+                return e.code().name
+        started = time.perf_counter()
+        codes = await asyncio.gather(*(one(p) for p in prompts))
+        answered_s = time.perf_counter() - started
+    dep.procs["decode0"].wait(30)
+    prefill_whole = dep.wait_whole(dep.prefill[0], tries=300)
+    return {"client_codes": codes, "all_answered_in_s": answered_s,
+            "prefill_free_after_kill": prefill_whole.num_free_blocks, "prefill_total": prefill_whole.num_total_blocks}
+
+
+async def wait_router_sees_decode(router: str, timeout: float = 120.0) -> float:
+    start = time.perf_counter()
+    async with grpc.aio.insecure_channel(router) as ch:
+        stub = router_pb2_grpc.GenerationStub(ch)
+        while time.perf_counter() - start < timeout:
+            info = await stub.GetModelInfo(router_pb2.GetModelInfoRequest(), timeout=5)
+            if info.num_decode_workers >= 1:
+                return time.perf_counter() - start
+            await asyncio.sleep(0.5)
+    raise TimeoutError("router never saw the restarted decode worker")
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", default="qwen3-0.6b")
+    p.add_argument("--dtype", default="float32", help="float32 makes greedy ties across batch shapes unlikely")
+    p.add_argument("--requests", type=int, default=200)
+    p.add_argument("--prefix-len", type=int, default=512)
+    p.add_argument("--max-tokens", type=int, default=32)
+    p.add_argument("--kv-memory-gb", type=float, default=30.0)
+    p.add_argument("--device", default="cuda", help="cpu runs the same checks with Gloo (small presets)")
+    p.add_argument("--vocab-max", type=int, default=100000)
+    p.add_argument("--max-model-len", type=int, default=8192)
+    p.add_argument("--kill-prompt-len", type=int, default=4000)
+    p.add_argument("--out", default="bench/results/disagg_h200x2.json")
+    args = p.parse_args(argv)
+    global VOCAB_MAX, KILL_PROMPT_LEN
+    VOCAB_MAX, KILL_PROMPT_LEN = args.vocab_max, args.kill_prompt_len
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    log_root = Path(tempfile.mkdtemp(prefix="pdserve-disagg-"))
+    gpus = (["0"], ["1"]) if args.device == "cuda" else (None, None)
+    common = dict(model=args.model, device=args.device, kv_memory_gb=args.kv_memory_gb, timeout=600.0,
+                  extra_worker_args=["--dtype", args.dtype, "--max-model-len", str(args.max_model_len)])
+    (log_root / "disagg").mkdir()
+    (log_root / "both").mkdir()
+    disagg = deployment.start(log_root / "disagg", prefill_gpus=gpus[0], decode_gpus=gpus[1], **common)
+    both = deployment.start(log_root / "both", num_prefill=0, decode_role="both", decode_gpus=gpus[0], **common)
+    result: dict = {"config": vars(args)}
+    try:
+        prompts = make_prompts(args.requests, 10, args.prefix_len)
+        asyncio.run(run_all(disagg.router, prompts[:4], args.max_tokens))        # warm-up (JIT, channels)
+        asyncio.run(run_all(both.router, prompts[:4], args.max_tokens))
+        t0 = time.perf_counter()
+        a = asyncio.run(run_all(disagg.router, prompts, args.max_tokens))
+        t1 = time.perf_counter()
+        b = asyncio.run(run_all(both.router, prompts, args.max_tokens))
+        t2 = time.perf_counter()
+        result["equality"] = compare(a, b)
+        result["seconds"] = {"disaggregated": t1 - t0, "co_located": t2 - t1}
+        ttfts = sorted(x[1] for x in a if x[1] is not None)
+        result["disagg_ttft_p50_s"] = ttfts[len(ttfts) // 2] if ttfts else None
+        result["pools_after"] = {"disaggregated": pools_whole(disagg), "co_located": pools_whole(both)}
+        result["kill"] = asyncio.run(kill_during_transfer(disagg, args.max_tokens))
+        disagg.restart("decode0")
+        result["kill"]["router_saw_restart_after_s"] = asyncio.run(wait_router_sees_decode(disagg.router))
+        again = asyncio.run(run_all(disagg.router, prompts[:8], args.max_tokens))
+        result["kill"]["after_restart_identical"] = sum(x[0] == y[0] for x, y in zip(again, b[:8]))
+        result["kill"]["pools_after_restart"] = pools_whole(disagg)
+    finally:
+        disagg.stop()
+        both.stop()
+        for name, log in {**disagg.logs, **{f"both-{k}": v for k, v in both.logs.items()}}.items():
+            text = log.read_text(errors="replace")
+            result.setdefault("log_errors", {})[name] = [l for l in text.splitlines() if "Traceback" in l or " ERROR " in l][:5]
+    write_result(args.out, result)
+    eq = result.get("equality", {})
+    print(f"identical {eq.get('identical')}/{eq.get('requests')}; kill: {result.get('kill')}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
