@@ -19,6 +19,7 @@ SUBCOMMANDS = {
     "prefill": ("prefill_worker.main", "run a prefill worker"),
     "decode": ("decode_worker.main", "run a decode worker (role decode, or --role both)"),
     "up": ("pdserve.cmd_up", "start router + prefill + decode locally as separate processes"),
+    "bench": ("pdserve.cmd_bench", "benchmarks: serve (load-test a router), compare (two deployments), router-overhead"),
 }
 
 
