@@ -16,6 +16,10 @@ RESULTS_DIR = Path(__file__).parent / "results"
 
 
 def git_commit() -> str:
+    """HEAD, or ``PDSERVE_GIT_COMMIT`` where the tree has no .git (the device machines)."""
+    from common import env
+    if env.get("GIT_COMMIT"):
+        return env.get("GIT_COMMIT")
     try:
         return subprocess.check_output(["git", "rev-parse", "HEAD"], text=True, stderr=subprocess.DEVNULL).strip()
     except (OSError, subprocess.CalledProcessError):
