@@ -52,6 +52,24 @@ def script_logprob(i: int) -> float:
     return -0.05 - (i % 10) / 10.0
 
 
+def _merge_steps(steps: list[worker_pb2.StepOutputs]) -> worker_pb2.StepOutputs:
+    """Several queued StepOutputs as one: one SequenceOutput per request (as decode_worker does)."""
+    merged: dict[str, worker_pb2.SequenceOutput] = {}
+    for step in steps:
+        for out in step.outputs:
+            m = merged.get(out.request_id)
+            if m is None:
+                merged[out.request_id] = out
+                continue
+            m.token_ids.extend(out.token_ids)
+            m.logprobs.extend(out.logprobs)
+            if out.num_prompt_tokens:
+                m.num_prompt_tokens, m.num_cached_tokens = out.num_prompt_tokens, out.num_cached_tokens
+            if out.finish_reason:
+                m.finish_reason, m.error = out.finish_reason, out.error
+    return worker_pb2.StepOutputs(outputs=list(merged.values()), step=steps[-1].step)
+
+
 class BlockPool:
     """KV blocks with reference counts and a hash-chained prefix cache (LRU eviction)."""
 
@@ -309,10 +327,12 @@ class ScriptedWorker(worker_pb2_grpc.WorkerServicer, common_pb2_grpc.InfoService
         await context.send_initial_metadata(())
         try:
             while True:
-                item = await q.get()
-                if item is None:
+                items = [await q.get()]
+                while not q.empty():          # coalesce steps that queued up meanwhile
+                    items.append(q.get_nowait())
+                if any(item is None for item in items):
                     return
-                yield item
+                yield items[0] if len(items) == 1 else _merge_steps(items)
         finally:
             if self.subs.get(router_id) is q:
                 del self.subs[router_id]

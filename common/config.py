@@ -123,6 +123,7 @@ class EngineConfig:
     enforce_eager: bool = False             # no CUDA graphs
     seed: int = 0                           # dummy-weight seed (presets / configs)
     enable_prefix_caching: bool = True
+    async_scheduling: bool | None = None    # overlap host work with the GPU; None = with CUDA graphs
     extra: dict = field(default_factory=dict)
 
     def __post_init__(self) -> None:

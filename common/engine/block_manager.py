@@ -195,10 +195,14 @@ class BlockManager:
         """Before a decode step: add a block if the newest token starts one; hash a block it fills."""
         if len(seq.block_table) < seq.num_blocks:
             seq.block_table.append(self._allocate_new_block().block_id)
-        if seq.num_tokens % self.block_size == 0:
-            i = seq.num_blocks - 1
-            parent = self.blocks[seq.block_table[i - 1]].hash if i > 0 else NO_PARENT
-            if i > 0 and parent == NO_PARENT:
-                return  # an earlier block was never registered: the chain is broken here
-            token_ids = seq.block(i)
-            self._register(self.blocks[seq.block_table[i]], block_hash(token_ids, parent), token_ids)
+        if seq.num_tokens % self.block_size == 0 and seq.last_token >= 0:
+            self.register_block(seq, seq.num_blocks - 1)
+
+    def register_block(self, seq: Sequence, i: int) -> None:
+        """Offer full block ``i`` of ``seq`` to the prefix cache once its tokens are known and the
+        step computing its last token's KV is under way; needs block ``i-1`` registered."""
+        parent = self.blocks[seq.block_table[i - 1]].hash if i > 0 else NO_PARENT
+        if i > 0 and parent == NO_PARENT:
+            return  # an earlier block was never registered: the chain is broken here
+        token_ids = seq.block(i)
+        self._register(self.blocks[seq.block_table[i]], block_hash(token_ids, parent), token_ids)

@@ -16,6 +16,7 @@ from common.config import EngineConfig
 from common.engine.llm_engine import LLMEngine
 from common.detokenizer import IncrementalDetokenizer
 from common.engine.sampling_params import InvalidParameter, SamplingParams
+from common.engine.sequence import PLACEHOLDER
 
 Prompt = str | list[int]
 
@@ -91,8 +92,9 @@ class LLM:
         try:
             while not seq.is_finished:
                 self.engine.step()
-                new = seq.completion_token_ids[seen:]
-                seen += len(new)
+                ids = seq.completion_token_ids
+                known = len(ids) - (1 if ids and ids[-1] == PLACEHOLDER else 0)
+                new, seen = ids[seen:known], known
                 if new and (delta := detok.add(new)):
                     yield delta
             if tail := detok.flush():

@@ -10,6 +10,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from common.config import EngineConfig
+from common.engine import overlap
 from common.engine.block_manager import BlockManager
 from common.engine.model_runner import ModelRunner
 from common.engine.sampling_params import InvalidParameter, SamplingParams
@@ -60,6 +61,8 @@ class LLMEngine:
             max_num_batched_tokens=max(config.max_num_batched_tokens, self.max_model_len),
             max_model_len=self.max_model_len, eos_token_ids=self.eos_token_ids), self.block_manager)
         self.tokenizer = self._load_tokenizer()
+        self.pending: overlap.PendingStep | None = None   # a decode step launched, not yet read
+        self.overlap_enabled = self._overlap_enabled()
         self.requests: dict[str, Sequence] = {}   # queued, running or reserved
         self.held: dict[str, Sequence] = {}       # prefill-only, first token out, blocks kept
 
@@ -71,6 +74,12 @@ class LLMEngine:
             raise ValueError(f"max_model_len ({wanted}) exceeds the model's context ({model_max})")
         # one sequence must always fit the pool, or the scheduler could never run it
         return min(wanted, num_blocks * self.config.block_size)
+
+    def _overlap_enabled(self) -> bool:
+        setting = self.config.async_scheduling
+        if setting is None:
+            return self.model_runner.graph_runner is not None
+        return setting
 
     def _eos_token_ids(self) -> tuple[int, ...]:
         ids = set(self.source.config.eos_token_ids)
@@ -167,13 +176,22 @@ class LLMEngine:
         return seq
 
     def has_unfinished(self) -> bool:
-        return not self.scheduler.is_finished()
+        return not self.scheduler.is_finished() or self.pending is not None
 
     # ---- the loop -----------------------------------------------------------------------
     def step(self) -> StepOutput:
+        if self.pending is not None:
+            prev, self.pending = self.pending, None
+            self.pending = overlap.schedule_next(self, prev)
+            out = StepOutput(is_prefill=False, num_computed_tokens=len(prev.seqs))
+            overlap.resolve(self, prev, out)
+            return out
         seqs, is_prefill = self.scheduler.schedule()
         out = StepOutput(is_prefill=is_prefill)
         if not seqs:
+            return out
+        if not is_prefill and overlap.can_overlap(self):
+            self.pending = overlap.launch_decode(self, seqs, None)
             return out
         out.num_computed_tokens = (sum(s.num_tokens - s.num_cached_tokens for s in seqs)
                                    if is_prefill else len(seqs))
@@ -195,11 +213,14 @@ class LLMEngine:
                 self._hold(seq)
                 finished.append(seq)
             elif reason is not None:
-                self.scheduler.finish(seq, reason)
-                self.requests.pop(seq.request_id, None)
-                self.model_runner.release(seq)
+                self.finish(seq, reason)
                 finished.append(seq)
         return finished
+
+    def finish(self, seq: Sequence, reason: FinishReason) -> None:
+        self.scheduler.finish(seq, reason)
+        self.requests.pop(seq.request_id, None)
+        self.model_runner.release(seq)
 
     def _hold(self, seq: Sequence) -> None:
         """A prefill-only sequence after its first token: out of the batch, blocks kept."""

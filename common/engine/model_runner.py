@@ -41,6 +41,31 @@ def resolve_dtype(name: str, model_cfg: ModelConfig, device: torch.device) -> to
     return torch.bfloat16 if dtype == torch.float32 else dtype
 
 
+class LaunchedStep:
+    """A step's sampled tokens on their way to the host (pinned copy + event on CUDA)."""
+
+    def __init__(self, token_ids: torch.Tensor, logprobs: torch.Tensor | None, device: torch.device) -> None:
+        self.token_ids = token_ids          # [B] int64, on the device (feeds the next step)
+        self.logprobs = logprobs
+        self.event = None
+        if device.type == "cuda":
+            self._host_ids = torch.empty(token_ids.shape, dtype=token_ids.dtype, pin_memory=True)
+            self._host_ids.copy_(token_ids, non_blocking=True)
+            self._host_lp = None
+            if logprobs is not None:
+                self._host_lp = torch.empty(logprobs.shape, dtype=logprobs.dtype, pin_memory=True)
+                self._host_lp.copy_(logprobs, non_blocking=True)
+            self.event = torch.cuda.Event()
+            self.event.record()
+        else:
+            self._host_ids, self._host_lp = token_ids, logprobs
+
+    def result(self) -> tuple[list[int], list[float] | None]:
+        if self.event is not None:
+            self.event.synchronize()
+        return self._host_ids.tolist(), (self._host_lp.tolist() if self._host_lp is not None else None)
+
+
 class ModelRunner:
     def __init__(self, config: EngineConfig, source: ModelSource) -> None:
         self.config = config
@@ -162,8 +187,22 @@ class ModelRunner:
     @torch.inference_mode()
     def run(self, seqs: list[Sequence], is_prefill: bool) -> tuple[list[int], list[float] | None]:
         """Forward + sampling for one step; returns each sequence's next token (and logprob)."""
+        return self.launch(seqs, is_prefill).result()
+
+    @torch.inference_mode()
+    def launch(self, seqs: list[Sequence], is_prefill: bool, src_rows: list[int] | None = None,
+               prev_tokens: torch.Tensor | None = None) -> "LaunchedStep":
+        """Enqueue forward + sampling for one step without waiting for the tokens.
+
+        Decode only: row ``i`` whose ``src_rows[i] >= 0`` takes its input token from
+        ``prev_tokens[src_rows[i]]`` (the previous step's sampled tokens, still on the device),
+        so a step can start before the host has seen the previous one's tokens.
+        """
         prepare = self.prepare_prefill if is_prefill else self.prepare_decode
         input_ids, positions, ctx = prepare(seqs)
+        if src_rows is not None and prev_tokens is not None:
+            src = self._to_device(src_rows, torch.int64)
+            input_ids = torch.where(src >= 0, prev_tokens[src.clamp(min=0)], input_ids)
         batch = prepare_sampling(seqs, self.model_config.vocab_size, self.device, self.generators)
         if not is_prefill and self.graph_runner is not None and self.graph_runner.can_run(len(seqs)):
             hidden = self.graph_runner.run(input_ids, positions, ctx)
@@ -174,9 +213,7 @@ class ModelRunner:
             hidden = hidden[ctx.cu_seqlens_q[1:].long() - 1]
         logits = self.model.compute_logits(hidden)
         out = self.sampler(logits, batch)
-        token_ids = out.token_ids.tolist()
-        logprobs = out.logprobs.tolist() if out.logprobs is not None else None
-        return token_ids, logprobs
+        return LaunchedStep(out.token_ids, out.logprobs, self.device)
 
     def release(self, seq: Sequence) -> None:
         """Forget per-sequence state (its seeded generator) once it has finished."""

@@ -77,10 +77,15 @@ class Scheduler:
             scheduled.append(seq)
         return scheduled
 
-    def _schedule_decode(self) -> list[Sequence]:
+    def _schedule_decode(self, exclude: set[int] | None = None) -> list[Sequence]:
+        """One token for each running sequence (``exclude``: seq ids to leave out this step)."""
         scheduled: list[Sequence] = []
+        skipped: list[Sequence] = []
         while self.running and len(scheduled) < self.config.max_num_seqs:
             seq = self.running.popleft()
+            if exclude and seq.seq_id in exclude:
+                skipped.append(seq)
+                continue
             while not self.block_manager.can_append(seq):
                 if self.running:
                     self.preempt(self.running.pop())
@@ -90,7 +95,7 @@ class Scheduler:
             else:
                 self.block_manager.may_append(seq)
                 scheduled.append(seq)
-        self.running.extendleft(reversed(scheduled))
+        self.running.extendleft(reversed(scheduled + skipped))
         return scheduled
 
     def preempt(self, seq: Sequence) -> None:
@@ -102,13 +107,18 @@ class Scheduler:
         self.waiting.appendleft(seq)
 
     def stop_reason(self, seq: Sequence) -> FinishReason | None:
+        return self.stop_reason_at(seq, seq.last_token, seq.num_tokens)
+
+    def stop_reason_at(self, seq: Sequence, token_id: int | None, num_tokens: int) -> FinishReason | None:
+        """Why ``seq`` stops once it holds ``num_tokens`` tokens, the last being ``token_id``
+        (None: the value is not known yet, check the length only)."""
         params = seq.sampling_params
-        token_id = seq.last_token
-        if not params.ignore_eos and token_id in self.config.eos_token_ids:
-            return FinishReason.STOP
-        if token_id in params.stop_token_ids:
-            return FinishReason.STOP
-        if seq.num_completion_tokens >= params.max_tokens or seq.num_tokens >= self.config.max_model_len:
+        if token_id is not None:
+            if not params.ignore_eos and token_id in self.config.eos_token_ids:
+                return FinishReason.STOP
+            if token_id in params.stop_token_ids:
+                return FinishReason.STOP
+        if num_tokens - seq.num_prompt_tokens >= params.max_tokens or num_tokens >= self.config.max_model_len:
             return FinishReason.LENGTH
         return None
 

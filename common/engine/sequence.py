@@ -7,6 +7,9 @@ from enum import Enum, auto
 from common.engine.sampling_params import SamplingParams
 
 
+PLACEHOLDER = -1   # a token sampled on the device whose value the host has not read yet
+
+
 class SequenceStatus(Enum):
     WAITING = auto()   # needs (re)computation of its KV before it can decode
     RUNNING = auto()   # in the decode batch

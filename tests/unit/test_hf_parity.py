@@ -35,9 +35,10 @@ def _generate(path, prompts, **kwargs):
     return llm, [o.token_ids for o in outs]
 
 
-def test_greedy_matches_hf_with_prefix_hits(checkpoint):
+@pytest.mark.parametrize("overlap", [False, True])
+def test_greedy_matches_hf_with_prefix_hits(checkpoint, overlap):
     path, prompts, expected = checkpoint
-    llm, got = _generate(path, prompts, num_kv_blocks=256)
+    llm, got = _generate(path, prompts, num_kv_blocks=256, async_scheduling=overlap)
     assert got == expected
     stats = llm.engine.stats()
     assert stats["prefix_cache_hit_tokens"] >= 48 * 3   # later prompts reuse the shared prefix
@@ -55,10 +56,24 @@ def test_greedy_matches_hf_sequential_prefix_reuse(checkpoint):
     assert llm.engine.block_manager.is_whole()
 
 
-def test_greedy_matches_hf_under_preemption(checkpoint):
+@pytest.mark.parametrize("overlap", [False, True])
+def test_greedy_matches_hf_under_preemption(checkpoint, overlap):
     path, prompts, expected = checkpoint
     # 12 blocks of 16 tokens: the longest request alone needs 7 at the end; preemption must happen
-    llm, got = _generate(path, prompts, num_kv_blocks=12)
+    llm, got = _generate(path, prompts, num_kv_blocks=12, async_scheduling=overlap)
     assert got == expected
     assert llm.engine.scheduler.num_preemptions > 0
     assert llm.engine.block_manager.is_whole()
+
+
+def test_overlapped_decode_stops_on_eos_one_step_late_without_extra_tokens(checkpoint):
+    """With overlap, a sequence that stops on a token value gets no extra token and frees its blocks."""
+    path, prompts, expected = checkpoint
+    stop_at = {i: exp[5] for i, exp in enumerate(expected)}      # the 6th generated token stops each
+    llm = LLM(str(path), device="cpu", dtype="float32", block_size=16, num_kv_blocks=256, async_scheduling=True)
+    params = [SamplingParams(temperature=0.0, max_tokens=MAX_NEW, stop_token_ids=(stop_at[i],)) for i in range(len(prompts))]
+    outs = llm.generate(prompts, params, use_tqdm=False)
+    for out, exp, i in zip(outs, expected, range(len(prompts))):
+        cut = exp.index(stop_at[i]) + 1
+        assert out.token_ids == exp[:cut] and out.finish_reason == "stop"
+    assert llm.engine.block_manager.is_whole() and llm.engine.pending is None

@@ -1,0 +1,88 @@
+"""Overlapped decode: step N+1 is launched before the host has read step N's tokens.
+
+While the GPU runs a decode step, the host would otherwise sit idle until the tokens arrive,
+then schedule and prepare the next step while the GPU idles. Here the next decode step is
+scheduled and launched first — its input tokens are taken on the device from the previous
+step's sampled tokens — and only then are the previous step's tokens read and processed.
+
+Rules that keep this exact:
+- each launched sequence gets a PLACEHOLDER token; its value is written in when the step is
+  resolved, in order;
+- a sequence that will stop by length after the pending token is left out of the next step;
+  one that stops on a token value (EOS, a stop token) is found one step late: the extra token
+  it got is dropped and its blocks freed (later GPU work is ordered after that step);
+- a full block is offered to the prefix cache only once its tokens are known and the step that
+  computes its last token's KV has been launched;
+- no overlap while requests wait (a prefill needs every token), or when a running sequence
+  uses penalties (they need the token history on the host).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from common.engine.model_runner import LaunchedStep
+from common.engine.sequence import PLACEHOLDER, Sequence, SequenceStatus
+
+
+@dataclass
+class PendingStep:
+    seqs: list[Sequence]
+    launched: LaunchedStep
+    positions: list[int]      # where each sequence's placeholder sits
+
+
+def can_overlap(engine) -> bool:
+    sched = engine.scheduler
+    return (engine.overlap_enabled and not sched.waiting and sched.running
+            and not any(s.sampling_params.has_penalties for s in sched.running))
+
+
+def launch_decode(engine, seqs: list[Sequence], prev: PendingStep | None) -> PendingStep:
+    src_rows = prev_tokens = None
+    if prev is not None:
+        row = {s.seq_id: i for i, s in enumerate(prev.seqs)}
+        src_rows = [row.get(s.seq_id, -1) for s in seqs]
+        prev_tokens = prev.launched.token_ids
+    launched = engine.model_runner.launch(seqs, False, src_rows, prev_tokens)
+    positions = []
+    for s in seqs:
+        s.num_cached_tokens = s.num_tokens
+        positions.append(s.num_tokens)
+        s.append_token(PLACEHOLDER)
+    return PendingStep(seqs, launched, positions)
+
+
+def schedule_next(engine, prev: PendingStep) -> PendingStep | None:
+    """Launch the decode step after ``prev`` if nothing prevents it."""
+    if not can_overlap(engine):
+        return None
+    sched = engine.scheduler
+    ending = {s.seq_id for s, pos in zip(prev.seqs, prev.positions)
+              if s.status == SequenceStatus.RUNNING and sched.stop_reason_at(s, None, pos + 1) is not None}
+    seqs = sched._schedule_decode(ending)
+    return launch_decode(engine, seqs, prev) if seqs else None
+
+
+def resolve(engine, step: PendingStep, out) -> None:
+    """Write the step's tokens into its sequences, finish those that stop; fills ``out``."""
+    token_ids, logprobs = step.launched.result()
+    bm, sched = engine.block_manager, engine.scheduler
+    for i, (seq, pos) in enumerate(zip(step.seqs, step.positions)):
+        if seq.status == SequenceStatus.FINISHED or pos >= seq.num_tokens:
+            continue                                   # ended earlier: this token is dropped
+        token = token_ids[i]
+        seq.token_ids[pos] = token
+        if pos == seq.num_tokens - 1:
+            seq.last_token = token
+        if logprobs is not None and seq.sampling_params.logprobs:
+            seq.output_logprobs.append(logprobs[i])
+        out.seqs.append(seq)
+        out.new_token_ids.append(token)
+        reason = sched.stop_reason_at(seq, token, pos + 1)
+        if reason is not None:
+            del seq.token_ids[pos + 1:]                # a speculative next placeholder, if any
+            seq.last_token = token
+            engine.finish(seq, reason)
+            out.finished.append(seq)
+        elif (pos + 1) % bm.block_size == 0 and pos + 1 < seq.num_tokens and seq.block_table:
+            bm.register_block(seq, pos // bm.block_size)
