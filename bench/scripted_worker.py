@@ -20,6 +20,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import logging
+import os
 import sys
 import time
 import zlib
@@ -38,6 +39,8 @@ from pdserve.v1 import common_pb2, common_pb2_grpc, worker_pb2, worker_pb2_grpc
 log = logging.getLogger("scripted_worker")
 FR = common_pb2
 ROLES = {"prefill": FR.ROLE_PREFILL, "decode": FR.ROLE_DECODE, "both": FR.ROLE_BOTH}
+# At most this many overdue engine steps are run at once (then the schedule restarts from now).
+MAX_CATCH_UP = 64
 
 
 def script_token(prompt_ids, i: int, vocab: int, eos_ids=(2,)) -> int:
@@ -165,6 +168,16 @@ class Req:
     generated: int = 0
     first_sent: bool = False
     cancelled: asyncio.Event = field(default_factory=asyncio.Event)
+    active_since: float = 0.0        # loop time it joined the engine (decodes from the next step on)
+    crc: int = -1                    # crc32 of the prompt (script_token's base), computed once
+
+    def token(self, i: int, vocab: int, eos_ids) -> int:
+        if self.crc < 0:
+            self.crc = zlib.crc32(array("I", self.prompt).tobytes())
+        t = (self.crc + i) % vocab
+        while t in eos_ids:
+            t = (t + 1) % vocab
+        return t
 
 
 class ScriptedWorker(worker_pb2_grpc.WorkerServicer, common_pb2_grpc.InfoServiceServicer):
@@ -233,12 +246,30 @@ class ScriptedWorker(worker_pb2_grpc.WorkerServicer, common_pb2_grpc.InfoService
 
     # ---- engine loop ------------------------------------------------------------------
     async def run_engine(self) -> None:
+        """Steps on a fixed schedule (every step_ms from the first request on, not step_ms after
+        the previous step's work). With --catch-up (the default), steps that were due while the
+        process was late (CPU contention, a slow send) are run at once, as a GPU engine that kept
+        stepping would have: each request gets one token per step it was in (at most
+        MAX_CATCH_UP steps), in one SequenceOutput."""
+        loop = asyncio.get_running_loop()
+        step_s = self.args.step_ms / 1000.0
+        next_at: float | None = None
         while True:
             if not self.reqs and not self.finals:
                 self.wake.clear()
                 await self.wake.wait()
-            await asyncio.sleep(self.args.step_ms / 1000.0)
-            self.step += 1
+                next_at = None
+            if next_at is None:
+                next_at = loop.time() + step_s
+            delay = next_at - loop.time()
+            if delay > 0:
+                await asyncio.sleep(delay)
+            now_l = loop.time()
+            late = int((now_l - next_at) / step_s) if self.args.catch_up else 0
+            n = 1 + min(max(late, 0), MAX_CATCH_UP - 1)
+            first_at = next_at                        # when the first of these n steps was due
+            next_at = next_at + n * step_s if late < MAX_CATCH_UP else now_l + step_s
+            self.step += n
             by_router = self.finals
             self.finals = {}
             now = time.time()
@@ -249,29 +280,44 @@ class ScriptedWorker(worker_pb2_grpc.WorkerServicer, common_pb2_grpc.InfoService
                     if req.lease_expires is not None and now > req.lease_expires:
                         self._end(req, FR.FINISH_REASON_ERROR, "reservation lease expired", sink=by_router)
                 else:
-                    by_router.setdefault(req.router_id, []).append(self._decode_one(req))
+                    # steps due at first_at + j * step_s that came after the request joined
+                    k = n if req.active_since <= first_at else n - int((req.active_since - first_at) / step_s) - 1
+                    by_router.setdefault(req.router_id, []).append(self._decode(req, max(1, k)))
             for router_id, outs in by_router.items():
                 q = self.subs.get(router_id)
                 if q is not None and outs:
                     q.put_nowait(worker_pb2.StepOutputs(outputs=outs, step=self.step))
             self._publish_kv()
+            if not self.args.catch_up:        # the old drifting schedule: step_ms after the work
+                next_at = loop.time() + step_s
 
-    def _decode_one(self, req: Req) -> worker_pb2.SequenceOutput:
-        i = req.generated
-        tok = script_token(req.prompt, i, self.args.vocab, self.eos)
-        req.generated += 1
-        out = worker_pb2.SequenceOutput(request_id=req.rid, token_ids=[tok])
-        if req.params.logprobs:
-            out.logprobs.append(script_logprob(i))
+    def _decode(self, req: Req, n: int = 1) -> worker_pb2.SequenceOutput:
+        """Up to ``n`` steps of one request (fewer when it finishes), as one SequenceOutput."""
+        out = worker_pb2.SequenceOutput(request_id=req.rid)
         if not req.first_sent:
             req.first_sent = True
             out.num_prompt_tokens, out.num_cached_tokens = len(req.prompt), req.cached
-            if i == 0:   # Submit: this step was the local prefill
+            if req.generated == 0:   # Submit: this step was the local prefill
                 self.pool.commit(req.blocks, req.chain)
-        reason = self._stop_reason(req, tok)
-        if not reason and not self.pool.grow(req.blocks, len(req.prompt) + req.generated):
-            reason = FR.FINISH_REASON_ERROR
-            out.error = "out of KV blocks"
+        toks: list[int] = []
+        lps: list[float] | None = [] if req.params.logprobs else None
+        reason = FR.FINISH_REASON_UNSPECIFIED
+        for _ in range(n):
+            i = req.generated
+            tok = req.token(i, self.args.vocab, self.eos)
+            req.generated += 1
+            toks.append(tok)
+            if lps is not None:
+                lps.append(script_logprob(i))
+            reason = self._stop_reason(req, tok)
+            if not reason and not self.pool.grow(req.blocks, len(req.prompt) + req.generated):
+                reason = FR.FINISH_REASON_ERROR
+                out.error = "out of KV blocks"
+            if reason:
+                break
+        out.token_ids.extend(toks)
+        if lps:
+            out.logprobs.extend(lps)
         if reason:
             out.finish_reason = reason
             self._end(req, reason, emit=False)
@@ -301,6 +347,7 @@ class ScriptedWorker(worker_pb2_grpc.WorkerServicer, common_pb2_grpc.InfoService
         if list(request.block_ids) != expected or request.num_blocks != len(expected):
             raise FailedPrecondition(f"block_ids {list(request.block_ids)[:8]} do not match the reservation")
         req.phase, req.lease_expires, req.generated = "active", None, 1   # the first token counts
+        req.active_since = asyncio.get_running_loop().time()
         self.pool.commit(req.blocks, req.chain)
         self._publish_kv()
         self.wake.set()
@@ -312,7 +359,8 @@ class ScriptedWorker(worker_pb2_grpc.WorkerServicer, common_pb2_grpc.InfoService
         self._check_new(request.request_id, request.router_id, deadline)
         blocks, cached, chain = self.pool.allocate(list(request.token_ids))
         self.reqs[request.request_id] = Req(request.request_id, list(request.token_ids), request.params,
-                                            request.router_id, deadline, blocks, chain, cached, "active")
+                                            request.router_id, deadline, blocks, chain, cached, "active",
+                                            active_since=asyncio.get_running_loop().time())
         self.wake.set()
         return worker_pb2.SubmitResponse(worker_id=self.worker_id)
 
@@ -448,6 +496,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--worker-id", default=None)
     p.add_argument("--fail-submits", type=int, default=0,
                    help="fail the first N Submit/Reserve calls with UNAVAILABLE (-1 = all), for failover tests")
+    p.add_argument("--catch-up", action=argparse.BooleanOptionalAction,
+                   default=os.environ.get("PDSERVE_SCRIPTED_CATCH_UP", "1") != "0",
+                   help="run the engine steps that came due while the process was late (CPU contention) at once, "
+                        "as a GPU engine that kept stepping would (env PDSERVE_SCRIPTED_CATCH_UP=0: off)")
     p.add_argument("--log-level", default="WARNING")
     args = p.parse_args(argv)
     if args.prefill_ms is None:
