@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 import grpc
 
 from common.engine.sampling_params import SamplingParams
+from common.grpc_utils.convert import sampling_params_to_proto
 from common.grpc_utils.errors import from_rpc_error
 from pdserve.v1 import common_pb2, router_pb2, router_pb2_grpc
 
@@ -41,22 +42,10 @@ class GenerateOutput:
     matched_stop: str = ""
 
 
-def sampling_to_proto(params: SamplingParams, stop: Sequence[str] = ()) -> common_pb2.SamplingParams:
-    p = common_pb2.SamplingParams(
-        temperature=params.temperature, top_p=params.top_p, top_k=params.top_k, min_p=params.min_p,
-        repetition_penalty=params.repetition_penalty, presence_penalty=params.presence_penalty,
-        frequency_penalty=params.frequency_penalty, max_tokens=params.max_tokens,
-        stop_token_ids=list(params.stop_token_ids), ignore_eos=params.ignore_eos, logprobs=params.logprobs,
-        stop=list(stop))
-    if params.seed is not None:
-        p.seed = params.seed
-    return p
-
-
 def build_request(prompt: Prompt, params: SamplingParams | None = None, chat: bool = True,
                   stop: Sequence[str] = (), request_id: str = "") -> router_pb2.GenerateRequest:
     req = router_pb2.GenerateRequest(request_id=request_id,
-                                     params=sampling_to_proto(params or SamplingParams(), stop))
+                                     params=sampling_params_to_proto(params or SamplingParams(), list(stop)))
     if isinstance(prompt, str):
         if chat:
             req.chat.messages.add(role="user", content=prompt)
