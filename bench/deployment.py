@@ -132,3 +132,18 @@ async def _wait_ready(dep: Deployment, timeout: float, num_prefill: int, num_dec
             raise RuntimeError(f"{dead[0]} exited during start-up:\n" + "\n".join(tail))
         await asyncio.sleep(0.2)
     task.result()
+
+
+def start_up(log_dir: Path, up_args: list[str] = (), timeout: float = 240.0) -> Deployment:
+    """``pdserve up`` (router + 1 prefill + 1 decode on the CPU by default) as one process."""
+    from bench.serve.procs import free_port_range
+    router_port, base = free_port(), free_port_range(4)
+    dep = Deployment(router=f"127.0.0.1:{router_port}", decode=[f"127.0.0.1:{base}"], prefill=[f"127.0.0.1:{base + 2}"])
+    dep.log_dir = log_dir
+    _spawn("up", ["up", "--router-port", str(router_port), "--base-port", str(base), *up_args], log_dir, dep)
+    try:
+        asyncio.run(_wait_ready(dep, timeout, 1, 1))
+    except BaseException:
+        dep.stop()
+        raise
+    return dep

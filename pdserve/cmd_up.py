@@ -118,6 +118,7 @@ def _demo(router: str) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))    # stop the services on SIGTERM too
     procs, addresses = start_processes(args)
     try:
         asyncio.run(_wait_all(addresses, args.startup_timeout, args.prefill, args.decode))

@@ -53,7 +53,7 @@ def node_modules() -> Path:
 
 @pytest.fixture(scope="module")
 def deployment(tmp_path_factory):
-    dep = services.start(tmp_path_factory.mktemp("node-client-logs"))
+    dep = services.start_up(tmp_path_factory.mktemp("node-client-logs"))     # `pdserve up`, CPU
     yield dep
     dep.stop()
 
