@@ -80,6 +80,8 @@ class ModelRunner:
         self.kv_cache = torch.empty(0)
         self.num_kv_blocks = 0
         self.graph_runner = None
+        self._sampling_key: tuple[int, ...] | None = None
+        self._sampling_cache = None
 
     # ---- KV pool ------------------------------------------------------------------------
     @property
@@ -203,7 +205,7 @@ class ModelRunner:
         if src_rows is not None and prev_tokens is not None:
             src = self._to_device(src_rows, torch.int64)
             input_ids = torch.where(src >= 0, prev_tokens[src.clamp(min=0)], input_ids)
-        batch = prepare_sampling(seqs, self.model_config.vocab_size, self.device, self.generators)
+        batch = self._sampling_batch(seqs)
         if not is_prefill and self.graph_runner is not None and self.graph_runner.can_run(len(seqs)):
             hidden = self.graph_runner.run(input_ids, positions, ctx)
         else:
@@ -214,6 +216,16 @@ class ModelRunner:
         logits = self.model.compute_logits(hidden)
         out = self.sampler(logits, batch)
         return LaunchedStep(out.token_ids, out.logprobs, self.device)
+
+    def _sampling_batch(self, seqs: list[Sequence]):
+        """The batch's sampling tensors; reused while the same sequences decode together
+        (their parameters never change; batches with penalties depend on tokens: rebuilt)."""
+        key = tuple(s.seq_id for s in seqs)
+        if key == self._sampling_key:
+            return self._sampling_cache
+        batch = prepare_sampling(seqs, self.model_config.vocab_size, self.device, self.generators)
+        self._sampling_key, self._sampling_cache = (key, batch) if not batch.any_penalty else (None, None)
+        return batch
 
     def release(self, seq: Sequence) -> None:
         """Forget per-sequence state (its seeded generator) once it has finished."""

@@ -86,6 +86,10 @@ class Scheduler:
             if exclude and seq.seq_id in exclude:
                 skipped.append(seq)
                 continue
+            n = seq.num_tokens
+            if (n - 1) % self.block_manager.block_size and n % self.block_manager.block_size:
+                scheduled.append(seq)       # the newest token neither starts nor fills a block
+                continue
             while not self.block_manager.can_append(seq):
                 if self.running:
                     self.preempt(self.running.pop())
