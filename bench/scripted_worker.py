@@ -55,22 +55,53 @@ def script_logprob(i: int) -> float:
     return -0.05 - (i % 10) / 10.0
 
 
-def _merge_steps(steps: list[worker_pb2.StepOutputs]) -> worker_pb2.StepOutputs:
-    """Several queued StepOutputs as one: one SequenceOutput per request (as decode_worker does)."""
-    merged: dict[str, worker_pb2.SequenceOutput] = {}
-    for step in steps:
-        for out in step.outputs:
-            m = merged.get(out.request_id)
-            if m is None:
-                merged[out.request_id] = out
-                continue
-            m.token_ids.extend(out.token_ids)
-            m.logprobs.extend(out.logprobs)
-            if out.num_prompt_tokens:
-                m.num_prompt_tokens, m.num_cached_tokens = out.num_prompt_tokens, out.num_cached_tokens
-            if out.finish_reason:
-                m.finish_reason, m.error = out.finish_reason, out.error
-    return worker_pb2.StepOutputs(outputs=list(merged.values()), step=steps[-1].step)
+class Outbox:
+    """One router's outputs not yet sent on its Subscribe stream, merged per request.
+
+    The engine adds to it every step; the Subscribe stream takes everything there is whenever
+    it can send (so steps that came while a send waited on the router go out as one
+    StepOutputs with one SequenceOutput per request, as decode_worker's coalescing does), and
+    builds the protobuf only then.
+    """
+
+    __slots__ = ("pending", "ready", "closed")
+
+    def __init__(self) -> None:
+        # request id -> [token_ids, logprobs, finish_reason, error, num_prompt_tokens, num_cached_tokens]
+        self.pending: dict[str, list] = {}
+        self.ready = asyncio.Event()
+        self.closed = False
+
+    def add(self, rid: str, token_ids: list[int], logprobs: list[float] | None, finish: int = 0,
+            error: str = "", num_prompt: int = 0, num_cached: int = 0) -> None:
+        e = self.pending.get(rid)
+        if e is None:
+            self.pending[rid] = [token_ids, logprobs or [], finish, error, num_prompt, num_cached]
+        else:
+            e[0] = e[0] + token_ids
+            if logprobs:
+                e[1] = e[1] + logprobs
+            if finish:
+                e[2], e[3] = finish, error
+            if num_prompt:
+                e[4], e[5] = num_prompt, num_cached
+        self.ready.set()
+
+    def add_output(self, out: worker_pb2.SequenceOutput) -> None:
+        self.add(out.request_id, list(out.token_ids), list(out.logprobs), out.finish_reason, out.error,
+                 out.num_prompt_tokens, out.num_cached_tokens)
+
+    def take(self, step: int) -> worker_pb2.StepOutputs:
+        pending, self.pending = self.pending, {}
+        self.ready.clear()
+        SO = worker_pb2.SequenceOutput
+        return worker_pb2.StepOutputs(step=step, outputs=[
+            SO(request_id=rid, token_ids=e[0], logprobs=e[1], finish_reason=e[2], error=e[3],
+               num_prompt_tokens=e[4], num_cached_tokens=e[5]) for rid, e in pending.items()])
+
+    def close(self) -> None:
+        self.closed = True
+        self.ready.set()
 
 
 class BlockPool:
@@ -190,7 +221,7 @@ class ScriptedWorker(worker_pb2_grpc.WorkerServicer, common_pb2_grpc.InfoService
         self.pool = BlockPool(args.num_blocks, args.block_size)
         self.reqs: dict[str, Req] = {}           # decode side: reserved or active
         self.prefilling: dict[str, Req] = {}     # prefill side
-        self.subs: dict[str, asyncio.Queue] = {}
+        self.subs: dict[str, Outbox] = {}
         self.kv_subs: list[asyncio.Queue] = []
         self.finals: dict[str, list[worker_pb2.SequenceOutput]] = {}
         self.wake = asyncio.Event()
@@ -282,26 +313,28 @@ class ScriptedWorker(worker_pb2_grpc.WorkerServicer, common_pb2_grpc.InfoService
                 else:
                     # steps due at first_at + j * step_s that came after the request joined
                     k = n if req.active_since <= first_at else n - int((req.active_since - first_at) / step_s) - 1
-                    by_router.setdefault(req.router_id, []).append(self._decode(req, max(1, k)))
+                    self._decode(req, max(1, k), self.subs.get(req.router_id))
             for router_id, outs in by_router.items():
-                q = self.subs.get(router_id)
-                if q is not None and outs:
-                    q.put_nowait(worker_pb2.StepOutputs(outputs=outs, step=self.step))
+                box = self.subs.get(router_id)
+                if box is not None:
+                    for out in outs:
+                        box.add_output(out)
             self._publish_kv()
             if not self.args.catch_up:        # the old drifting schedule: step_ms after the work
                 next_at = loop.time() + step_s
 
-    def _decode(self, req: Req, n: int = 1) -> worker_pb2.SequenceOutput:
-        """Up to ``n`` steps of one request (fewer when it finishes), as one SequenceOutput."""
-        out = worker_pb2.SequenceOutput(request_id=req.rid)
+    def _decode(self, req: Req, n: int, box: Outbox | None) -> None:
+        """Up to ``n`` steps of one request (fewer when it finishes), as one output into ``box``."""
+        num_prompt = num_cached = 0
         if not req.first_sent:
             req.first_sent = True
-            out.num_prompt_tokens, out.num_cached_tokens = len(req.prompt), req.cached
+            num_prompt, num_cached = len(req.prompt), req.cached
             if req.generated == 0:   # Submit: this step was the local prefill
                 self.pool.commit(req.blocks, req.chain)
         toks: list[int] = []
         lps: list[float] | None = [] if req.params.logprobs else None
         reason = FR.FINISH_REASON_UNSPECIFIED
+        error = ""
         for _ in range(n):
             i = req.generated
             tok = req.token(i, self.args.vocab, self.eos)
@@ -312,16 +345,13 @@ class ScriptedWorker(worker_pb2_grpc.WorkerServicer, common_pb2_grpc.InfoService
             reason = self._stop_reason(req, tok)
             if not reason and not self.pool.grow(req.blocks, len(req.prompt) + req.generated):
                 reason = FR.FINISH_REASON_ERROR
-                out.error = "out of KV blocks"
+                error = "out of KV blocks"
             if reason:
                 break
-        out.token_ids.extend(toks)
-        if lps:
-            out.logprobs.extend(lps)
         if reason:
-            out.finish_reason = reason
             self._end(req, reason, emit=False)
-        return out
+        if box is not None:
+            box.add(req.rid, toks, lps, reason, error, num_prompt, num_cached)
 
     # ---- decode / both ----------------------------------------------------------------
     async def Reserve(self, request, context):
@@ -367,22 +397,20 @@ class ScriptedWorker(worker_pb2_grpc.WorkerServicer, common_pb2_grpc.InfoService
     async def Subscribe(self, request, context):
         self._need(FR.ROLE_DECODE, FR.ROLE_BOTH)
         router_id = request.router_id
-        q: asyncio.Queue = asyncio.Queue()
+        box = Outbox()
         old = self.subs.get(router_id)
-        self.subs[router_id] = q
+        self.subs[router_id] = box
         if old is not None:
-            old.put_nowait(None)
+            old.close()
         await context.send_initial_metadata(())
         try:
             while True:
-                items = [await q.get()]
-                while not q.empty():          # coalesce steps that queued up meanwhile
-                    items.append(q.get_nowait())
-                if any(item is None for item in items):
+                await box.ready.wait()
+                if box.closed:
                     return
-                yield items[0] if len(items) == 1 else _merge_steps(items)
+                yield box.take(self.step)     # everything since the last send, merged per request
         finally:
-            if self.subs.get(router_id) is q:
+            if self.subs.get(router_id) is box:
                 del self.subs[router_id]
                 for req in [r for r in self.reqs.values() if r.router_id == router_id]:
                     self._end(req, FR.FINISH_REASON_CANCELLED, emit=False)

@@ -24,15 +24,18 @@ import grpc.aio
 from common.grpc_utils import (DeadlineExceeded, Internal, PdserveError, Unavailable,
                                from_rpc_error)
 from pdserve.v1 import common_pb2, worker_pb2
+from router.subscription import OutputBuffer
 from router.worker_client import WorkerClient
 
 log = logging.getLogger(__name__)
 
+UNSPECIFIED = common_pb2.FINISH_REASON_UNSPECIFIED
 FINAL_OK = (common_pb2.FINISH_REASON_STOP, common_pb2.FINISH_REASON_LENGTH)
+_NORMAL = (UNSPECIFIED, *FINAL_OK)
 _NOT_RETRYABLE = (grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.OUT_OF_RANGE)
 
 
-@dataclass
+@dataclass(slots=True)
 class Step:
     token_ids: list[int] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)
@@ -57,7 +60,7 @@ class Attempt:
         self.prefill = prefill
         self.rid = worker_request_id
         self.prompt_len = len(job.prompt.token_ids)
-        self.queue: asyncio.Queue | None = None
+        self.queue: OutputBuffer | asyncio.Queue | None = None
         self.first_seen = False
         self.cached_tokens = 0
         self.expired = False
@@ -147,22 +150,29 @@ class Attempt:
             return await self._first_token()
         if self._pending is not None:
             raise self._pending
-        item = await self.queue.get()
+        q = self.queue
+        if type(q) is OutputBuffer:
+            if not q.items:
+                await q.wait()
+            items = q.take_all()           # everything that came since the last step
+        else:                              # an asyncio.Queue
+            items = [await q.get()]
+            while not q.empty():
+                items.append(q.get_nowait())
         step = Step()
-        while True:
+        for item in items:                 # merged into one step (one client message)
             if isinstance(item, BaseException):
-                if step.token_ids:            # deliver the tokens first, fail on the next call
+                if step.token_ids:         # deliver the tokens first, fail on the next call
                     self._pending = self._fail(item, self.decode, "output stream")
                     break
                 raise self._fail(item, self.decode, "output stream")
             self._merge(step, item)
-            if (step.finish_reason != common_pb2.FINISH_REASON_UNSPECIFIED or self._pending is not None
-                    or self.queue.empty()):
+            if step.finish_reason != UNSPECIFIED or self._pending is not None:
                 break
-            item = self.queue.get_nowait()
-        self._decode_load += len(step.token_ids)
-        self.decode.add_load(tokens=len(step.token_ids))
-        if step.token_ids:
+        n = len(step.token_ids)
+        if n:
+            self._decode_load += n
+            self.decode.add_load(0, n)
             self.first_seen = True
         return step
 
@@ -170,7 +180,7 @@ class Attempt:
         if out.num_prompt_tokens and self.prefill is None:
             self.cached_tokens = out.num_cached_tokens
         reason = out.finish_reason
-        if reason not in (common_pb2.FINISH_REASON_UNSPECIFIED, *FINAL_OK):
+        if reason not in _NORMAL:
             name = common_pb2.FinishReason.Name(reason)
             if reason == common_pb2.FINISH_REASON_DEADLINE:
                 err: PdserveError = DeadlineExceeded(f"request {self.rid}: deadline passed on {self.decode.key}")

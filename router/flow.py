@@ -34,6 +34,9 @@ from router.workers import WorkerRegistry
 
 log = logging.getLogger(__name__)
 
+UNSPECIFIED = common_pb2.FINISH_REASON_UNSPECIFIED
+GenerateResponse = router_pb2.GenerateResponse
+
 
 @dataclass
 class Job:
@@ -205,33 +208,35 @@ class Flow:
             self.metrics.in_flight.dec()
             self.metrics.requests.labels(method, status).inc()
             self.metrics.e2e.observe(time.monotonic() - started)
-            self.metrics.output_tokens.inc(len(out.token_ids))
+            self.metrics.output_tokens.inc(out.num_tokens)
 
     def _respond(self, job: Job, out: OutputProcessor, att: Attempt, step: Step
                  ) -> tuple[router_pb2.GenerateResponse | None, bool, bool]:
         """(message to send or None, request finished, finished by a stop string)."""
-        delta = out.add(step.token_ids, step.logprobs)
-        text, matched = delta.text, delta.matched_stop
+        toks = step.token_ids
+        text, matched = out.step(toks)
         reason = step.finish_reason
-        done = reason != common_pb2.FINISH_REASON_UNSPECIFIED or matched is not None
+        done = reason != UNSPECIFIED or matched is not None
         if done and matched is None:
             tail = out.finish()
             text, matched = text + tail.text, tail.matched_stop
         if matched is not None:
             reason = common_pb2.FINISH_REASON_STOP_STRING
-        if not done and not step.token_ids and not text:
+        if not done and not toks and not text:
             return None, False, False
-        resp = router_pb2.GenerateResponse(request_id=job.request_id, token_ids=step.token_ids, text=text,
-                                           logprobs=step.logprobs if job.sampling.logprobs else [])
+        if job.sampling.logprobs:
+            resp = GenerateResponse(request_id=job.request_id, token_ids=toks, text=text, logprobs=step.logprobs)
+        else:
+            resp = GenerateResponse(request_id=job.request_id, token_ids=toks, text=text)
         if done:
             resp.finish_reason = reason
             resp.usage.prompt_tokens = len(job.prompt.token_ids)
-            resp.usage.completion_tokens = len(out.token_ids)
+            resp.usage.completion_tokens = out.num_tokens
             resp.usage.cached_tokens = att.cached_tokens
             self.metrics.cached_tokens.inc(att.cached_tokens)
             if matched is not None:
                 resp.matched_stop = matched
-        stop_hit = matched is not None and step.finish_reason == common_pb2.FINISH_REASON_UNSPECIFIED
+        stop_hit = matched is not None and step.finish_reason == UNSPECIFIED
         return resp, done, stop_hit
 
     async def drain(self, grace_s: float) -> None:

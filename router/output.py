@@ -4,6 +4,9 @@ Text that could still turn out to be the start of a stop string is held back (th
 suffix of the text that is a prefix of some stop string), so a stop string that spans two
 steps is never partly sent before it matches. When one matches, the text is cut before it (or
 after it with ``include_stop_str_in_output``) and the request ends with STOP_STRING.
+
+Detokenization is incremental (:class:`common.detokenizer.IncrementalDetokenizer`) and runs
+once per step, over all the tokens the workers sent since the last message (merged).
 """
 from __future__ import annotations
 
@@ -28,8 +31,7 @@ class OutputProcessor:
         self.stop = tuple(s for s in stop if s)
         self.include_stop = include_stop
         self.max_stop = max((len(s) for s in self.stop), default=0)
-        self.token_ids: list[int] = []
-        self.logprobs: list[float] = []
+        self.num_tokens = 0
         self.emitted = 0          # characters of the text already sent
         self.searched = 0         # text before this index holds no stop string start
         self.final_text: str | None = None
@@ -41,16 +43,23 @@ class OutputProcessor:
             return self.final_text
         return self.detok.text if self.detok is not None else ""
 
+    def step(self, token_ids: Sequence[int]) -> tuple[str, str | None]:
+        """Tokens of one step (all that came since the last message) -> (text to send, the stop
+        string that ended the request or None)."""
+        self.num_tokens += len(token_ids)
+        detok = self.detok
+        if detok is None or self.final_text is not None or not token_ids:
+            return "", None
+        delta = detok.add(token_ids if type(token_ids) is list else list(token_ids))
+        if not self.stop:          # nothing is ever held back: the delta is what goes out
+            self.emitted += len(delta)
+            return delta, None
+        return self._advance(final=False)
+
     def add(self, token_ids: Sequence[int], logprobs: Sequence[float] = ()) -> Delta:
         """Tokens of one step -> what to send for them."""
-        delta = Delta(list(token_ids), list(logprobs))
-        self.token_ids.extend(token_ids)
-        self.logprobs.extend(logprobs)
-        if self.detok is None or self.final_text is not None:
-            return delta
-        self.detok.add(list(token_ids))
-        delta.text, delta.matched_stop = self._advance(final=False)
-        return delta
+        text, matched = self.step(token_ids)
+        return Delta(list(token_ids), list(logprobs), text, matched)
 
     def finish(self) -> Delta:
         """The end of generation: flush held-back text (a stop string may still match)."""

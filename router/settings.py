@@ -12,6 +12,10 @@ RECONNECT_MAX_S = 5.0
 # metadata before assuming it is open anyway (a worker that sends headers only with its first
 # StepOutputs).
 SUBSCRIBE_CONFIRM_S = 1.0
+# HTTP/2 window of the Subscribe stream (its own connection; see router.worker_client): how many
+# bytes of a decode worker's outputs may wait unread in the router before the worker holds (and
+# merges) further steps. ~10 steps of 256 one-token outputs.
+SUBSCRIBE_WINDOW_BYTES = 64 * 1024
 # Cancel rpcs are fire-and-forget with this timeout.
 CANCEL_TIMEOUT_S = 2.0
 

@@ -1,10 +1,16 @@
 """One ``Subscribe`` stream per decode worker: its StepOutputs are fanned out to the requests.
 
-Each request in flight on the worker has an ``asyncio.Queue``; every ``SequenceOutput`` of a
-StepOutputs goes, as it is, into its request's queue (outputs for unknown ids are dropped: a
-request the router already finished or gave up). When the stream breaks or ends, every queue
-gets an :class:`~common.grpc_utils.Unavailable` and ``on_broken`` tells the worker's client,
-which marks the worker down and re-opens the stream when the worker is back.
+Each request in flight on the worker has an :class:`OutputBuffer` (a list and at most one
+waiter, cheaper than an ``asyncio.Queue``); every ``SequenceOutput`` of a StepOutputs is
+appended, as it is, to its request's buffer (outputs for unknown ids are dropped: a request the
+router already finished or gave up), and the request takes everything buffered at once (see
+:meth:`router.attempt.Attempt.next`, which merges it into one step). When the stream breaks or
+ends, every buffer gets an :class:`~common.grpc_utils.Unavailable` and ``on_broken`` tells the
+worker's client, which marks the worker down and re-opens the stream when the worker is back.
+
+The stream has a connection of its own with a small HTTP/2 window (see
+:mod:`router.worker_client`): when the router reads slower than the worker steps, the worker
+holds and merges the steps, so the router gets fewer, larger messages, not a backlog.
 """
 from __future__ import annotations
 
@@ -22,6 +28,56 @@ from router.settings import SUBSCRIBE_CONFIRM_S
 log = logging.getLogger(__name__)
 
 
+class OutputBuffer:
+    """What the Subscribe reader has for one request and the request has not taken yet.
+
+    The API is a subset of ``asyncio.Queue``'s (``put_nowait``, ``get``, ``get_nowait``,
+    ``empty``) plus :meth:`take_all` and :meth:`wait`: one list and one future per wait, no
+    per-item wake-up.
+    """
+
+    __slots__ = ("items", "_waiter")
+
+    def __init__(self) -> None:
+        self.items: list = []
+        self._waiter: asyncio.Future | None = None
+
+    def put_nowait(self, item) -> None:
+        self.items.append(item)
+        w = self._waiter
+        if w is not None:
+            self._waiter = None
+            if not w.done():
+                w.set_result(None)
+
+    def empty(self) -> bool:
+        return not self.items
+
+    def qsize(self) -> int:
+        return len(self.items)
+
+    async def wait(self) -> None:
+        """Return once something is buffered."""
+        while not self.items:
+            w = self._waiter
+            if w is None:
+                w = self._waiter = asyncio.get_running_loop().create_future()
+            await w
+
+    def take_all(self) -> list:
+        items, self.items = self.items, []
+        return items
+
+    def get_nowait(self):
+        if not self.items:
+            raise asyncio.QueueEmpty
+        return self.items.pop(0)
+
+    async def get(self):
+        await self.wait()
+        return self.items.pop(0)
+
+
 class Subscription:
     def __init__(self, key: str, stub: object, router_id: str,
                  on_broken: Callable[[str], None]) -> None:
@@ -30,7 +86,7 @@ class Subscription:
         self.router_id = router_id
         self.on_broken = on_broken
         self.open = False
-        self._queues: dict[str, asyncio.Queue] = {}
+        self._queues: dict[str, OutputBuffer] = {}
         self._call: grpc.aio.UnaryStreamCall | None = None
         self._task: asyncio.Task | None = None
         self.num_messages = 0
@@ -58,14 +114,16 @@ class Subscription:
     async def _read(self, call: grpc.aio.UnaryStreamCall) -> None:
         reason = "stream ended"
         try:
+            queues = self._queues
             async for msg in call:
                 self.num_messages += 1
                 for out in msg.outputs:
-                    queue = self._queues.get(out.request_id)
+                    queue = queues.get(out.request_id)
                     if queue is not None:
                         queue.put_nowait(out)
-                    else:
+                    elif log.isEnabledFor(logging.DEBUG):
                         log.debug("%s: output for unknown request %s", self.key, out.request_id)
+                queues = self._queues       # _fail_all may have replaced it
         except asyncio.CancelledError:
             raise
         except grpc.aio.AioRpcError as e:
@@ -83,11 +141,11 @@ class Subscription:
         for queue in queues.values():
             queue.put_nowait(Unavailable(f"decode worker {self.key}: output stream broke ({reason})"))
 
-    def register(self, request_id: str) -> asyncio.Queue:
-        """The queue that receives ``request_id``'s outputs (before Reserve / Submit)."""
+    def register(self, request_id: str) -> OutputBuffer:
+        """The buffer that receives ``request_id``'s outputs (before Reserve / Submit)."""
         if not self.open:
             raise Unavailable(f"decode worker {self.key}: output stream is not open")
-        queue: asyncio.Queue = asyncio.Queue()
+        queue = OutputBuffer()
         self._queues[request_id] = queue
         return queue
 

@@ -20,13 +20,26 @@ import grpc.aio
 from common.grpc_utils import Unavailable, client_channel
 from pdserve.v1 import common_pb2, common_pb2_grpc, worker_pb2, worker_pb2_grpc
 from router.prefix_index import PrefixIndex
-from router.settings import RECONNECT_MAX_S, RECONNECT_MIN_S, STATS_INTERVAL_S, RouterSettings
+from router.settings import (RECONNECT_MAX_S, RECONNECT_MIN_S, STATS_INTERVAL_S, SUBSCRIBE_WINDOW_BYTES,
+                             RouterSettings)
 from router.subscription import Subscription
 
 log = logging.getLogger(__name__)
 
 DOWN_CODES = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED)
 DECODE_ROLES = (common_pb2.ROLE_DECODE, common_pb2.ROLE_BOTH)
+
+# The Subscribe stream has a connection of its own with a fixed, small HTTP/2 window (no BDP
+# probing, which would grow it to megabytes): when the router reads slower than the worker
+# steps, at most SUBSCRIBE_WINDOW_BYTES of outputs wait in the router, and the rest waits in the
+# worker, which merges the queued steps into one StepOutputs (one SequenceOutput per request).
+# So a router that falls behind gets fewer, larger messages instead of a growing backlog of
+# one-token ones; control rpcs (Submit, Reserve, ...) never queue behind that stream.
+SUBSCRIBE_CHANNEL_OPTIONS = (
+    ("grpc.http2.bdp_probe", 0),
+    ("grpc.http2.lookahead_bytes", SUBSCRIBE_WINDOW_BYTES),
+    ("grpc.use_local_subchannel_pool", 1),
+)
 
 
 class WorkerClient:
@@ -43,6 +56,7 @@ class WorkerClient:
         self.channel = client_channel(address)
         self.stub = worker_pb2_grpc.WorkerStub(self.channel)
         self.info_stub = common_pb2_grpc.InfoServiceStub(self.channel)
+        self.sub_channel: grpc.aio.Channel | None = None     # the Subscribe stream's own connection
         self.info: common_pb2.ServerInfo | None = None
         self.stats: worker_pb2.WorkerStats | None = None
         self.subscription: Subscription | None = None
@@ -90,6 +104,8 @@ class WorkerClient:
                 task.cancel()
         self.mark_down("closed", quiet=True)
         await self.channel.close(grace=None)
+        if self.sub_channel is not None:
+            await self.sub_channel.close(grace=None)
 
     async def _supervise(self) -> None:
         backoff = RECONNECT_MIN_S
@@ -119,7 +135,10 @@ class WorkerClient:
             return False
         self.info = info
         if self.can_decode:
-            sub = Subscription(self.key, self.stub, self.settings.router_id, self.mark_down)
+            if self.sub_channel is None:
+                self.sub_channel = client_channel(self.address, options=SUBSCRIBE_CHANNEL_OPTIONS)
+            sub = Subscription(self.key, worker_pb2_grpc.WorkerStub(self.sub_channel), self.settings.router_id,
+                               self.mark_down)
             try:
                 await sub.start()
             except Unavailable as e:
