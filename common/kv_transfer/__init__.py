@@ -15,7 +15,9 @@ from .blocks import (DEFAULT_MAX_MESSAGE_BYTES, bytes_per_block, gather_blocks, 
 from .channel import DEFAULT_TIMEOUT, PairChannel, channel_prefix
 from .errors import KvTransferError
 from .store import KvStoreServer
-from .transfer import KvReceiver, KvSender, initial_epoch
+from .receiver import KvReceiver
+from .sender import KvSender
+from .transfer import initial_epoch
 
 __all__ = [
     "DEFAULT_MAX_MESSAGE_BYTES", "DEFAULT_TIMEOUT", "KvReceiver", "KvSender", "KvStoreServer",

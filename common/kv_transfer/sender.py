@@ -1,0 +1,180 @@
+"""``KvSender``: the prefill side of the KV transfer protocol (see transfer.py)."""
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from .blocks import DEFAULT_MAX_MESSAGE_BYTES, BlockIds, check_block_ids, check_pool
+from .channel import DEFAULT_TIMEOUT, PairChannel
+from .errors import KvTransferError
+from .transfer import _send_blocks_on, initial_epoch
+
+log = logging.getLogger(__name__)
+
+@dataclass
+class _SendPair:
+    lock: threading.RLock = field(default_factory=threading.RLock)
+    epoch: int = 0
+    channel: PairChannel | None = None
+    store_address: str = ""
+    stream: object = None
+    # CPU staging buffers, reused across transfers (fresh host memory costs page faults);
+    # on CUDA the caching allocator does this job
+    staging: list = field(default_factory=lambda: [None, None])
+
+
+class KvSender:
+    """Prefill side: ships blocks of the local pool to decode workers.
+
+    One pair channel per decode worker, created lazily at the first send of an epoch (rank 0).
+    ``send_blocks`` runs in the caller's thread and blocks until the data has crossed.
+
+    How a prefill worker uses it for one request (the lock keeps PushKV order == send order,
+    and never two PushKV to one decode worker in flight)::
+
+        with sender.lock(decode_id):
+            epoch = sender.next_epoch(decode_id)
+            stub.PushKV(..., channel_epoch=epoch, block_ids=ids, ...)   # receive posted
+            nbytes, secs = sender.send_blocks(decode_id, store_address, epoch, kv_cache, ids)
+
+    If PushKV fails with NOT_FOUND nothing was posted: skip the send. If it fails in a way that
+    leaves it unknown whether the receive was posted (deadline, UNAVAILABLE), call
+    ``mark_broken(decode_id)``. Any failure of ``send_blocks`` marks the channel broken and
+    bumps the pair's epoch itself.
+    """
+
+    def __init__(self, prefill_worker_id: str, *, timeout: float = DEFAULT_TIMEOUT,
+                 max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,
+                 first_epoch: int | None = None) -> None:
+        self.prefill_worker_id = prefill_worker_id
+        self.timeout = float(timeout)
+        self.max_message_bytes = int(max_message_bytes)
+        self._first_epoch = initial_epoch() if first_epoch is None else int(first_epoch)
+        self._pairs: dict[str, _SendPair] = {}
+        self._lock = threading.Lock()
+        self._closed = False
+
+    def _pair(self, decode_worker_id: str) -> _SendPair:
+        with self._lock:
+            if self._closed:
+                raise KvTransferError("KvSender is closed")
+            pair = self._pairs.get(decode_worker_id)
+            if pair is None:
+                pair = self._pairs[decode_worker_id] = _SendPair(epoch=self._first_epoch)
+            return pair
+
+    def lock(self, decode_worker_id: str) -> threading.RLock:
+        """The (re-entrant) lock of the pair; ``send_blocks`` takes it too. Hold it across
+        ``next_epoch`` + PushKV + ``send_blocks``."""
+        return self._pair(decode_worker_id).lock
+
+    def next_epoch(self, decode_worker_id: str) -> int:
+        """The epoch to put in the next PushKV to this decode worker."""
+        return self._pair(decode_worker_id).epoch
+
+    def mark_broken(self, decode_worker_id: str, reason: str = "marked broken") -> int:
+        """Abort the pair's channel and bump its epoch; returns the new epoch."""
+        pair = self._pair(decode_worker_id)
+        with pair.lock:
+            self._break(pair, reason)
+            return pair.epoch
+
+    def _break(self, pair: _SendPair, reason: str) -> None:
+        if pair.channel is not None:
+            pair.channel.abort(reason)
+            pair.channel.close()
+            pair.channel = None
+        pair.staging = [None, None]  # an aborted operation may still touch the old ones
+        pair.epoch += 1
+
+    def send_blocks(self, decode_worker_id: str, store_address: str, epoch: int,
+                    kv_cache: torch.Tensor, block_ids: BlockIds, *,
+                    ready_event: "torch.cuda.Event | None" = None) -> tuple[int, float]:
+        """Send blocks ``block_ids`` of ``kv_cache`` (in that order) to the decode worker,
+        whose matching receive was posted by a PushKV with ``epoch``.
+
+        CUDA: the gather waits for ``ready_event`` if given, else for the calling thread's
+        current stream (where the KV was written). Returns ``(num_bytes, seconds)`` once the
+        data has crossed (seconds: from before the gather to completion; channel set-up not
+        included). Raises ``KvTransferError`` (the epoch is then bumped).
+        """
+        pair = self._pair(decode_worker_id)
+        with pair.lock:
+            try:
+                if self._closed:
+                    raise KvTransferError("KvSender is closed")
+                if int(epoch) != pair.epoch:
+                    raise KvTransferError(
+                        f"epoch {epoch} is not the current epoch {pair.epoch} of the pair "
+                        f"{self.prefill_worker_id}->{decode_worker_id}; take next_epoch() under "
+                        "lock() before PushKV")
+                check_pool(kv_cache)
+                ids = check_block_ids(block_ids, kv_cache.shape[0])
+                if not ids:
+                    return 0, 0.0
+                ch = pair.channel
+                if (ch is None or ch.epoch != pair.epoch or ch.is_broken
+                        or pair.store_address != store_address
+                        or ch.device != _device_of(kv_cache)):
+                    if ch is not None:
+                        ch.close()
+                        pair.channel = None
+                    if kv_cache.is_cuda and pair.stream is None:
+                        pair.stream = torch.cuda.Stream(kv_cache.device)
+                    ch = PairChannel(store_address, self.prefill_worker_id, decode_worker_id,
+                                     pair.epoch, 0, kv_cache.device, timeout=self.timeout,
+                                     stream=pair.stream)
+                    pair.channel, pair.store_address = ch, store_address
+                t0 = time.perf_counter()
+                deadline = time.monotonic() + self.timeout
+                nbytes = _send_blocks_on(ch, kv_cache, ids, self.max_message_bytes, deadline,
+                                         ready_event,
+                                         None if kv_cache.is_cuda else pair.staging)
+                return nbytes, time.perf_counter() - t0
+            except Exception as e:
+                old = pair.epoch
+                self._break(pair, f"send failed: {e}")
+                msg = (f"KV send {self.prefill_worker_id}->{decode_worker_id} epoch {old} failed "
+                       f"(next epoch {pair.epoch}): {e}")
+                log.warning(msg)
+                raise KvTransferError(msg) from e
+
+    def close(self, wait: float = 1.0) -> None:
+        """Abort every channel (no peer needed); a send in flight fails. The sender cannot be
+        used afterwards. Waits up to ``wait`` seconds per pair for a send in flight to end
+        (a Gloo send ends at its timeout or when the peer drops; it then cleans up itself)."""
+        with self._lock:
+            self._closed = True
+            pairs = list(self._pairs.values())
+        for pair in pairs:
+            ch = pair.channel
+            if ch is not None:
+                ch.abort("sender closed")
+        for pair in pairs:
+            if not pair.lock.acquire(timeout=wait):
+                continue
+            try:
+                ch, pair.channel = pair.channel, None
+                if ch is not None:
+                    ch.close()
+            finally:
+                pair.lock.release()
+
+    def __enter__(self) -> "KvSender":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+def _device_of(t: torch.Tensor) -> torch.device:
+    d = t.device
+    if d.type == "cuda" and d.index is None:
+        return torch.device("cuda", torch.cuda.current_device())
+    return d
+
+
