@@ -4,9 +4,13 @@
 
 Token ``i`` of a request (the first token is i = 0) is ``script_token(prompt_ids, i, vocab)``:
 ``(crc32(prompt ids as uint32) + i) % vocab``, stepping over the EOS ids, so a test knows the
-output in advance. An engine step runs every ``--step-ms`` while a request is active and emits
-one ``StepOutputs`` per router for all of that router's requests (one token each). It keeps the
-contract of protos/pdserve/v1/worker.proto: KV block accounting with a hash-chained prefix
+output in advance. Engine steps run on a fixed schedule, every ``--step-ms`` while a request is
+active, one token per request and step; steps that came due while the process was late (CPU
+contention) run at once (``--catch-up``, the default; ``PDSERVE_SCRIPTED_CATCH_UP=0`` or
+``--no-catch-up`` for the old schedule, step_ms after each step's work). Outputs go to each
+router's Subscribe stream as decode_worker sends them: one ``StepOutputs`` with everything that
+came since the stream's last send, one ``SequenceOutput`` per request (one token each while the
+router keeps up; several merged when it does not). It keeps the contract of protos/pdserve/v1/worker.proto: KV block accounting with a hash-chained prefix
 cache (common.hashing), reservations under a lease, PushKV that checks the reserved block ids
 (no bytes move), Submit, Subscribe (initial metadata sent once the subscription is registered;
 a second Subscribe of a router replaces the first; a closed stream cancels that router's

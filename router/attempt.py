@@ -110,7 +110,7 @@ class Attempt:
         if self.prefill is None:
             await self._submit()
             return
-        req = worker_pb2.ReserveRequest(request_id=self.rid, token_ids=job.prompt.token_ids,
+        req = worker_pb2.ReserveRequest(request_id=self.rid, token_ids=job.prompt.wire_ids,
                                         params=job.wire_params, lease_ms=self.flow.settings.lease_ms,
                                         deadline_unix_ms=job.deadline_unix_ms,
                                         router_id=self.flow.settings.router_id)
@@ -127,7 +127,7 @@ class Attempt:
         target = worker_pb2.KvTarget(decode_worker_id=res.worker_id or self.decode.worker_id,
                                      kv_store_address=res.kv_store_address, decode_address=self.decode.address,
                                      block_ids=res.block_ids, num_cached_tokens=res.num_cached_tokens)
-        preq = worker_pb2.PrefillRequest(request_id=self.rid, token_ids=job.prompt.token_ids,
+        preq = worker_pb2.PrefillRequest(request_id=self.rid, token_ids=job.prompt.wire_ids,
                                          params=job.wire_params, deadline_unix_ms=job.deadline_unix_ms,
                                          kv_target=target)
         self.prefill.add_load(1, prompt_tokens=self.prompt_len)
@@ -136,7 +136,7 @@ class Attempt:
 
     async def _submit(self) -> None:
         job = self.job
-        req = worker_pb2.SubmitRequest(request_id=self.rid, token_ids=job.prompt.token_ids,
+        req = worker_pb2.SubmitRequest(request_id=self.rid, token_ids=job.prompt.wire_ids,
                                        params=job.wire_params, deadline_unix_ms=job.deadline_unix_ms,
                                        router_id=self.flow.settings.router_id)
         try:
@@ -163,6 +163,7 @@ class Attempt:
         for item in items:                 # merged into one step (one client message)
             if isinstance(item, BaseException):
                 if step.token_ids:         # deliver the tokens first, fail on the next call
+                    self.first_seen = True     # (so not as a Retry: tokens went out)
                     self._pending = self._fail(item, self.decode, "output stream")
                     break
                 raise self._fail(item, self.decode, "output stream")
@@ -189,6 +190,7 @@ class Attempt:
             else:
                 err = Internal(f"request {self.rid} failed on worker {self.decode.key} ({name}): {out.error}")
             if step.token_ids:
+                self.first_seen = True
                 self._pending = self._fail(err, self.decode, "decode")
                 step.finish_reason = common_pb2.FINISH_REASON_UNSPECIFIED
                 return

@@ -3,9 +3,10 @@ once on other workers when it fails before the first token), turn its steps into
 ``GenerateResponse`` messages (incremental detokenization, stop strings), enforce the deadline,
 and make sure the workers hear about every early end (stop string, deadline, client gone).
 
-One ``GenerateResponse`` per step received from the workers (a step may carry several tokens;
-outputs that queued up while the client was slow are merged). The last message carries the
-finish reason and usage.
+One ``GenerateResponse`` per step (:meth:`~router.attempt.Attempt.next`): everything the
+worker sent for the request since the last message, merged (tokens, logprobs, one text delta,
+the finish reason), so a router or client that falls behind sends fewer, larger messages, not
+more of them late. The last message carries the finish reason and usage.
 """
 from __future__ import annotations
 
@@ -14,19 +15,19 @@ import itertools
 import logging
 import time
 from collections.abc import AsyncIterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import grpc
 import grpc.aio
 
 from common.engine.sampling_params import SamplingParams
 from common.grpc_utils import PdserveError, Unavailable
-from common.hashing import block_hash_chain
 from pdserve.v1 import common_pb2, router_pb2, worker_pb2
 from router.attempt import Attempt, Retry, Step
 from router.metrics import RouterMetrics
 from router.output import OutputProcessor
 from router.policy import DecodeCandidate, PrefillCandidate, pick_decode, pick_prefill
+from router.prefix_index import hash_chain
 from router.settings import CANCEL_TIMEOUT_S, RouterSettings
 from router.tokenization import Prompt
 from router.worker_client import WorkerClient
@@ -51,7 +52,12 @@ class Job:
     skip_special_tokens: bool = True
     deadline: float | None = None    # time.monotonic()
     deadline_unix_ms: int = 0
-    hash_chain: list[int] = field(default_factory=list)
+    hash_chain: list[int] | None = None   # block hashes of the prompt, computed when needed
+
+    def chain(self, block_size: int) -> list[int]:
+        if self.hash_chain is None:
+            self.hash_chain = hash_chain(self.prompt.token_ids, block_size) if block_size else []
+        return self.hash_chain
 
     def remaining(self) -> float | None:
         return None if self.deadline is None else max(0.0, self.deadline - time.monotonic())
@@ -82,9 +88,8 @@ class Flow:
         if time_remaining is not None:
             deadline = time.monotonic() + time_remaining
             deadline_ms = int((time.time() + time_remaining) * 1000)
-        bs = self.registry.block_size
         return Job(request_id, prompt, sampling, wire_params, stop, include_stop, skip_special_tokens,
-                   deadline, deadline_ms or 0, block_hash_chain(prompt.token_ids, bs) if bs else [])
+                   deadline, deadline_ms or 0)
 
     # ---- background cancels -----------------------------------------------------------
     def spawn(self, coro) -> None:
@@ -109,16 +114,23 @@ class Flow:
         bs = self.registry.block_size
         n = len(job.prompt.token_ids)
         index = self.registry.prefix_index
-        matches = index.match(job.hash_chain, [c.key for c in decoders])
-        cands = [DecodeCandidate(c.key, matches.get(c.key, 0), c.inflight_tokens, c.inflight,
-                                 c.stats.num_used_blocks if c.stats else 0,
-                                 c.stats.num_total_blocks if c.stats else 0) for c in decoders]
-        decode = self.registry.clients[pick_decode(cands, n, bs, self.settings.load_alpha, next(self._turn))]
+        # The prompt's block hashes only matter when there is a choice and some worker holds
+        # blocks: one decode worker (or one prefill worker) is picked without them.
+        if len(decoders) == 1:
+            decode = decoders[0]
+        else:
+            matches = index.match(job.chain(bs), [c.key for c in decoders]) if index else {}
+            cands = [DecodeCandidate(c.key, matches.get(c.key, 0), c.inflight_tokens, c.inflight,
+                                     c.stats.num_used_blocks if c.stats else 0,
+                                     c.stats.num_total_blocks if c.stats else 0) for c in decoders]
+            decode = self.registry.clients[pick_decode(cands, n, bs, self.settings.load_alpha, next(self._turn))]
         prefill = None
         if decode.role == common_pb2.ROLE_DECODE:
             prefillers = self.registry.prefill_workers(excluded)
-            if prefillers:
-                pm = index.match(job.hash_chain, [c.key for c in prefillers])
+            if len(prefillers) == 1:
+                prefill = prefillers[0]
+            elif prefillers:
+                pm = index.match(job.chain(bs), [c.key for c in prefillers]) if index else {}
                 pc = [PrefillCandidate(c.key, pm.get(c.key, 0), c.inflight_prompt_tokens, c.inflight)
                       for c in prefillers]
                 prefill = self.registry.clients[pick_prefill(pc, n, bs, next(self._turn))]

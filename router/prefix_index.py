@@ -6,7 +6,28 @@ chain that the worker holds. Workers are named by the router's key for them (the
 """
 from __future__ import annotations
 
+import struct
+from array import array
 from collections.abc import Iterable, Sequence
+
+import xxhash
+
+_U64 = struct.Struct("<Q")
+_xxh3 = xxhash.xxh3_64_intdigest
+
+
+def hash_chain(token_ids: Sequence[int], block_size: int) -> list[int]:
+    """:func:`common.hashing.block_hash_chain`, the same hashes (a unit test checks), about 2x
+    faster: the ids are packed once and each block is hashed in one call."""
+    data = array("i", token_ids).tobytes()
+    step = block_size * 4
+    out: list[int] = []
+    parent = None
+    for start in range(0, (len(token_ids) // block_size) * step, step):
+        block = data[start:start + step]
+        parent = _xxh3(block if parent is None else _U64.pack(parent) + block)
+        out.append(parent)
+    return out
 
 
 class PrefixIndex:
@@ -41,6 +62,10 @@ class PrefixIndex:
                 owners.discard(worker)
                 if not owners:
                     del self._owners[h]
+
+    def __bool__(self) -> bool:
+        """Whether any worker holds any block (else no request can match anything)."""
+        return bool(self._owners)
 
     def num_blocks(self, worker: str) -> int:
         return len(self._blocks.get(worker, ()))

@@ -113,6 +113,13 @@ class Prompt:
     token_ids: list[int]
     field: str                  # the input field it came from (for error messages)
     rendered: str = ""          # chat only: the rendered template
+    # The same ids as the client sent them (its request's repeated field), when it sent ids:
+    # copying that into a worker request is ~15x cheaper than converting the list back.
+    wire: Any = field(default=None, compare=False, repr=False)
+
+    @property
+    def wire_ids(self) -> Any:
+        return self.token_ids if self.wire is None else self.wire
 
 
 def _need_tokenizer(tok: RouterTokenizer | None, spec: ModelSpec, field_name: str) -> RouterTokenizer:
@@ -158,11 +165,12 @@ def build_prompt(request: Any, tok: RouterTokenizer | None, spec: ModelSpec, voc
             raise InvalidArgument("chat", f"chat template failed: {e}") from e
         prompt = Prompt(t.encode(rendered, False if add_special is None else add_special), "chat", rendered)
     else:
-        ids = list(request.token_ids.ids)
-        for i, tid in enumerate(ids):
-            if tid >= vocab_size:
-                raise InvalidArgument(f"token_ids.ids[{i}]", f"{tid} is out of the vocabulary (size {vocab_size})")
-        prompt = Prompt(ids, "token_ids.ids")
+        wire = request.token_ids.ids
+        ids = wire[:]                 # a list (faster than list(wire))
+        if ids and max(ids) >= vocab_size:
+            i = next(i for i, tid in enumerate(ids) if tid >= vocab_size)
+            raise InvalidArgument(f"token_ids.ids[{i}]", f"{ids[i]} is out of the vocabulary (size {vocab_size})")
+        prompt = Prompt(ids, "token_ids.ids", wire=wire)
     if not prompt.token_ids:
         raise InvalidArgument(prompt.field, "prompt is empty (0 tokens)")
     return prompt

@@ -1,0 +1,142 @@
+"""The router's hot-path pieces: the fast block hash chain (same hashes as common.hashing), the
+per-request output buffer, merging everything buffered into one step (one client message),
+OutputProcessor.step against the generic add(), the prompt's wire ids, and the scripted
+worker's outbox (queued steps merged into one SequenceOutput per request)."""
+from __future__ import annotations
+
+import asyncio
+import random
+import sys
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+
+from bench.scripted_worker import Outbox  # noqa: E402
+from common.grpc_utils import InvalidArgument, Unavailable  # noqa: E402
+from common.hashing import block_hash_chain  # noqa: E402
+from pdserve.v1 import common_pb2, router_pb2, worker_pb2  # noqa: E402
+from router.attempt import Attempt  # noqa: E402
+from router.output import OutputProcessor  # noqa: E402
+from router.prefix_index import PrefixIndex, hash_chain  # noqa: E402
+from router.subscription import OutputBuffer  # noqa: E402
+from router.tokenization import build_prompt, resolve_spec  # noqa: E402
+
+
+class CharTokenizer:
+    def decode(self, ids, skip_special_tokens=True):
+        return "".join(chr(i) for i in ids if not (skip_special_tokens and i >= 1000))
+
+
+@pytest.mark.parametrize("n,bs", [(0, 16), (15, 16), (16, 16), (1000, 16), (1024, 16), (777, 32), (64, 1)])
+def test_fast_hash_chain_matches_common(n: int, bs: int) -> None:
+    rng = random.Random(n)
+    ids = [rng.randrange(2**31 - 1) for _ in range(n)]
+    assert hash_chain(ids, bs) == block_hash_chain(ids, bs)
+
+
+def test_prefix_index_truthiness() -> None:
+    index = PrefixIndex()
+    assert not index
+    index.apply("w", stored=[1, 2])
+    assert index
+    index.remove_worker("w")
+    assert not index
+
+
+def test_output_buffer() -> None:
+    async def scenario() -> None:
+        buf = OutputBuffer()
+        assert buf.empty()
+        waiter = asyncio.ensure_future(buf.wait())
+        await asyncio.sleep(0)
+        assert not waiter.done()
+        buf.put_nowait(1)
+        buf.put_nowait(2)
+        await asyncio.wait_for(waiter, 1)
+        assert buf.take_all() == [1, 2] and buf.empty()
+        buf.put_nowait(3)
+        assert await buf.get() == 3
+        with pytest.raises(asyncio.QueueEmpty):
+            buf.get_nowait()
+
+    asyncio.run(scenario())
+
+
+def _attempt() -> Attempt:
+    decode = SimpleNamespace(key="d", add_load=lambda *a, **k: None, mark_down=lambda *a: None)
+    job = SimpleNamespace(prompt=SimpleNamespace(token_ids=[1, 2, 3]), expired=lambda: False,
+                          sampling=SimpleNamespace(logprobs=False))
+    att = Attempt(SimpleNamespace(), job, decode, None, "rid")
+    att.queue = OutputBuffer()
+    return att
+
+
+def test_everything_buffered_is_one_step_and_an_error_comes_after_the_tokens() -> None:
+    async def scenario() -> None:
+        att = _attempt()
+        for i in range(5):
+            att.queue.put_nowait(worker_pb2.SequenceOutput(request_id="rid", token_ids=[i, i + 10]))
+        att.queue.put_nowait(Unavailable("stream broke"))
+        step = await att.next()
+        assert step.token_ids == [0, 10, 1, 11, 2, 12, 3, 13, 4, 14] and not step.finish_reason
+        with pytest.raises(Unavailable):
+            await att.next()
+
+    asyncio.run(scenario())
+
+
+def test_step_ends_at_the_finish_reason() -> None:
+    async def scenario() -> None:
+        att = _attempt()
+        att.queue.put_nowait(worker_pb2.SequenceOutput(request_id="rid", token_ids=[7]))
+        att.queue.put_nowait(worker_pb2.SequenceOutput(request_id="rid", token_ids=[8],
+                                                       finish_reason=common_pb2.FINISH_REASON_LENGTH))
+        step = await att.next()
+        assert step.token_ids == [7, 8] and step.finish_reason == common_pb2.FINISH_REASON_LENGTH
+
+    asyncio.run(scenario())
+
+
+@pytest.mark.parametrize("stop", [(), ("END",), ("cd", "b")])
+def test_output_step_equals_add(stop: tuple[str, ...]) -> None:
+    chunks = ["Hel", "lo E", "N", "D abcd", "", "x"]
+    a, b = OutputProcessor(CharTokenizer(), stop), OutputProcessor(CharTokenizer(), stop)
+    for c in chunks:
+        ids = [ord(ch) for ch in c]
+        d = a.add(ids)
+        assert b.step(ids) == (d.text, d.matched_stop)
+    assert a.finish().text == b.finish().text and a.text == b.text
+    assert b.num_tokens == sum(len(c) for c in chunks)
+
+
+def test_prompt_wire_ids_and_vocab_check() -> None:
+    spec = resolve_spec("tiny-llama")
+    req = router_pb2.GenerateRequest(token_ids=router_pb2.TokenIds(ids=[1, 2, 3]))
+    prompt = build_prompt(req, None, spec, spec.vocab_size)
+    assert prompt.token_ids == [1, 2, 3] and list(prompt.wire_ids) == [1, 2, 3]
+    assert worker_pb2.SubmitRequest(token_ids=prompt.wire_ids).token_ids == [1, 2, 3]
+    bad = router_pb2.GenerateRequest(token_ids=router_pb2.TokenIds(ids=[1, 600, 2, 700]))
+    with pytest.raises(InvalidArgument) as e:
+        build_prompt(bad, None, spec, spec.vocab_size)
+    assert e.value.field == "token_ids.ids[1]"
+
+
+def test_scripted_outbox_merges_per_request() -> None:
+    async def scenario() -> None:
+        box = Outbox()
+        box.add("a", [1], None, num_prompt=3, num_cached=0)
+        box.add("b", [5], [-0.5])
+        box.add("a", [2, 3], None)
+        box.add("b", [6], [-0.6], finish=common_pb2.FINISH_REASON_LENGTH)
+        assert box.ready.is_set()
+        msg = box.take(7)
+        assert not box.ready.is_set() and msg.step == 7
+        outs = {o.request_id: o for o in msg.outputs}
+        assert list(outs["a"].token_ids) == [1, 2, 3] and outs["a"].num_prompt_tokens == 3
+        assert list(outs["b"].token_ids) == [5, 6] and outs["b"].finish_reason == common_pb2.FINISH_REASON_LENGTH
+        assert [round(x, 3) for x in outs["b"].logprobs] == [-0.5, -0.6]
+
+    asyncio.run(scenario())
