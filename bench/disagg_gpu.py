@@ -94,7 +94,7 @@ async def kill_during_transfer(dep: deployment.Deployment, max_tokens: int) -> d
             try:
                 async for _ in stub.Generate(request(p, max_tokens), timeout=120):
                     if not killed.is_set():
-                        dep.procs["decode0"].kill()
+                        dep.services["decode0"].proc.kill()
                         killed.set()
                 return "OK"
             except grpc.aio.AioRpcError as e:
@@ -102,7 +102,7 @@ async def kill_during_transfer(dep: deployment.Deployment, max_tokens: int) -> d
         started = time.perf_counter()
         codes = await asyncio.gather(*(one(p) for p in prompts))
         answered_s = time.perf_counter() - started
-    dep.procs["decode0"].wait(30)
+    dep.services["decode0"].proc.wait(30)
     prefill_whole = dep.wait_whole(dep.prefill[0], tries=300)
     return {"client_codes": codes, "all_answered_in_s": answered_s,
             "prefill_free_after_kill": prefill_whole.num_free_blocks, "prefill_total": prefill_whole.num_total_blocks}
@@ -169,7 +169,7 @@ def main(argv: list[str] | None = None) -> int:
     finally:
         disagg.stop()
         both.stop()
-        for name, log in {**disagg.logs, **{f"both-{k}": v for k, v in both.logs.items()}}.items():
+        for name, log in {**disagg.logs(), **{f"both-{k}": v for k, v in both.logs().items()}}.items():
             text = log.read_text(errors="replace")
             result.setdefault("log_errors", {})[name] = [l for l in text.splitlines() if "Traceback" in l or " ERROR " in l][:5]
     write_result(args.out, result)

@@ -68,8 +68,8 @@ def cpu_seconds(pid: int) -> float:
     return (int(fields[11]) + int(fields[12])) / _TICK   # fields 14 and 15 of stat(5)
 
 
-def _env() -> dict[str, str]:
-    env = dict(os.environ)
+def _env(extra: dict[str, str] | None = None) -> dict[str, str]:
+    env = dict(os.environ, **(extra or {}))
     env["PYTHONPATH"] = str(ROOT) + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
     env.setdefault("PYTHONUNBUFFERED", "1")
     return env
@@ -81,12 +81,13 @@ class Service:
     cmd: list[str]
     address: str                      # host:port to health-check ("" = none)
     log_path: Path | None = None
+    extra_env: dict[str, str] = field(default_factory=dict)   # e.g. CUDA_VISIBLE_DEVICES
     proc: subprocess.Popen | None = field(default=None, repr=False)
 
     def start(self) -> "Service":
         out = open(self.log_path, "ab") if self.log_path else subprocess.DEVNULL
         try:
-            self.proc = subprocess.Popen(self.cmd, cwd=ROOT, env=_env(), stdout=out, stderr=subprocess.STDOUT,
+            self.proc = subprocess.Popen(self.cmd, cwd=ROOT, env=_env(self.extra_env), stdout=out, stderr=subprocess.STDOUT,
                                          start_new_session=True)
         finally:
             if self.log_path:

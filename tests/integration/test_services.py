@@ -119,8 +119,7 @@ def test_bad_input_is_invalid_argument(deployment):
 
 
 def test_dead_decode_worker_gives_unavailable_quickly(deployment, prompts):
-    deployment.procs["decode0"].kill()
-    deployment.procs["decode0"].wait(10)
+    deployment.kill("decode0")
     start = time.monotonic()
     with pytest.raises(grpc.RpcError) as e:
         list(deployment.router_stub().Generate(_request(prompts[2]), timeout=30))
