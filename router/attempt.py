@@ -199,9 +199,33 @@ class Attempt:
         step.logprobs.extend(out.logprobs)
         step.finish_reason = reason
 
+    async def _read_first(self):
+        """The Prefill stream's first message, unless the decode worker's output stream fails
+        first (the decode worker died: waiting for the prefill worker's KV hand-over to time
+        out would only delay the UNAVAILABLE, or the retry)."""
+        q = self.queue
+        if type(q) is not OutputBuffer:
+            return await self.prefill_call.read()
+        read = asyncio.ensure_future(self.prefill_call.read())
+        watch = asyncio.ensure_future(q.wait())
+        try:
+            await asyncio.wait({read, watch}, return_when=asyncio.FIRST_COMPLETED)
+        except asyncio.CancelledError:
+            read.cancel()
+            raise
+        finally:
+            watch.cancel()
+        if not read.done():
+            errors = [x for x in q.items if isinstance(x, BaseException)]
+            if errors:
+                read.cancel()
+                self.prefill_call.cancel()
+                raise self._fail(errors[0], self.decode, "output stream")
+        return await read
+
     async def _first_token(self) -> Step:
         try:
-            msg = await self.prefill_call.read()
+            msg = await self._read_first()
         except grpc.aio.AioRpcError as e:
             raise self._fail(e, self.prefill, "Prefill") from e
         except asyncio.CancelledError:

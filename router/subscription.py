@@ -60,7 +60,7 @@ class OutputBuffer:
         """Return once something is buffered."""
         while not self.items:
             w = self._waiter
-            if w is None:
+            if w is None or w.done():     # done: a waiter that was cancelled
                 w = self._waiter = asyncio.get_running_loop().create_future()
             await w
 
