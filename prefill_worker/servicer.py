@@ -70,6 +70,7 @@ class PrefillServicer(BaseWorkerServicer):
         except DuplicateRequest as e:
             raise AlreadyExists(str(e)) from e
         self.in_flight += 1
+        result, shipping = None, False
         try:
             try:
                 result = await first
@@ -78,17 +79,22 @@ class PrefillServicer(BaseWorkerServicer):
                     raise DeadlineExceeded(f"request {rid!r} passed its deadline before prefill") from e
                 raise Cancelled(f"request {rid!r} was cancelled") from e
             except asyncio.CancelledError:
-                self.runtime.loop.call(lambda e: self.state.cancel(e, rid))
+                # queued or running: cancel it; already prefilled (held): free its blocks
+                self.runtime.loop.call(lambda e: self.state.cancel(e, rid) or self.state.release(e, rid))
                 raise
             yield worker_pb2.PrefillResponse(first_token=worker_pb2.FirstToken(
                 token_id=result.token_id, logprob=result.logprob, num_cached_tokens=result.num_cached_tokens,
                 finish_reason=finish_reason_to_proto(result.finish_reason)))
             if result.finish_reason is not None:
                 return
+            shipping = True                   # from here _ship frees the held blocks, whatever happens
             done = await self._ship(request, result)
             yield worker_pb2.PrefillResponse(transfer_done=done)
         finally:
             self.in_flight -= 1
+            if result is not None and result.finish_reason is None and not shipping:
+                # the caller went away between the first token and the transfer
+                self.runtime.loop.call(lambda e: self.state.release(e, rid))
 
     async def _ship(self, request, result) -> worker_pb2.TransferDone:
         """PushKV, then send the blocks the decode worker lacks; the held blocks are freed after.
