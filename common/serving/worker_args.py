@@ -32,6 +32,8 @@ def add_worker_arguments(p: argparse.ArgumentParser, default_port: int, default_
     p.add_argument("--attention-backend", default=env.get("ATTENTION_BACKEND", "auto"))
     p.add_argument("--enforce-eager", action="store_true", default=env.get_bool("ENFORCE_EAGER", False),
                    help="no CUDA graphs")
+    p.add_argument("--async-scheduling", choices=("auto", "on", "off"), default=env.get("ASYNC_SCHEDULING", "auto"),
+                   help="overlap host work with the GPU (auto: on with CUDA graphs)")
     p.add_argument("--drain-grace-s", type=float, default=env.get_float("DRAIN_GRACE_S", 30.0),
                    help="on SIGTERM: time to finish in-flight requests before cancelling them")
     p.add_argument("--kv-timeout-s", type=float, default=env.get_float("KV_TIMEOUT_S", 30.0),
@@ -44,7 +46,8 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
         num_kv_blocks=args.num_kv_blocks or None, kv_cache_memory_gb=args.kv_memory_gb or None,
         max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
         max_model_len=args.max_model_len or None, attention_backend=args.attention_backend,
-        enforce_eager=args.enforce_eager)
+        enforce_eager=args.enforce_eager,
+        async_scheduling={"auto": None, "on": True, "off": False}[args.async_scheduling])
 
 
 def worker_id_from_args(args: argparse.Namespace, role: str) -> str:
