@@ -147,7 +147,9 @@ class PrefillServicer(BaseWorkerServicer):
 
     def _release_after(self, rid: str, transfer: asyncio.Future | None) -> None:
         """Free the held blocks once no send reads them any more."""
-        def release(_=None) -> None:
+        def release(done: asyncio.Future | None = None) -> None:
+            if done is not None and not done.cancelled() and done.exception() is not None:
+                logger.warning("KV transfer of %s failed after its caller left: %s", rid, done.exception())
             self.runtime.loop.call(lambda e: self.state.release(e, rid))
         if transfer is None or transfer.done():
             release()
