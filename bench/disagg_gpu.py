@@ -61,7 +61,7 @@ async def run_all(router: str, prompts: list[list[int]], max_tokens: int, timeou
                     ids.extend(msg.token_ids)
                 return ids, ttft
             except grpc.aio.AioRpcError as e:
-                return e.code().name, None
+                return f"{e.code().name}: {e.details()}", None
         return await asyncio.gather(*(one(p) for p in prompts))
 
 
@@ -69,8 +69,14 @@ def compare(a: list, b: list) -> dict:
     same = sum(x[0] == y[0] for x, y in zip(a, b))
     diverged = [next((i for i, (u, v) in enumerate(zip(x[0], y[0])) if u != v), None)
                 for x, y in zip(a, b) if x[0] != y[0] and isinstance(x[0], list) and isinstance(y[0], list)]
-    errors = [x[0] for x in a + b if not isinstance(x[0], list)]
-    return {"requests": len(a), "identical": same, "first_divergence_positions": diverged[:20], "errors": errors[:20]}
+    def errors(results: list) -> dict[str, int]:
+        counts: dict[str, int] = {}
+        for x in results:
+            if not isinstance(x[0], list):
+                counts[x[0]] = counts.get(x[0], 0) + 1
+        return counts
+    return {"requests": len(a), "identical": same, "first_divergence_positions": diverged[:20],
+            "errors": {"disaggregated": errors(a), "co_located": errors(b)}}
 
 
 def pools_whole(dep: deployment.Deployment) -> dict:
@@ -132,6 +138,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--vocab-max", type=int, default=100000)
     p.add_argument("--max-model-len", type=int, default=8192)
     p.add_argument("--kill-prompt-len", type=int, default=4000)
+    p.add_argument("--worker-args", default="", help="more worker flags, e.g. '--async-scheduling on'")
     p.add_argument("--out", default="bench/results/disagg_h200x2.json")
     args = p.parse_args(argv)
     global VOCAB_MAX, KILL_PROMPT_LEN
@@ -140,7 +147,8 @@ def main(argv: list[str] | None = None) -> int:
     log_root = Path(tempfile.mkdtemp(prefix="pdserve-disagg-"))
     gpus = (["0"], ["1"]) if args.device == "cuda" else (None, None)
     common = dict(model=args.model, device=args.device, kv_memory_gb=args.kv_memory_gb, timeout=600.0,
-                  extra_worker_args=["--dtype", args.dtype, "--max-model-len", str(args.max_model_len)])
+                  extra_worker_args=["--dtype", args.dtype, "--max-model-len", str(args.max_model_len),
+                                     *args.worker_args.split()])
     (log_root / "disagg").mkdir()
     (log_root / "both").mkdir()
     disagg = deployment.start(log_root / "disagg", prefill_gpus=gpus[0], decode_gpus=gpus[1], **common)
@@ -171,7 +179,9 @@ def main(argv: list[str] | None = None) -> int:
         both.stop()
         for name, log in {**disagg.logs(), **{f"both-{k}": v for k, v in both.logs().items()}}.items():
             text = log.read_text(errors="replace")
-            result.setdefault("log_errors", {})[name] = [l for l in text.splitlines() if "Traceback" in l or " ERROR " in l][:5]
+            lines = text.splitlines()
+            result.setdefault("log_errors", {})[name] = [l for l in lines if "Traceback" in l or " ERROR " in l][:5]
+            result.setdefault("log_warnings", {})[name] = [l for l in lines if " WARNING " in l][:5]
     write_result(args.out, result)
     eq = result.get("equality", {})
     print(f"identical {eq.get('identical')}/{eq.get('requests')}; kill: {result.get('kill')}")
