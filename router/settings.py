@@ -5,6 +5,10 @@ from dataclasses import dataclass
 
 # How often GetStats is polled per worker (load figure and liveness check).
 STATS_INTERVAL_S = 0.5
+# A worker whose GetStats times out this many times in a row is marked down (its in-flight
+# requests fail over or get UNAVAILABLE). One slow answer is a busy worker, not a dead one; a
+# closed connection (UNAVAILABLE) marks it down at once.
+STATS_MISSES_DOWN = 3
 # Reconnect backoff of a worker that is down (Info probe): first, then doubling up to max.
 RECONNECT_MIN_S = 0.25
 RECONNECT_MAX_S = 5.0

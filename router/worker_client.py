@@ -20,8 +20,8 @@ import grpc.aio
 from common.grpc_utils import Unavailable, client_channel
 from pdserve.v1 import common_pb2, common_pb2_grpc, worker_pb2, worker_pb2_grpc
 from router.prefix_index import PrefixIndex
-from router.settings import (RECONNECT_MAX_S, RECONNECT_MIN_S, STATS_INTERVAL_S, SUBSCRIBE_WINDOW_BYTES,
-                             RouterSettings)
+from router.settings import (RECONNECT_MAX_S, RECONNECT_MIN_S, STATS_INTERVAL_S, STATS_MISSES_DOWN,
+                             SUBSCRIBE_WINDOW_BYTES, RouterSettings)
 from router.subscription import Subscription
 
 log = logging.getLogger(__name__)
@@ -71,6 +71,7 @@ class WorkerClient:
         self._task: asyncio.Task | None = None
         self._kv_task: asyncio.Task | None = None
         self._kv_unimplemented = False
+        self.stats_misses = 0           # GetStats timeouts in a row
         self.first_attempt = asyncio.Event()
 
     # ---- identity ---------------------------------------------------------------------
@@ -163,15 +164,23 @@ class WorkerClient:
             self.stats = await self.stub.GetStats(worker_pb2.GetStatsRequest(),
                                                   timeout=self.settings.worker_timeout_s, wait_for_ready=False)
         except grpc.aio.AioRpcError as e:
+            if e.code() == grpc.StatusCode.DEADLINE_EXCEEDED:
+                self.stats_misses += 1
+                if self.stats_misses < STATS_MISSES_DOWN:
+                    log.info("worker %s: GetStats timed out (%d in a row)", self.key, self.stats_misses)
+                    return
             if e.code() in DOWN_CODES:
-                self.mark_down(f"GetStats: {e.code().name}: {e.details()}")
+                self.mark_down(f"GetStats: {e.code().name}: {e.details()}"
+                               + (f" ({self.stats_misses} times in a row)" if self.stats_misses > 1 else ""))
             return
+        self.stats_misses = 0
         if not self._kv_unimplemented and (self._kv_task is None or self._kv_task.done()):
             self._start_kv_events()
 
     def mark_down(self, reason: str, quiet: bool = False) -> None:
         """Stop routing here; requests on its output stream get UNAVAILABLE; reconnect later."""
         was_up, self.up = self.up, False
+        self.stats_misses = 0
         if self.subscription is not None:
             sub, self.subscription = self.subscription, None
             sub.close(reason)

@@ -3,6 +3,8 @@
 Services never touch the LLMEngine from their own threads; they ``call(fn)`` and get a
 concurrent.futures.Future with ``fn(engine)``'s result. After each step ``on_step(out)`` is
 called on this thread; ``before_step()`` runs before each step (lease and deadline expiry).
+``stats`` is the engine's counters as of the last step or call, refreshed on this thread, so a
+stats reader never waits for the engine (a busy engine must not look like a dead one).
 """
 from __future__ import annotations
 
@@ -30,6 +32,7 @@ class EngineLoop:
         self._wake = threading.Condition()
         self._stopped = False
         self.num_steps = 0
+        self.stats: dict[str, int] = engine.stats()   # replaced whole, never mutated: safe to read anywhere
         self._thread = threading.Thread(target=self._run, name="engine-loop", daemon=True)
 
     def start(self) -> None:
@@ -76,6 +79,7 @@ class EngineLoop:
             if self.before_step is not None:
                 self.before_step()
             if not self.engine.has_unfinished():
+                self.stats = self.engine.stats()
                 continue
             try:
                 out = self.engine.step()
@@ -85,7 +89,9 @@ class EngineLoop:
             self.num_steps += 1
             if out.seqs or out.finished:
                 self.on_step(out)
+            self.stats = self.engine.stats()
         self._run_calls()
+        self.stats = self.engine.stats()
 
     def _fail_all(self) -> list:
         failed = []

@@ -32,10 +32,8 @@ def add_worker_arguments(p: argparse.ArgumentParser, default_port: int, default_
     p.add_argument("--attention-backend", default=env.get("ATTENTION_BACKEND", "auto"))
     p.add_argument("--enforce-eager", action="store_true", default=env.get_bool("ENFORCE_EAGER", False),
                    help="no CUDA graphs")
-    # off by default in the workers: overlapped decode is verified on the GPU in the offline
-    # engine only; the last 2-GPU services run with it on failed (see docs/design.md)
-    p.add_argument("--async-scheduling", choices=("auto", "on", "off"), default=env.get("ASYNC_SCHEDULING", "off"),
-                   help="overlap host work with the GPU (auto: on with CUDA graphs; default off in workers)")
+    p.add_argument("--async-scheduling", choices=("auto", "on", "off"), default=env.get("ASYNC_SCHEDULING", "auto"),
+                   help="overlap host work with the GPU (auto: on with CUDA graphs)")
     p.add_argument("--drain-grace-s", type=float, default=env.get_float("DRAIN_GRACE_S", 30.0),
                    help="on SIGTERM: time to finish in-flight requests before cancelling them")
     p.add_argument("--kv-timeout-s", type=float, default=env.get_float("KV_TIMEOUT_S", 30.0),

@@ -90,5 +90,7 @@ class WorkerRuntime:
                 "max_model_len": e.max_model_len, "num_kv_blocks": e.block_manager.num_blocks,
                 "worker_id": self.worker_id, "vocab_size": e.source.config.vocab_size}
 
-    async def stats(self, num_reserved: Callable[[], int]) -> dict:
-        return await self.call(lambda engine: {**engine.stats(), "num_reserved": num_reserved()})
+    def stats(self, num_reserved: Callable[[], int]) -> dict:
+        """The engine's counters as of its last step (never waits for the engine thread)."""
+        self.require_ready()
+        return {**self.loop.stats, "num_reserved": num_reserved()}

@@ -61,7 +61,7 @@ class BaseWorkerServicer(worker_pb2_grpc.WorkerServicer):
         self._refuse("Subscribe")
 
     async def GetStats(self, request, context) -> worker_pb2.WorkerStats:
-        s = await self.runtime.stats(self.num_reserved)
+        s = self.runtime.stats(self.num_reserved)
         transfers, nbytes = self.transfer_counts()
         return worker_pb2.WorkerStats(role=ROLES[self.runtime.role], worker_id=self.runtime.worker_id,
                                       num_kv_transfers=transfers, kv_transfer_bytes=nbytes, **s)

@@ -85,3 +85,54 @@ def test_queued_outputs_merge_into_one_step() -> None:
         assert att.first_seen
 
     asyncio.run(scenario())
+
+
+def test_stats_timeouts_mark_a_worker_down_only_in_a_row() -> None:
+    """A busy worker whose GetStats times out once keeps its requests; STATS_MISSES_DOWN
+    timeouts in a row, or one UNAVAILABLE, mark it down and close its output stream."""
+    from grpc import StatusCode
+    from grpc.aio import AioRpcError, Metadata
+
+    from router.prefix_index import PrefixIndex
+    from router.settings import STATS_MISSES_DOWN
+    from router.worker_client import WorkerClient
+
+    class FakeStub:
+        def __init__(self) -> None:
+            self.answers: list = []
+
+        async def GetStats(self, request, timeout, wait_for_ready):
+            answer = self.answers.pop(0)
+            if isinstance(answer, StatusCode):
+                raise AioRpcError(answer, Metadata(), Metadata(), details="test")
+            return answer
+
+    closed: list[str] = []
+
+    async def scenario() -> None:
+        client = WorkerClient("w:1", {common_pb2.ROLE_DECODE}, RouterSettings("r"), PrefixIndex(), lambda c, i: None)
+        client._kv_unimplemented = True
+        client.stub = stub = FakeStub()
+
+        def bring_up() -> None:
+            client.up = True
+            client.subscription = SimpleNamespace(close=closed.append)
+
+        bring_up()
+        stub.answers = [StatusCode.DEADLINE_EXCEEDED] * (STATS_MISSES_DOWN - 1) + [worker_pb2.WorkerStats()]
+        for _ in range(STATS_MISSES_DOWN):
+            await client._poll_stats()
+        assert client.up and not closed and client.stats_misses == 0
+        stub.answers = [StatusCode.DEADLINE_EXCEEDED] * STATS_MISSES_DOWN
+        for _ in range(STATS_MISSES_DOWN - 1):
+            await client._poll_stats()
+        assert client.up and not closed
+        await client._poll_stats()
+        assert not client.up and closed and "in a row" in closed[0]
+        bring_up()
+        stub.answers = [StatusCode.UNAVAILABLE]
+        await client._poll_stats()
+        assert not client.up and len(closed) == 2
+        await client.channel.close()
+
+    asyncio.run(scenario())
