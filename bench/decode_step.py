@@ -66,6 +66,21 @@ def profile_engine(llm: LLM, num_seqs: int, max_tokens: int) -> str:
     return out.getvalue()
 
 
+def grid_point(llm: LLM, batch: int, context: int, weight_bytes: int, bandwidth: float) -> dict:
+    """One more (batch, context) point: step time against its bytes-over-bandwidth floor."""
+    seqs = build_batch(llm, batch, context)
+    t = time_step(llm, seqs, iters=20)
+    for s in seqs:
+        llm.engine.block_manager.deallocate(s)
+    mr = llm.engine.model_runner
+    need = weight_bytes + batch * context * (mr.block_bytes // llm.engine.config.block_size)
+    floor = need / bandwidth
+    print(f"  b={batch:4d} ctx={context:5d}: {1000 * t['median_s']:.3f} ms, floor {1000 * floor:.3f} ms, "
+          f"over floor {1000 * (t['median_s'] - floor):.3f} ms")
+    return {"batch": batch, "context": context, "step": t, "floor_s": floor,
+            "fraction_of_copy_bandwidth": floor / t["median_s"]}
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", default="qwen3-0.6b")
@@ -73,6 +88,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--context", type=int, default=600)
     p.add_argument("--block-size", type=int, default=256)
     p.add_argument("--profile", action="store_true")
+    p.add_argument("--grid", default="", help="more batch:context points timed the same way, e.g. 128:1200,8:1800")
     p.add_argument("--out", default="bench/results/decode_step.json")
     args = p.parse_args(argv)
     bandwidth = copy_bandwidth()
@@ -92,6 +108,8 @@ def main(argv: list[str] | None = None) -> int:
         llm.engine.block_manager.deallocate(s)
     print(f"decode step b={args.batch} ctx={args.context}: {1000 * t['median_s']:.3f} ms, "
           f"{achieved / 1e9:.0f} GB/s = {100 * achieved / bandwidth:.1f}% of copy ({bandwidth / 1e9:.0f} GB/s)")
+    result["grid"] = [grid_point(llm, int(b), int(c), weight_bytes, bandwidth)
+                      for b, c in (x.split(":") for x in args.grid.split(",") if x)]
     if args.profile:
         text = profile_engine(llm, 256, 128)
         result["profile_top"] = text

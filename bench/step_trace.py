@@ -1,0 +1,107 @@
+"""Where W-nano's time goes, step by step (one GPU): GPU busy time vs GPU idle gaps per step,
+grouped by batch size, against each step's bytes-over-bandwidth floor.
+
+Every ``ModelRunner.launch`` (prefill and decode) is bracketed by two CUDA timing events; after
+the run, ``busy`` = start→end of a step on the GPU and ``gap`` = end of one step → start of the
+next (the GPU waiting for the host). The floor of a decode step is (weights + the batch's KV
+bytes) / the copy bandwidth measured in the same run.
+
+    python -m bench.step_trace --out bench/results/step_trace_h100.json
+"""
+from __future__ import annotations
+
+import argparse
+import logging
+import time
+
+import torch
+
+from bench.common import copy_bandwidth, write_result
+from bench.workloads import w_nano
+from common.engine import LLM, SamplingParams
+
+logger = logging.getLogger(__name__)
+BUCKETS = (1, 8, 16, 32, 64, 128, 192, 256, 512)
+
+
+def instrument(llm: LLM) -> list[tuple]:
+    """Wrap ``launch``; returns the list it appends (is_prefill, batch, kv_tokens, start, end) to."""
+    mr = llm.engine.model_runner
+    original = mr.launch
+    records: list[tuple] = []
+
+    def launch(seqs, is_prefill, *args, **kwargs):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        out = original(seqs, is_prefill, *args, **kwargs)
+        end.record()
+        kv_tokens = sum(s.num_tokens for s in seqs) if not is_prefill else sum(
+            s.num_tokens - s.num_cached_tokens for s in seqs)
+        records.append((is_prefill, len(seqs), kv_tokens, start, end))
+        return out
+
+    mr.launch = launch
+    return records
+
+
+def summarize(records: list[tuple], weight_bytes: int, kv_bytes: int, bandwidth: float) -> dict:
+    torch.cuda.synchronize()
+    rows: dict[str, dict] = {}
+    for i, (is_prefill, batch, kv_tokens, start, end) in enumerate(records):
+        busy = start.elapsed_time(end) / 1e3
+        gap = end.elapsed_time(records[i + 1][3]) / 1e3 if i + 1 < len(records) else 0.0
+        if is_prefill:
+            key = "prefill"
+            floor = 0.0
+        else:
+            top = next(b for b in BUCKETS if batch <= b)
+            key = f"decode<= {top}"
+            floor = (weight_bytes + kv_tokens * kv_bytes) / bandwidth
+        r = rows.setdefault(key, {"steps": 0, "busy_s": 0.0, "gap_s": 0.0, "floor_s": 0.0, "tokens": 0})
+        r["steps"] += 1
+        r["busy_s"] += busy
+        r["gap_s"] += gap
+        r["floor_s"] += floor
+        r["tokens"] += kv_tokens if is_prefill else batch
+    for r in rows.values():
+        r["busy_ms_per_step"] = 1e3 * r["busy_s"] / r["steps"]
+        r["gap_ms_per_step"] = 1e3 * r["gap_s"] / r["steps"]
+        r["busy_over_floor"] = r["busy_s"] / r["floor_s"] if r["floor_s"] else None
+    total = {k: sum(r[k] for r in rows.values()) for k in ("busy_s", "gap_s", "floor_s", "steps")}
+    return {"by_batch": dict(sorted(rows.items())), "total": total}
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", default="qwen3-0.6b")
+    p.add_argument("--block-size", type=int, default=256)
+    p.add_argument("--out", default="bench/results/step_trace.json")
+    args = p.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    bandwidth = copy_bandwidth()
+    llm = LLM(args.model, block_size=args.block_size, max_num_seqs=512, max_model_len=4096,
+              max_num_batched_tokens=16384)
+    llm.generate([[1, 2, 3, 4] * 8] * 4, SamplingParams(max_tokens=32, ignore_eos=True), use_tqdm=False)
+    records = instrument(llm)
+    work = w_nano()
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    llm.generate(work.prompts, work.params, use_tqdm=False)
+    torch.cuda.synchronize()
+    elapsed = time.perf_counter() - start
+    weight_bytes = sum(p.numel() * p.element_size() for p in llm.engine.model_runner.model.parameters())
+    kv_bytes = llm.engine.model_runner.block_bytes // llm.engine.config.block_size
+    result = {"copy_bandwidth_GBps": bandwidth / 1e9, "config": vars(args), "wall_s": elapsed,
+              "output_tok_s": work.num_output_tokens / elapsed,
+              **summarize(records, weight_bytes, kv_bytes, bandwidth)}
+    write_result(args.out, result)
+    print(f"wall {elapsed:.2f} s ({result['output_tok_s']:.0f} tok/s); GPU busy {result['total']['busy_s']:.2f} s, "
+          f"idle gaps {result['total']['gap_s']:.2f} s, decode floor {result['total']['floor_s']:.2f} s")
+    for key, r in result["by_batch"].items():
+        print(f"{key:>12s} steps {r['steps']:5d} busy {r['busy_ms_per_step']:7.3f} ms gap {r['gap_ms_per_step']:6.3f} ms"
+              + (f" busy/floor {r['busy_over_floor']:.2f}" if r["busy_over_floor"] else ""))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
