@@ -1,5 +1,5 @@
 """Where W-nano's time goes, step by step (one GPU): GPU busy time vs GPU idle gaps per step,
-grouped by batch size, against each step's bytes-over-bandwidth floor.
+grouped by batch size, with the host's time per step, against each step's bytes-over-bandwidth floor.
 
 Every ``ModelRunner.launch`` (prefill and decode) is bracketed by two CUDA timing events; after
 the run, ``busy`` = start→end of a step on the GPU and ``gap`` = end of one step → start of the
@@ -24,31 +24,48 @@ logger = logging.getLogger(__name__)
 BUCKETS = (1, 8, 16, 32, 64, 128, 192, 256, 512)
 
 
-def instrument(llm: LLM) -> list[tuple]:
-    """Wrap ``launch``; returns the list it appends (is_prefill, batch, kv_tokens, start, end) to."""
-    mr = llm.engine.model_runner
-    original = mr.launch
-    records: list[tuple] = []
+def instrument(llm: LLM) -> list[list]:
+    """Wrap ``launch`` (and the logits, and the engine step); returns the list it appends
+    [is_prefill, batch, kv_tokens, start, end, logits_event, host_launch_s, host_step_s] to."""
+    engine = llm.engine
+    mr = engine.model_runner
+    original, original_logits, original_step = mr.launch, mr.model.compute_logits, engine.step
+    records: list[list] = []
+    logits_at: list = [None]
+
+    def compute_logits(hidden):
+        logits_at[0] = torch.cuda.Event(enable_timing=True)
+        logits_at[0].record()
+        return original_logits(hidden)
 
     def launch(seqs, is_prefill, *args, **kwargs):
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        kv_tokens = sum(s.num_tokens for s in seqs) if not is_prefill else sum(
+            s.num_tokens - s.num_cached_tokens for s in seqs)
+        t0 = time.perf_counter()
         start.record()
         out = original(seqs, is_prefill, *args, **kwargs)
         end.record()
-        kv_tokens = sum(s.num_tokens for s in seqs) if not is_prefill else sum(
-            s.num_tokens - s.num_cached_tokens for s in seqs)
-        records.append((is_prefill, len(seqs), kv_tokens, start, end))
+        records.append([is_prefill, len(seqs), kv_tokens, start, end, logits_at[0], time.perf_counter() - t0, 0.0])
         return out
 
-    mr.launch = launch
+    def step():
+        t0 = time.perf_counter()
+        out = original_step()
+        if records:
+            records[-1][7] += time.perf_counter() - t0
+        return out
+
+    mr.launch, mr.model.compute_logits, engine.step = launch, compute_logits, step
     return records
 
 
 def summarize(records: list[tuple], weight_bytes: int, kv_bytes: int, bandwidth: float) -> dict:
     torch.cuda.synchronize()
     rows: dict[str, dict] = {}
-    for i, (is_prefill, batch, kv_tokens, start, end) in enumerate(records):
+    for i, (is_prefill, batch, kv_tokens, start, end, logits, host_launch, host_step) in enumerate(records):
         busy = start.elapsed_time(end) / 1e3
+        head = logits.elapsed_time(end) / 1e3
         gap = end.elapsed_time(records[i + 1][3]) / 1e3 if i + 1 < len(records) else 0.0
         if is_prefill:
             key = "prefill"
@@ -57,8 +74,12 @@ def summarize(records: list[tuple], weight_bytes: int, kv_bytes: int, bandwidth:
             top = next(b for b in BUCKETS if batch <= b)
             key = f"decode<= {top}"
             floor = (weight_bytes + kv_tokens * kv_bytes) / bandwidth
-        r = rows.setdefault(key, {"steps": 0, "busy_s": 0.0, "gap_s": 0.0, "floor_s": 0.0, "tokens": 0})
+        r = rows.setdefault(key, {"steps": 0, "busy_s": 0.0, "gap_s": 0.0, "floor_s": 0.0, "tokens": 0,
+                                  "logits_sampling_s": 0.0, "host_launch_s": 0.0, "host_step_s": 0.0})
         r["steps"] += 1
+        r["logits_sampling_s"] += head
+        r["host_launch_s"] += host_launch
+        r["host_step_s"] += host_step
         r["busy_s"] += busy
         r["gap_s"] += gap
         r["floor_s"] += floor
@@ -67,14 +88,35 @@ def summarize(records: list[tuple], weight_bytes: int, kv_bytes: int, bandwidth:
         r["busy_ms_per_step"] = 1e3 * r["busy_s"] / r["steps"]
         r["gap_ms_per_step"] = 1e3 * r["gap_s"] / r["steps"]
         r["busy_over_floor"] = r["busy_s"] / r["floor_s"] if r["floor_s"] else None
+        for k in ("logits_sampling", "host_launch", "host_step"):
+            r[f"{k}_ms_per_step"] = 1e3 * r[f"{k}_s"] / r["steps"]
     total = {k: sum(r[k] for r in rows.values()) for k in ("busy_s", "gap_s", "floor_s", "steps")}
     return {"by_batch": dict(sorted(rows.items())), "total": total}
+
+
+def profile_prefill(llm: LLM, rows: int = 20) -> str:
+    """torch.profiler table (CUDA time) of one W-nano-sized prefill batch (~16k tokens)."""
+    from torch.profiler import ProfilerActivity, profile
+    work = w_nano()
+    prompts, total = [], 0
+    for prompt in work.prompts:
+        if total + len(prompt) > 16384:
+            break
+        prompts.append(prompt)
+        total += len(prompt)
+    params = SamplingParams(temperature=0.6, max_tokens=1, ignore_eos=True)
+    llm.generate(prompts, params, use_tqdm=False)
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        llm.generate([[t + 1 for t in p] for p in prompts], params, use_tqdm=False)
+        torch.cuda.synchronize()
+    return prof.key_averages().table(sort_by="cuda_time_total", row_limit=rows)
 
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", default="qwen3-0.6b")
     p.add_argument("--block-size", type=int, default=256)
+    p.add_argument("--profile-prefill", action="store_true", help="also a profiler table of one prefill batch")
     p.add_argument("--out", default="bench/results/step_trace.json")
     args = p.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
@@ -94,11 +136,18 @@ def main(argv: list[str] | None = None) -> int:
     result = {"copy_bandwidth_GBps": bandwidth / 1e9, "config": vars(args), "wall_s": elapsed,
               "output_tok_s": work.num_output_tokens / elapsed,
               **summarize(records, weight_bytes, kv_bytes, bandwidth)}
+    if args.profile_prefill:
+        engine = llm.engine
+        engine.model_runner.launch = type(engine.model_runner).launch.__get__(engine.model_runner)
+        result["prefill_profile"] = profile_prefill(llm)
+        print(result["prefill_profile"])
     write_result(args.out, result)
     print(f"wall {elapsed:.2f} s ({result['output_tok_s']:.0f} tok/s); GPU busy {result['total']['busy_s']:.2f} s, "
           f"idle gaps {result['total']['gap_s']:.2f} s, decode floor {result['total']['floor_s']:.2f} s")
     for key, r in result["by_batch"].items():
         print(f"{key:>12s} steps {r['steps']:5d} busy {r['busy_ms_per_step']:7.3f} ms gap {r['gap_ms_per_step']:6.3f} ms"
+              f" logits+sampling {r['logits_sampling_ms_per_step']:6.3f} ms host launch {r['host_launch_ms_per_step']:6.3f}"
+              f" ms host step {r['host_step_ms_per_step']:6.3f} ms"
               + (f" busy/floor {r['busy_over_floor']:.2f}" if r["busy_over_floor"] else ""))
     return 0
 
