@@ -124,6 +124,7 @@ class EngineConfig:
     seed: int = 0                           # dummy-weight seed (presets / configs)
     enable_prefix_caching: bool = True
     async_scheduling: bool | None = None    # overlap host work with the GPU; None = with CUDA graphs
+    warmup: bool = True                     # CUDA: compile every kernel variant before serving
     extra: dict = field(default_factory=dict)
 
     def __post_init__(self) -> None:

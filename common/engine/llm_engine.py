@@ -16,6 +16,7 @@ from common.engine.model_runner import ModelRunner
 from common.engine.sampling_params import InvalidParameter, SamplingParams
 from common.engine.scheduler import Scheduler, SchedulerConfig
 from common.engine.sequence import FinishReason, Sequence, SequenceStatus
+from common.engine.warmup import scratch_blocks, warm_up
 from common.loader import ModelSource, resolve_model
 
 logger = logging.getLogger(__name__)
@@ -55,6 +56,8 @@ class LLMEngine:
             num_blocks, config.block_size,
             on_stored=(lambda h: sink("stored", h)) if sink else None,
             on_evicted=(lambda h: sink("evicted", h)) if sink else None)
+        if self.model_runner.device.type == "cuda" and config.warmup:
+            warm_up(self.model_runner, scratch_blocks(self.block_manager), self.max_model_len)
         self.eos_token_ids = self._eos_token_ids()
         self.scheduler = Scheduler(SchedulerConfig(
             max_num_seqs=config.max_num_seqs,

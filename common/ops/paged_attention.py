@@ -71,7 +71,9 @@ _WS_PAD = 16                    # workspace row = D accumulators + m + l, padded
 # kernels
 # ----------------------------------------------------------------------------------------------
 
-@triton.jit
+# Integer arguments that change from batch to batch are not specialised: Triton would compile a
+# new variant (a stall of ~1 s) the first time such a value is 1 or a multiple of 16.
+@triton.jit(do_not_specialize=["num_splits", "stride_btb"])
 def _decode_split_kernel(
     q_ptr, k_ptr, v_ptr, bt_ptr, cl_ptr, out_ptr, ws_ptr,
     qk_scale,                               # softmax scale * log2(e)
@@ -144,7 +146,7 @@ def _decode_split_kernel(
         tl.store(w_row + HEAD_DIM + 1, l_i, mask=g_mask)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_splits"])
 def _decode_reduce_kernel(
     ws_ptr, out_ptr, num_splits,
     stride_wb, stride_wh, stride_ws,
@@ -210,7 +212,7 @@ def _prefill_tile(
     return acc, l_i, m_i
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["stride_btb"])
 def _prefill_kernel(
     q_ptr, k_ptr, v_ptr, cu_ptr, cl_ptr, bt_ptr, out_ptr,
     qk_scale,

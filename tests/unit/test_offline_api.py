@@ -70,3 +70,19 @@ def test_unknown_model_is_a_clear_error():
         LLM("no-such-preset")
     with pytest.raises(ValueError, match="block_size"):
         LLM("tiny-qwen3", block_size=3)
+
+
+def test_warm_up_leaves_no_trace(llm):
+    """The warm-up step (run at start-up on CUDA) leaves the pool, the prefix cache, the
+    counters and the next outputs as they were."""
+    from common.engine.warmup import scratch_blocks, warm_up
+    eng = llm.engine
+    prompt = llm.apply_chat_template([{"role": "user", "content": CHATS[0]}])
+    params = SamplingParams(temperature=0, max_tokens=8)
+    before = llm.generate([prompt], params, use_tqdm=False)[0].token_ids
+    stats = eng.stats()
+    scratch = scratch_blocks(eng.block_manager)
+    assert scratch and eng.block_manager.num_cached_blocks > 0   # cached blocks exist and are avoided
+    warm_up(eng.model_runner, scratch, eng.max_model_len)
+    assert eng.stats() == stats and eng.block_manager.is_whole()
+    assert llm.generate([prompt], params, use_tqdm=False)[0].token_ids == before
