@@ -109,6 +109,30 @@ def profile_prefill(llm: LLM, rows: int = 20) -> str:
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
         llm.generate([[t + 1 for t in p] for p in prompts], params, use_tqdm=False)
         torch.cuda.synchronize()
+    return (prof.key_averages().table(sort_by="cuda_time_total", row_limit=rows) + "\n"
+            + prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=rows))
+
+
+def profile_decode(llm: LLM, batch: int, context: int, rows: int = 25) -> str:
+    """torch.profiler table (CUDA time per kernel) of eager decode steps at (batch, context):
+    the kernels a graph replays, each with its own duration."""
+    from torch.profiler import ProfilerActivity, profile
+
+    from bench.decode_step import build_batch
+    from common.context import forward_context
+    seqs = build_batch(llm, batch, context)
+    mr = llm.engine.model_runner
+    input_ids, positions, ctx = mr.prepare_decode(seqs)
+    with torch.inference_mode(), forward_context(ctx):
+        for _ in range(3):
+            mr.model.compute_logits(mr.model(input_ids, positions))
+        torch.cuda.synchronize()
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            for _ in range(5):
+                mr.model.compute_logits(mr.model(input_ids, positions))
+            torch.cuda.synchronize()
+    for s in seqs:
+        llm.engine.block_manager.deallocate(s)
     return prof.key_averages().table(sort_by="cuda_time_total", row_limit=rows)
 
 
@@ -117,6 +141,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--model", default="qwen3-0.6b")
     p.add_argument("--block-size", type=int, default=256)
     p.add_argument("--profile-prefill", action="store_true", help="also a profiler table of one prefill batch")
+    p.add_argument("--profile-decode", default="", help="batch:context of an eager decode step to profile")
     p.add_argument("--out", default="bench/results/step_trace.json")
     args = p.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
@@ -141,6 +166,12 @@ def main(argv: list[str] | None = None) -> int:
         engine.model_runner.launch = type(engine.model_runner).launch.__get__(engine.model_runner)
         result["prefill_profile"] = profile_prefill(llm)
         print(result["prefill_profile"])
+    if args.profile_decode:
+        engine = llm.engine
+        engine.model_runner.launch = type(engine.model_runner).launch.__get__(engine.model_runner)
+        b, c = (int(x) for x in args.profile_decode.split(":"))
+        result["decode_profile"] = profile_decode(llm, b, c)
+        print(result["decode_profile"])
     write_result(args.out, result)
     print(f"wall {elapsed:.2f} s ({result['output_tok_s']:.0f} tok/s); GPU busy {result['total']['busy_s']:.2f} s, "
           f"idle gaps {result['total']['gap_s']:.2f} s, decode floor {result['total']['floor_s']:.2f} s")

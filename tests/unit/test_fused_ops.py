@@ -83,3 +83,24 @@ def test_gumbel_sample_greedy_rows_and_distribution():
     expected = torch.softmax(small[0].cpu() / 0.7, -1)
     assert (freq - expected).abs().max() < 0.04
     assert not torch.equal(gumbel_sample(small[:50], t[:50], 1), gumbel_sample(small[:50], t[:50], 2))
+
+
+def test_gumbel_sample_across_vocabulary_chunks():
+    """Rows longer than one chunk: greedy rows equal torch's argmax, a tie across chunks goes to
+    the lowest index, and a sampled row can land in any chunk."""
+    from common.ops.sampling import CHUNK, gumbel_sample
+    torch.manual_seed(5)
+    V = 2 * CHUNK + 1234
+    logits = torch.randn(3, V, device=DEVICE)
+    logits[2] = 0.0
+    logits[2, CHUNK + 7] = logits[2, 2 * CHUNK + 5] = 9.0       # a tie in chunks 1 and 2
+    greedy = torch.zeros(3, device=DEVICE)
+    out = gumbel_sample(logits, greedy, seed=11)
+    assert out[:2].tolist() == logits[:2].argmax(-1).tolist()
+    assert out[2].item() == CHUNK + 7
+    favour = torch.zeros(3, V, device=DEVICE)
+    for chunk in range(3):                                       # row j: all the mass in chunk j
+        favour[chunk, :] = -30.0
+        favour[chunk, chunk * CHUNK:(chunk + 1) * CHUNK] = 0.0
+    draws = gumbel_sample(favour, torch.ones(3, device=DEVICE), seed=3)
+    assert [int(d) // CHUNK for d in draws] == [0, 1, 2] and int(draws.max()) < V
