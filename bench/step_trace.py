@@ -113,6 +113,28 @@ def profile_prefill(llm: LLM, rows: int = 20) -> str:
             + prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=rows))
 
 
+def cprofile_prefill(llm: LLM, rows: int = 30) -> str:
+    """cProfile (host, Python) of one W-nano-sized prefill batch, by own time."""
+    import cProfile
+    import io
+    import pstats
+    work = w_nano()
+    prompts, total = [], 0
+    for prompt in work.prompts:
+        if total + len(prompt) > 16384:
+            break
+        prompts.append([t + 2 for t in prompt])
+        total += len(prompt)
+    params = SamplingParams(temperature=0.6, max_tokens=1, ignore_eos=True)
+    prof = cProfile.Profile()
+    prof.enable()
+    llm.generate(prompts, params, use_tqdm=False)
+    prof.disable()
+    out = io.StringIO()
+    pstats.Stats(prof, stream=out).sort_stats("tottime").print_stats(rows)
+    return out.getvalue()
+
+
 def profile_decode(llm: LLM, batch: int, context: int, rows: int = 25) -> str:
     """torch.profiler table (CUDA time per kernel) of eager decode steps at (batch, context):
     the kernels a graph replays, each with its own duration."""
@@ -166,6 +188,8 @@ def main(argv: list[str] | None = None) -> int:
         engine.model_runner.launch = type(engine.model_runner).launch.__get__(engine.model_runner)
         result["prefill_profile"] = profile_prefill(llm)
         print(result["prefill_profile"])
+        result["prefill_cprofile"] = cprofile_prefill(llm)
+        print(result["prefill_cprofile"])
     if args.profile_decode:
         engine = llm.engine
         engine.model_runner.launch = type(engine.model_runner).launch.__get__(engine.model_runner)
