@@ -64,7 +64,7 @@ class LLMEngine:
             max_num_batched_tokens=max(config.max_num_batched_tokens, self.max_model_len),
             max_model_len=self.max_model_len, eos_token_ids=self.eos_token_ids), self.block_manager)
         self.tokenizer = self._load_tokenizer()
-        self.pending: overlap.PendingStep | None = None   # a decode step launched, not yet read
+        self.pending: overlap.PendingStep | None = None   # a step launched, its tokens not yet read
         self.overlap_enabled = self._overlap_enabled()
         self.requests: dict[str, Sequence] = {}   # queued, running or reserved
         self.held: dict[str, Sequence] = {}       # prefill-only, first token out, blocks kept
@@ -186,15 +186,15 @@ class LLMEngine:
         if self.pending is not None:
             prev, self.pending = self.pending, None
             self.pending = overlap.schedule_next(self, prev)
-            out = StepOutput(is_prefill=False, num_computed_tokens=len(prev.seqs))
+            out = StepOutput(is_prefill=prev.is_prefill, num_computed_tokens=prev.num_computed_tokens)
             overlap.resolve(self, prev, out)
             return out
         seqs, is_prefill = self.scheduler.schedule()
         out = StepOutput(is_prefill=is_prefill)
         if not seqs:
             return out
-        if not is_prefill and overlap.can_overlap(self):
-            self.pending = overlap.launch_decode(self, seqs, None)
+        if self.overlap_enabled and (is_prefill or overlap.can_overlap(self)):
+            self.pending = overlap.launch(self, seqs, is_prefill, None)
             return out
         out.num_computed_tokens = (sum(s.num_tokens - s.num_cached_tokens for s in seqs)
                                    if is_prefill else len(seqs))

@@ -5,16 +5,24 @@ then schedule and prepare the next step while the GPU idles. Here the next decod
 scheduled and launched first — its input tokens are taken on the device from the previous
 step's sampled tokens — and only then are the previous step's tokens read and processed.
 
+A prefill step is launched the same way: the next step (another prefill of waiting sequences,
+or the first decode) is launched before its sampled tokens are read, so the host prepares the
+next batch while the GPU computes this one.
+
 Rules that keep this exact:
 - each launched sequence gets a PLACEHOLDER token; its value is written in when the step is
   resolved, in order;
-- a sequence that will stop by length after the pending token is left out of the next step;
-  one that stops on a token value (EOS, a stop token) is found one step late: the extra token
-  it got is dropped and its blocks freed (later GPU work is ordered after that step);
+- a sequence that will stop by length after the pending token is left out of the next step
+  (so is a prefill-only sequence, which stops after its first token); one that stops on a token
+  value (EOS, a stop token) is found one step late: the extra token it got is dropped and its
+  blocks freed (later GPU work is ordered after that step);
 - a full block is offered to the prefix cache only once its tokens are known and the step that
   computes its last token's KV has been launched;
-- no overlap while requests wait (a prefill needs every token), or when a running sequence
-  uses penalties (they need the token history on the host).
+- a sequence waiting for (re)computation never holds a PLACEHOLDER when it is scheduled: one
+  preempted while a step was pending is resolved in the same engine step, before any later
+  prefill can pick it;
+- no overlapped decode when a running sequence uses penalties (they need the token history on
+  the host).
 """
 from __future__ import annotations
 
@@ -29,38 +37,51 @@ class PendingStep:
     seqs: list[Sequence]
     launched: LaunchedStep
     positions: list[int]      # where each sequence's placeholder sits
+    is_prefill: bool = False
+    num_computed_tokens: int = 0
 
 
 def can_overlap(engine) -> bool:
+    """May a decode step be launched before the previous step's tokens are read?"""
     sched = engine.scheduler
-    return (engine.overlap_enabled and not sched.waiting and sched.running
+    return (engine.overlap_enabled and sched.running
             and not any(s.sampling_params.has_penalties for s in sched.running))
 
 
-def launch_decode(engine, seqs: list[Sequence], prev: PendingStep | None) -> PendingStep:
+def launch(engine, seqs: list[Sequence], is_prefill: bool, prev: PendingStep | None) -> PendingStep:
+    """Launch a step; decode rows that were in ``prev`` take their input token on the device."""
     src_rows = prev_tokens = None
-    if prev is not None:
+    if prev is not None and not is_prefill:
         row = {s.seq_id: i for i, s in enumerate(prev.seqs)}
         src_rows = [row.get(s.seq_id, -1) for s in seqs]
         prev_tokens = prev.launched.token_ids
-    launched = engine.model_runner.launch(seqs, False, src_rows, prev_tokens)
+    computed = sum(s.num_tokens - s.num_cached_tokens for s in seqs) if is_prefill else len(seqs)
+    launched = engine.model_runner.launch(seqs, is_prefill, src_rows, prev_tokens)
     positions = []
     for s in seqs:
         s.num_cached_tokens = s.num_tokens
         positions.append(s.num_tokens)
         s.append_token(PLACEHOLDER)
-    return PendingStep(seqs, launched, positions)
+    return PendingStep(seqs, launched, positions, is_prefill, computed)
 
 
 def schedule_next(engine, prev: PendingStep) -> PendingStep | None:
-    """Launch the decode step after ``prev`` if nothing prevents it."""
-    if not can_overlap(engine):
+    """Launch the step after ``prev`` (a prefill of waiting sequences first, else a decode) if
+    nothing prevents it."""
+    if not engine.overlap_enabled:
         return None
     sched = engine.scheduler
+    if sched.waiting:
+        seqs = sched._schedule_prefill()
+        if seqs:
+            return launch(engine, seqs, True, prev)
+    if not can_overlap(engine):
+        return None
     ending = {s.seq_id for s, pos in zip(prev.seqs, prev.positions)
-              if s.status == SequenceStatus.RUNNING and sched.stop_reason_at(s, None, pos + 1) is not None}
+              if s.status == SequenceStatus.RUNNING
+              and (s.prefill_only or sched.stop_reason_at(s, None, pos + 1) is not None)}
     seqs = sched._schedule_decode(ending)
-    return launch_decode(engine, seqs, prev) if seqs else None
+    return launch(engine, seqs, False, prev) if seqs else None
 
 
 def resolve(engine, step: PendingStep, out) -> None:
@@ -83,6 +104,9 @@ def resolve(engine, step: PendingStep, out) -> None:
             del seq.token_ids[pos + 1:]                # a speculative next placeholder, if any
             seq.last_token = token
             engine.finish(seq, reason)
+            out.finished.append(seq)
+        elif seq.prefill_only:                         # first token out: keep the blocks, stop
+            engine._hold(seq)
             out.finished.append(seq)
         elif (pos + 1) % bm.block_size == 0 and pos + 1 < seq.num_tokens and seq.block_table:
             bm.register_block(seq, pos // bm.block_size)

@@ -1,6 +1,7 @@
 """The disaggregation check of bench/disagg_gpu.py, on the CPU with Gloo and a tiny preset:
 disaggregated outputs equal a co-located worker's, pools whole, and a decode worker killed with
-requests in flight (then restarted) leaves the prefill worker whole and is used again."""
+requests in flight (then restarted) leaves the prefill worker whole and is used again. The
+workers run with overlapped steps (``--async-scheduling on``), as they do on a GPU."""
 from __future__ import annotations
 
 import json
@@ -12,7 +13,8 @@ def test_disaggregated_equals_colocated_and_survives_a_decode_crash(tmp_path):
     out = tmp_path / "disagg.json"
     assert disagg_gpu.main(["--device", "cpu", "--model", "tiny-qwen3", "--vocab-max", "500", "--requests", "24",
                             "--prefix-len", "64", "--max-tokens", "8", "--kv-memory-gb", "0.05",
-                            "--kill-prompt-len", "300", "--max-model-len", "1024", "--out", str(out)]) == 0
+                            "--kill-prompt-len", "300", "--max-model-len", "1024", "--out", str(out),
+                            "--worker-args", "--async-scheduling on"]) == 0
     r = json.loads(out.read_text())
     assert r["equality"]["identical"] == r["equality"]["requests"] == 24
     assert not any(r["equality"]["errors"].values())

@@ -66,6 +66,35 @@ def test_greedy_matches_hf_under_preemption(checkpoint, overlap):
     assert llm.engine.block_manager.is_whole()
 
 
+def test_overlapped_prefill_batches_match_hf(checkpoint):
+    """Prompts spread over several prefill steps (128 tokens each at most): each prefill is launched
+    before the previous step's tokens are read, and the outputs still equal HF's."""
+    path, prompts, expected = checkpoint
+    llm, got = _generate(path, prompts, num_kv_blocks=256, async_scheduling=True, max_model_len=128,
+                         max_num_batched_tokens=128)
+    assert got == expected
+    assert llm.engine.block_manager.is_whole() and llm.engine.pending is None
+
+
+def test_overlapped_prefill_only_holds_blocks_after_the_first_token(checkpoint):
+    """A prefill-only request (a prefill worker's) under overlap: one token, blocks kept until
+    released, the same first token as HF's."""
+    path, prompts, expected = checkpoint
+    llm = LLM(str(path), device="cpu", dtype="float32", block_size=16, num_kv_blocks=256, async_scheduling=True)
+    eng = llm.engine
+    params = SamplingParams(temperature=0.0, max_tokens=MAX_NEW, ignore_eos=True)
+    seqs = [eng.add_request(p, params, prefill_only=True) for p in prompts]
+    eng.add_request(prompts[0], params, request_id="decoding")       # a normal request beside them
+    while eng.has_unfinished():
+        eng.step()
+    assert set(eng.held) == {s.request_id for s in seqs}
+    for seq, exp, prompt in zip(seqs, expected, prompts):
+        assert seq.token_ids == prompt + exp[:1] and seq.block_table
+    for seq in seqs:
+        eng.release_held(seq)
+    assert eng.block_manager.is_whole()
+
+
 def test_overlapped_decode_stops_on_eos_one_step_late_without_extra_tokens(checkpoint):
     """With overlap, a sequence that stops on a token value gets no extra token and frees its blocks."""
     path, prompts, expected = checkpoint
