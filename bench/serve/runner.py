@@ -45,6 +45,10 @@ class RunOptions:
 
 # ---- environment --------------------------------------------------------------------------
 def git_commit() -> str:
+    """HEAD, or ``PDSERVE_GIT_COMMIT`` where the tree has no .git (the device machines)."""
+    from common import env
+    if env.get("GIT_COMMIT"):
+        return env.get("GIT_COMMIT")
     try:
         return subprocess.check_output(["git", "rev-parse", "HEAD"], text=True, stderr=subprocess.DEVNULL,
                                        cwd=Path(__file__).resolve().parents[2]).strip()
@@ -54,7 +58,16 @@ def git_commit() -> str:
 
 def host_info() -> dict[str, Any]:
     return {"hostname": socket.gethostname(), "platform": platform.platform(), "cpus": os.cpu_count(),
-            "python": platform.python_version()}
+            "python": platform.python_version(), "gpus": gpu_names()}
+
+
+def gpu_names() -> list[str]:
+    """``nvidia-smi -L`` lines (empty without NVIDIA GPUs); no CUDA import in the load generator."""
+    try:
+        out = subprocess.check_output(["nvidia-smi", "-L"], text=True, stderr=subprocess.DEVNULL, timeout=10)
+    except (OSError, subprocess.SubprocessError):
+        return []
+    return [line.split(" (UUID")[0] for line in out.splitlines() if line.strip()]
 
 
 def model_info(router: str, timeout: float = 60.0) -> dict[str, Any]:
