@@ -117,7 +117,7 @@ class PrefillServicer(BaseWorkerServicer):
                 if src:
                     transfer = asyncio.ensure_future(asyncio.to_thread(
                         self.sender.send_blocks, t.decode_worker_id, t.kv_store_address, epoch,
-                        self.runtime.engine.model_runner.kv_cache, src))
+                        self.runtime.engine.model_runner.kv_cache, src, ready_event=seq.kv_ready))
                     try:
                         await asyncio.shield(transfer)
                     except KvTransferError as e:

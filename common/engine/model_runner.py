@@ -215,7 +215,11 @@ class ModelRunner:
             hidden = hidden[ctx.cu_seqlens_q[1:].long() - 1]
         logits = self.model.compute_logits(hidden)
         out = self.sampler(logits, batch)
-        return LaunchedStep(out.token_ids, out.logprobs, self.device)
+        launched = LaunchedStep(out.token_ids, out.logprobs, self.device)
+        if is_prefill:
+            for seq in seqs:   # a KV sender waits for this step only, not for what is queued after it
+                seq.kv_ready = launched.event
+        return launched
 
     def _sampling_batch(self, seqs: list[Sequence]):
         """The batch's sampling tensors; reused while the same sequences decode together

@@ -51,6 +51,7 @@ class Sequence:
         self.num_preemptions = 0
         self.num_prefix_hit_tokens = 0   # prompt tokens served from the prefix cache at admission
         self.prefill_only = False        # prefill worker: stop after the first token, keep the KV
+        self.kv_ready = None             # CUDA event after the prefill that computed the KV (a sender waits on it)
 
     def __len__(self) -> int:
         return len(self.token_ids)
