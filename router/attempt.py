@@ -67,10 +67,13 @@ class Attempt:
         self.prefill_call: grpc.aio.UnaryStreamCall | None = None
         self._prefill_task: asyncio.Task | None = None
         self._pending: BaseException | None = None
+        self._decode_broken: BaseException | None = None   # decode stream error before the first token
+        self._prefill_req: worker_pb2.PrefillRequest | None = None   # built early (after_send)
         self._subscription = None
         self._decode_load = 0
         self._prefill_load = False
         self.timer: asyncio.TimerHandle | None = None   # the deadline timer (set by the flow)
+        self.closed = False
 
     # ---- start ------------------------------------------------------------------------
     def _timeout(self) -> float:
@@ -114,8 +117,10 @@ class Attempt:
                                         params=job.wire_params, lease_ms=self.flow.settings.lease_ms,
                                         deadline_unix_ms=job.deadline_unix_ms,
                                         router_id=self.flow.settings.router_id)
+        call = self.decode.stub.Reserve(req, timeout=self._timeout(), wait_for_ready=False)
+        self.flow.dispatched(self)
         try:
-            res = await self.decode.stub.Reserve(req, timeout=self._timeout(), wait_for_ready=False)
+            res = await call
         except grpc.aio.AioRpcError as e:
             if e.code() == grpc.StatusCode.RESOURCE_EXHAUSTED:
                 # no room for the prompt's KV on the decode worker right now: let it queue the
@@ -124,23 +129,48 @@ class Attempt:
                 await self._submit()
                 return
             raise self._fail(e, self.decode, "Reserve") from e
-        target = worker_pb2.KvTarget(decode_worker_id=res.worker_id or self.decode.worker_id,
-                                     kv_store_address=res.kv_store_address, decode_address=self.decode.address,
-                                     block_ids=res.block_ids, num_cached_tokens=res.num_cached_tokens)
-        preq = worker_pb2.PrefillRequest(request_id=self.rid, token_ids=job.prompt.wire_ids,
-                                         params=job.wire_params, deadline_unix_ms=job.deadline_unix_ms,
-                                         kv_target=target)
+        self._start_prefill(res)
+
+    def _start_prefill(self, res: worker_pb2.ReserveResponse) -> None:
+        q = self.queue
+        if type(q) is OutputBuffer:
+            # The decode worker's output stream broke while Reserve was in flight: fail now;
+            # later breaks cancel the Prefill call (see _on_decode_output).
+            broken = [x for x in q.items if isinstance(x, BaseException)] if q.items else None
+            if broken:
+                raise self._fail(broken[0], self.decode, "output stream")
+            q.on_put = self._on_decode_output
+        preq = self._prefill_req or self._new_prefill_request()
+        target = preq.kv_target
+        target.decode_worker_id = res.worker_id or self.decode.worker_id
+        target.kv_store_address = res.kv_store_address
+        target.decode_address = self.decode.address
+        target.block_ids.extend(res.block_ids)
+        target.num_cached_tokens = res.num_cached_tokens
         self.prefill.add_load(1, prompt_tokens=self.prompt_len)
         self._prefill_load = True
-        self.prefill_call = self.prefill.stub.Prefill(preq, timeout=job.remaining(), wait_for_ready=False)
+        self.prefill_call = self.prefill.stub.Prefill(preq, timeout=self.job.remaining(), wait_for_ready=False)
+
+    def after_send(self) -> None:
+        """Run by the flow right after the first rpc's send: the Prefill request (the prompt's ids
+        copied) is built while Reserve is in flight, not after its answer."""
+        if self.prefill is not None and self._prefill_req is None:
+            self._prefill_req = self._new_prefill_request()
+
+    def _new_prefill_request(self) -> worker_pb2.PrefillRequest:
+        job = self.job
+        return worker_pb2.PrefillRequest(request_id=self.rid, token_ids=job.prompt.wire_ids, params=job.wire_params,
+                                         deadline_unix_ms=job.deadline_unix_ms)
 
     async def _submit(self) -> None:
         job = self.job
         req = worker_pb2.SubmitRequest(request_id=self.rid, token_ids=job.prompt.wire_ids,
                                        params=job.wire_params, deadline_unix_ms=job.deadline_unix_ms,
                                        router_id=self.flow.settings.router_id)
+        call = self.decode.stub.Submit(req, timeout=self._timeout(), wait_for_ready=False)
+        self.flow.dispatched(self)
         try:
-            await self.decode.stub.Submit(req, timeout=self._timeout(), wait_for_ready=False)
+            await call
         except grpc.aio.AioRpcError as e:
             raise self._fail(e, self.decode, "Submit") from e
 
@@ -199,39 +229,32 @@ class Attempt:
         step.logprobs.extend(out.logprobs)
         step.finish_reason = reason
 
-    async def _read_first(self):
-        """The Prefill stream's first message, unless the decode worker's output stream fails
-        first (the decode worker died: waiting for the prefill worker's KV hand-over to time
-        out would only delay the UNAVAILABLE, or the retry)."""
-        q = self.queue
-        if type(q) is not OutputBuffer:
-            return await self.prefill_call.read()
-        read = asyncio.ensure_future(self.prefill_call.read())
-        watch = asyncio.ensure_future(q.wait())
-        try:
-            await asyncio.wait({read, watch}, return_when=asyncio.FIRST_COMPLETED)
-        except asyncio.CancelledError:
-            read.cancel()
-            raise
-        finally:
-            watch.cancel()
-        if not read.done():
-            errors = [x for x in q.items if isinstance(x, BaseException)]
-            if errors:
-                read.cancel()
+    def _on_decode_output(self, item) -> None:
+        """The decode worker's stream, while the first token is awaited from the Prefill call:
+        an error there (the decode worker died) cancels the Prefill call at once, rather than
+        waiting for the prefill worker's KV hand-over to time out."""
+        if (isinstance(item, BaseException) and self._decode_broken is None and not self.first_seen
+                and not self.expired):       # a deadline: expire() cancels the call itself
+            self._decode_broken = item
+            if self.prefill_call is not None:
                 self.prefill_call.cancel()
-                raise self._fail(errors[0], self.decode, "output stream")
-        return await read
 
     async def _first_token(self) -> Step:
+        # A plain read() of the Prefill stream: the decode stream's watch is a callback
+        # (_on_decode_output), so the first token costs no extra task or loop iteration.
         try:
-            msg = await self._read_first()
+            msg = await self.prefill_call.read()
         except grpc.aio.AioRpcError as e:
             raise self._fail(e, self.prefill, "Prefill") from e
         except asyncio.CancelledError:
+            if self._decode_broken is not None:
+                raise self._fail(self._decode_broken, self.decode, "output stream") from None
             if self.expired:
                 raise DeadlineExceeded("deadline passed before the first token") from None
             raise
+        finally:
+            if type(self.queue) is OutputBuffer:
+                self.queue.on_put = None
         if msg is grpc.aio.EOF or msg.WhichOneof("event") != "first_token":
             raise self._fail(Internal("Prefill stream did not start with a FirstToken"), self.prefill, "Prefill")
         ft = msg.first_token
@@ -283,6 +306,7 @@ class Attempt:
 
     def close(self, cancel_workers: bool) -> None:
         """Release everything; with ``cancel_workers`` also Cancel the request on its workers."""
+        self.closed = True
         if self.timer is not None:
             self.timer.cancel()
             self.timer = None

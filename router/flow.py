@@ -7,6 +7,11 @@ One ``GenerateResponse`` per step (:meth:`~router.attempt.Attempt.next`): everyt
 worker sent for the request since the last message, merged (tokens, logprobs, one text delta,
 the finish reason), so a router or client that falls behind sends fewer, larger messages, not
 more of them late. The last message carries the finish reason and usage.
+
+Latency: between a request's arrival and its first worker rpc the flow does only what that rpc
+needs (validation, placement, the request message); the rest (response headers to the client,
+the deadline timer, the output processor, metrics, the Prefill request of a disaggregated
+attempt) runs right after the rpc's send (:meth:`Flow.dispatched`), while the worker works.
 """
 from __future__ import annotations
 
@@ -14,7 +19,7 @@ import asyncio
 import itertools
 import logging
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 
 import grpc
@@ -53,6 +58,14 @@ class Job:
     deadline: float | None = None    # time.monotonic()
     deadline_unix_ms: int = 0
     hash_chain: list[int] | None = None   # block hashes of the prompt, computed when needed
+    # Called once the request's first worker rpc is on its way (the servicer sends the client
+    # its response headers then, off the path of the first token); may be called again on a retry.
+    on_dispatch: Callable[[], None] | None = None
+    output: OutputProcessor | None = None  # made once the first worker rpc is sent (Flow._after_send)
+
+    def dispatched(self) -> None:
+        if self.on_dispatch is not None:
+            self.on_dispatch()
 
     def chain(self, block_size: int) -> list[int]:
         if self.hash_chain is None:
@@ -148,7 +161,6 @@ class Flow:
                     raise last.cause from None
                 raise
             att = Attempt(self, job, decode, prefill, self.new_request_id())
-            att.timer = self._arm_deadline(job, att)
             try:
                 await att.start()
                 return att, await att.next()
@@ -166,6 +178,31 @@ class Flow:
         assert last is not None
         raise last.cause
 
+    def dispatched(self, att: Attempt) -> None:
+        """``att``'s first worker rpc was just started (its send is the next thing the loop runs)."""
+        att.job.dispatched()
+        asyncio.get_running_loop().call_soon(self._after_send, att)
+
+    def _after_send(self, att: Attempt) -> None:
+        """Per-request set-up that the worker rpc does not need, run right after its send: on a
+        CPU that idled before the request, every step of the path costs ~10x its warm time
+        (cold caches), so whatever can wait for the worker does."""
+        if att.closed:
+            return
+        att.after_send()
+        job = att.job
+        if att.timer is None:       # the worker rpcs carry their own timeouts until now
+            att.timer = self._arm_deadline(job, att)
+        self._open_output(job)
+
+    def _open_output(self, job: Job) -> OutputProcessor:
+        """The request's OutputProcessor, made (and the request counted in flight) once."""
+        if job.output is None:
+            job.output = OutputProcessor(self.tokenizer, job.stop, job.include_stop, job.skip_special_tokens)
+            self.metrics.in_flight.inc()
+            self.metrics.prompt_tokens.inc(len(job.prompt.token_ids))
+        return job.output
+
     def _arm_deadline(self, job: Job, att: Attempt) -> asyncio.TimerHandle | None:
         remaining = job.remaining()
         if remaining is None:
@@ -181,19 +218,20 @@ class Flow:
         att: Attempt | None = None
         cancel_workers = True
         self.inflight += 1
-        self.metrics.in_flight.inc()
-        self.metrics.prompt_tokens.inc(len(job.prompt.token_ids))
-        out = OutputProcessor(self.tokenizer, job.stop, job.include_stop, job.skip_special_tokens)
         try:
             att, step = await self._start(job)
+            out = self._open_output(job)     # made by _after_send, normally
             first = True
             while True:
                 resp, done, stop_hit = self._respond(job, out, att, step)
                 if resp is not None:
-                    if first:
-                        self.metrics.ttft.observe(time.monotonic() - started)
+                    if first:       # observed after the yield: the message goes out first
                         first = False
-                    yield resp
+                        ttft = time.monotonic() - started
+                        yield resp
+                        self.metrics.ttft.observe(ttft)
+                    else:
+                        yield resp
                 if done:
                     cancel_workers = stop_hit
                     reason = common_pb2.FinishReason.Name(resp.finish_reason)
@@ -217,10 +255,11 @@ class Flow:
             if att is not None:
                 att.close(cancel_workers=cancel_workers)
             self.inflight -= 1
-            self.metrics.in_flight.dec()
+            if job.output is not None:      # counted in (see _after_send)
+                self.metrics.in_flight.dec()
+                self.metrics.output_tokens.inc(job.output.num_tokens)
             self.metrics.requests.labels(method, status).inc()
             self.metrics.e2e.observe(time.monotonic() - started)
-            self.metrics.output_tokens.inc(out.num_tokens)
 
     def _respond(self, job: Job, out: OutputProcessor, att: Attempt, step: Step
                  ) -> tuple[router_pb2.GenerateResponse | None, bool, bool]:

@@ -77,7 +77,7 @@ async def _serve(args: argparse.Namespace) -> None:
     from router.flow import Flow
     from router.metrics import RouterMetrics
     from router.servicer import GenerationServicer, InfoServicer
-    from router.settings import RouterSettings
+    from router.settings import NO_BDP_OPTIONS, RouterSettings
     from router.tokenization import RouterTokenizer, resolve_spec
     from router.workers import WorkerRegistry
 
@@ -103,7 +103,7 @@ async def _serve(args: argparse.Namespace) -> None:
                 GenerationServicer(flow, registry, spec, tokenizer)),
         Service(common_pb2.DESCRIPTOR.services_by_name["InfoService"], common_pb2_grpc.add_InfoServiceServicer_to_server,
                 InfoServicer(registry, spec, settings.router_id)),
-    ])
+    ], options=NO_BDP_OPTIONS)
 
     async def startup() -> None:
         metrics.serve(args.metrics_port, args.host)

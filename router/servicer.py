@@ -5,23 +5,61 @@ them to statuses (INVALID_ARGUMENT naming the field, UNAVAILABLE, ...).
 """
 from __future__ import annotations
 
-import dataclasses
+import asyncio
+import logging
 from typing import Any
 
 import pdserve
 from pdserve.v1 import common_pb2, common_pb2_grpc, router_pb2, router_pb2_grpc
 from router.flow import Flow, Job
 from router.tokenization import ModelSpec, RouterTokenizer, build_prompt, check_context
-from router.validation import from_proto, to_proto
+from router.validation import ParamsCache
 from router.workers import DECODE_ROLES, PROTOCOL_VERSION, WorkerRegistry
 
 PREFILL_CAPABLE = {common_pb2.ROLE_PREFILL, common_pb2.ROLE_BOTH}
+log = logging.getLogger(__name__)
 
 try:
     from importlib.metadata import version as _pkg_version
     VERSION = _pkg_version("pdserve")
 except Exception:  # noqa: BLE001 - not installed (running from a checkout)
     VERSION = getattr(pdserve, "__version__", "0.1.0")
+
+
+class EarlyHeaders:
+    """A Generate stream's response headers, sent as soon as its first worker rpc is on the way.
+
+    A grpc.aio client reads a stream's headers and its first message as two events, one after
+    the other; sent with the first token, the headers cost the client one more wake-up after it.
+    Sent while the workers prefill, they are read by then. The headers go out as a task that
+    must be finished before the first write (or an abort) on the call: see :meth:`settle`.
+    """
+
+    __slots__ = ("context", "task")
+
+    def __init__(self, context: Any) -> None:
+        self.context = context
+        self.task: asyncio.Task | None = None
+
+    def send(self) -> None:
+        """Start sending them (once; a retry calls again)."""
+        if self.task is None:
+            self.task = asyncio.ensure_future(self.context.send_initial_metadata(()))
+            self.task.add_done_callback(_headers_sent)
+
+    async def settle(self) -> None:
+        """Wait until the headers are sent (or failed: the call is gone then)."""
+        task = self.task
+        if task is not None and not task.done():
+            try:
+                await task
+            except Exception:  # noqa: BLE001 - reported by _headers_sent; the write or abort follows
+                pass
+
+
+def _headers_sent(task: asyncio.Task) -> None:
+    if not task.cancelled() and task.exception() is not None:
+        log.debug("response headers not sent: %r", task.exception())
 
 
 class GenerationServicer(router_pb2_grpc.GenerationServicer):
@@ -31,21 +69,32 @@ class GenerationServicer(router_pb2_grpc.GenerationServicer):
         self.registry = registry
         self.spec = spec
         self.tokenizer = tokenizer
+        self.params = ParamsCache(spec.vocab_size, tokenizer is not None)
 
     def _job(self, request: router_pb2.GenerateRequest, context: Any) -> Job:
-        params = from_proto(request.params, self.spec.vocab_size, self.tokenizer is not None)
+        key, params = self.params.validate(request.params)
         prompt = build_prompt(request, self.tokenizer, self.spec, self.spec.vocab_size)
         max_tokens = check_context(prompt, params.max_tokens, self.registry.max_model_len())
-        sampling = dataclasses.replace(params.sampling, max_tokens=max_tokens)
+        sampling, wire = self.params.resolve(key, params, max_tokens)
         return self.flow.make_job(
-            request.request_id or self.flow.new_request_id(), prompt, sampling, to_proto(sampling, max_tokens),
+            request.request_id or self.flow.new_request_id(), prompt, sampling, wire,
             params.stop, request.include_stop_str_in_output, not request.keep_special_tokens,
             context.time_remaining())
 
     async def Generate(self, request: router_pb2.GenerateRequest, context: Any):
         job = self._job(request, context)
-        async for response in self.flow.generate(job, "Generate"):
-            yield response
+        headers = EarlyHeaders(context)
+        job.on_dispatch = headers.send
+        pending: EarlyHeaders | None = headers
+        try:
+            async for response in self.flow.generate(job, "Generate"):
+                if pending is not None:         # done long ago, normally: no wait
+                    await pending.settle()
+                    pending = None
+                yield response
+        except Exception:
+            await headers.settle()      # the error interceptor's abort must not race the headers
+            raise
 
     async def GenerateUnary(self, request: router_pb2.GenerateRequest, context: Any) -> router_pb2.GenerateResult:
         job = self._job(request, context)

@@ -33,17 +33,20 @@ class OutputBuffer:
 
     The API is a subset of ``asyncio.Queue``'s (``put_nowait``, ``get``, ``get_nowait``,
     ``empty``) plus :meth:`take_all` and :meth:`wait`: one list and one future per wait, no
-    per-item wake-up.
+    per-item wake-up. ``on_put`` (optional) sees every item as it is added.
     """
 
-    __slots__ = ("items", "_waiter")
+    __slots__ = ("items", "_waiter", "on_put")
 
     def __init__(self) -> None:
         self.items: list = []
         self._waiter: asyncio.Future | None = None
+        self.on_put: Callable[[object], None] | None = None
 
     def put_nowait(self, item) -> None:
         self.items.append(item)
+        if self.on_put is not None:
+            self.on_put(item)
         w = self._waiter
         if w is not None:
             self._waiter = None

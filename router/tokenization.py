@@ -96,6 +96,8 @@ class RouterTokenizer:
         return list(self.hf(text, add_special_tokens=add_special_tokens)["input_ids"])
 
     def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
+        if not ids:     # the incremental detokenizer's empty prefix at a request's first token
+            return ""
         if self._fast_decode is not None:
             return self._fast_decode(ids, skip_special_tokens=skip_special_tokens)
         return self.hf.decode(ids, skip_special_tokens=skip_special_tokens)

@@ -6,6 +6,7 @@ Every field is checked; errors are INVALID_ARGUMENT naming ``params.<field>``.
 """
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass
 
@@ -82,3 +83,44 @@ def to_proto(s: SamplingParams, max_tokens: int) -> common_pb2.SamplingParams:
         p.seed = s.seed
     return p
 
+
+class ParamsCache:
+    """Validated sampling parameters by their wire bytes, with their worker-side forms.
+
+    Clients send the same few parameter sets again and again. Validating one (SamplingParams'
+    checks, the replaced max_tokens, the wire form for workers) costs ~200 us on a CPU that
+    idled before the request (cold caches: ~10x its warm time, on the path to the worker
+    rpc); a lookup by the serialized message ~50. Errors are never cached. Bounded: cleared
+    when full. The cached objects are shared, so nobody may mutate them (SamplingParams is
+    frozen; the wire message is only copied into worker requests).
+    """
+
+    def __init__(self, vocab_size: int, has_tokenizer: bool, max_entries: int = 1024) -> None:
+        self.vocab_size = vocab_size
+        self.has_tokenizer = has_tokenizer
+        self.max_entries = max_entries
+        self._params: dict[bytes, RequestParams] = {}
+        self._resolved: dict[tuple[bytes, int], tuple[SamplingParams, common_pb2.SamplingParams]] = {}
+
+    def validate(self, p: common_pb2.SamplingParams) -> tuple[bytes, RequestParams]:
+        """(cache key, :func:`from_proto` of ``p``); raises as from_proto does."""
+        key = p.SerializeToString(deterministic=True)
+        params = self._params.get(key)
+        if params is None:
+            params = from_proto(p, self.vocab_size, self.has_tokenizer)
+            if len(self._params) >= self.max_entries:
+                self._params.clear()
+            self._params[key] = params
+        return key, params
+
+    def resolve(self, key: bytes, params: RequestParams, max_tokens: int
+                ) -> tuple[SamplingParams, common_pb2.SamplingParams]:
+        """The sampling with the effective ``max_tokens`` and its wire form for workers."""
+        out = self._resolved.get((key, max_tokens))
+        if out is None:
+            sampling = dataclasses.replace(params.sampling, max_tokens=max_tokens)
+            out = (sampling, to_proto(sampling, max_tokens))
+            if len(self._resolved) >= self.max_entries:
+                self._resolved.clear()
+            self._resolved[(key, max_tokens)] = out
+        return out

@@ -2,10 +2,12 @@
 
 A supervisor task per worker: while the worker is down it probes ``Info`` (backoff
 RECONNECT_MIN_S .. RECONNECT_MAX_S); once the identity is accepted by the registry it opens the
-``Subscribe`` stream (decode/both) and the ``StreamKvEvents`` consumer (all roles; feeds the
-prefix index) and marks the worker up; while up it polls ``GetStats`` every STATS_INTERVAL_S
-(the load figure; a failed poll with UNAVAILABLE or DEADLINE_EXCEEDED marks it down). The
-request flow marks it down too on UNAVAILABLE, and a broken Subscribe stream does.
+``Subscribe`` stream (decode/both) and marks the worker up; while up it polls ``GetStats``
+every STATS_INTERVAL_S (the load figure; a failed poll with UNAVAILABLE or DEADLINE_EXCEEDED
+marks it down). The request flow marks it down too on UNAVAILABLE, and a broken Subscribe
+stream does. The ``StreamKvEvents`` consumer (feeds the prefix index) runs while the registry
+says the index needs it (``kv_wanted``: the worker has a peer of its kind; see
+:meth:`router.workers.WorkerRegistry.update_kv_wanted`).
 Every call uses ``wait_for_ready=False`` and a timeout, so a dead worker fails fast.
 """
 from __future__ import annotations
@@ -20,8 +22,8 @@ import grpc.aio
 from common.grpc_utils import Unavailable, client_channel
 from pdserve.v1 import common_pb2, common_pb2_grpc, worker_pb2, worker_pb2_grpc
 from router.prefix_index import PrefixIndex
-from router.settings import (RECONNECT_MAX_S, RECONNECT_MIN_S, STATS_INTERVAL_S, STATS_MISSES_DOWN,
-                             SUBSCRIBE_WINDOW_BYTES, RouterSettings)
+from router.settings import (NO_BDP_OPTIONS, RECONNECT_MAX_S, RECONNECT_MIN_S, STATS_INTERVAL_S,
+                             STATS_MISSES_DOWN, SUBSCRIBE_WINDOW_BYTES, RouterSettings)
 from router.subscription import Subscription
 
 log = logging.getLogger(__name__)
@@ -53,7 +55,7 @@ class WorkerClient:
         self.prefix_index = prefix_index
         self.check_info = check_info
         self.on_change = on_change
-        self.channel = client_channel(address)
+        self.channel = client_channel(address, options=NO_BDP_OPTIONS)
         self.stub = worker_pb2_grpc.WorkerStub(self.channel)
         self.info_stub = common_pb2_grpc.InfoServiceStub(self.channel)
         self.sub_channel: grpc.aio.Channel | None = None     # the Subscribe stream's own connection
@@ -71,6 +73,7 @@ class WorkerClient:
         self._task: asyncio.Task | None = None
         self._kv_task: asyncio.Task | None = None
         self._kv_unimplemented = False
+        self.kv_wanted = False          # whether the prefix index needs this worker's KV events
         self.stats_misses = 0           # GetStats timeouts in a row
         self.first_attempt = asyncio.Event()
 
@@ -148,7 +151,8 @@ class WorkerClient:
             self.subscription = sub
         self.up = True
         self.last_error = ""
-        self._start_kv_events()
+        if self.kv_wanted:
+            self._start_kv_events()
         log.info("worker %s is up (block_size %d, max_model_len %d, %d KV blocks)", self.describe(),
                  info.block_size, info.max_model_len, info.num_kv_blocks)
         self.on_change()
@@ -174,7 +178,7 @@ class WorkerClient:
                                + (f" ({self.stats_misses} times in a row)" if self.stats_misses > 1 else ""))
             return
         self.stats_misses = 0
-        if not self._kv_unimplemented and (self._kv_task is None or self._kv_task.done()):
+        if self.kv_wanted and not self._kv_unimplemented and (self._kv_task is None or self._kv_task.done()):
             self._start_kv_events()
 
     def mark_down(self, reason: str, quiet: bool = False) -> None:
@@ -184,15 +188,29 @@ class WorkerClient:
         if self.subscription is not None:
             sub, self.subscription = self.subscription, None
             sub.close(reason)
-        if self._kv_task is not None:
-            self._kv_task.cancel()
-            self._kv_task = None
-        self.prefix_index.remove_worker(self.key)
+        self._stop_kv_events()
         if was_up:
             log.log(logging.INFO if quiet else logging.WARNING, "worker %s is down: %s", self.describe(), reason)
             self.on_change()
 
     # ---- prefix-cache events ----------------------------------------------------------
+    def set_kv_wanted(self, wanted: bool) -> None:
+        """Start or stop consuming the worker's KV events (a stream starts with a snapshot,
+        so a late start misses nothing)."""
+        if wanted == self.kv_wanted:
+            return
+        self.kv_wanted = wanted
+        if not wanted:
+            self._stop_kv_events()
+        elif self.up and not self._kv_unimplemented and (self._kv_task is None or self._kv_task.done()):
+            self._start_kv_events()
+
+    def _stop_kv_events(self) -> None:
+        if self._kv_task is not None:
+            self._kv_task.cancel()
+            self._kv_task = None
+        self.prefix_index.remove_worker(self.key)
+
     def _start_kv_events(self) -> None:
         self._kv_task = asyncio.create_task(self._kv_events(), name=f"kv-events-{self.key}")
 

@@ -98,8 +98,20 @@ class WorkerRegistry:
         self._listeners.append(fn)
 
     def _changed(self) -> None:
+        self.update_kv_wanted()
         for fn in self._listeners:
             fn()
+
+    def update_kv_wanted(self) -> None:
+        """Consume KV events only from workers that have a usable peer of their kind (decode
+        or both / prefill): the prefix index only ranks two or more candidates, and the events
+        of a lone worker would cost the router a message per request for nothing."""
+        peers = {True: 0, False: 0}
+        for c in self.clients.values():
+            if c.usable and c.info is not None:
+                peers[c.can_decode] += 1
+        for c in self.clients.values():
+            c.set_kv_wanted(c.usable and c.info is not None and peers[c.can_decode] > 1)
 
     def _add(self, address: str, roles: set[int]) -> None:
         client = self.clients.get(address)

@@ -140,3 +140,102 @@ def test_scripted_outbox_merges_per_request() -> None:
         assert [round(x, 3) for x in outs["b"].logprobs] == [-0.5, -0.6]
 
     asyncio.run(scenario())
+
+
+def test_params_cache_shares_validated_params_and_never_caches_errors() -> None:
+    from router.validation import ParamsCache
+    cache = ParamsCache(vocab_size=512, has_tokenizer=False, max_entries=2)
+    k1, p1 = cache.validate(common_pb2.SamplingParams(max_tokens=5, temperature=0.5))
+    k2, p2 = cache.validate(common_pb2.SamplingParams(temperature=0.5, max_tokens=5))
+    assert k1 == k2 and p1 is p2 and p1.max_tokens == 5
+    s1, w1 = cache.resolve(k1, p1, 5)
+    assert cache.resolve(k1, p1, 5) == (s1, w1) and w1.max_tokens == 5 and s1.max_tokens == 5
+    assert cache.resolve(k1, p1, 7)[1].max_tokens == 7
+    for _ in range(2):              # invalid: raised every time
+        with pytest.raises(InvalidArgument):
+            cache.validate(common_pb2.SamplingParams(top_p=-1))
+    for t in (0.1, 0.2, 0.3):       # bounded
+        cache.validate(common_pb2.SamplingParams(temperature=t))
+    assert len(cache._params) <= 2
+
+
+class FakeCall:
+    def __init__(self) -> None:
+        self.cancelled = False
+        self.read_waiter: asyncio.Future | None = None
+
+    def cancel(self) -> bool:
+        self.cancelled = True
+        if self.read_waiter is not None and not self.read_waiter.done():
+            self.read_waiter.cancel()
+        return True
+
+    def done(self) -> bool:
+        return self.cancelled
+
+    async def read(self):
+        self.read_waiter = asyncio.get_running_loop().create_future()
+        return await self.read_waiter
+
+
+def test_decode_stream_break_before_the_first_token_cancels_the_prefill_call() -> None:
+    """Disaggregated, waiting for the Prefill stream's first token: an error on the decode
+    worker's output stream cancels the Prefill call and fails over (a Retry naming the decode
+    worker), without a watcher task."""
+    from router.attempt import Retry
+
+    async def scenario() -> None:
+        att = _attempt()
+        att.prefill = SimpleNamespace(key="p", add_load=lambda *a, **k: None)
+        att.prefill_call = call = FakeCall()
+        att.queue.on_put = att._on_decode_output
+        reader = asyncio.ensure_future(att.next())
+        await asyncio.sleep(0)
+        att.queue.put_nowait(worker_pb2.SequenceOutput(request_id="rid"))   # not an error: ignored
+        await asyncio.sleep(0)
+        assert not call.cancelled and not reader.done()
+        att.queue.put_nowait(Unavailable("decode worker d: output stream broke"))
+        with pytest.raises(Retry) as e:
+            await reader
+        assert call.cancelled and e.value.worker_key == "d" and att.queue.on_put is None
+
+    asyncio.run(scenario())
+
+
+def test_prefill_request_is_built_before_the_reservation_answers() -> None:
+    att = _attempt()
+    att.rid = "w-1"
+    att.job.prompt = SimpleNamespace(token_ids=[1, 2, 3], wire_ids=[1, 2, 3])
+    att.job.wire_params = common_pb2.SamplingParams(max_tokens=4)
+    att.job.deadline_unix_ms = 0
+    att.job.remaining = lambda: None
+    sent = []
+    att.prefill = SimpleNamespace(key="p", add_load=lambda *a, **k: None,
+                                  stub=SimpleNamespace(Prefill=lambda req, **kw: sent.append(req) or FakeCall()))
+    att.decode.worker_id, att.decode.address = "dw", "d:1"
+    att.after_send()
+    early = att._prefill_req
+    assert list(early.token_ids) == [1, 2, 3] and early.params.max_tokens == 4
+    att._start_prefill(worker_pb2.ReserveResponse(block_ids=[5], kv_store_address="kv:1", num_cached_tokens=0))
+    assert sent == [early] and early.kv_target.decode_worker_id == "dw" and list(early.kv_target.block_ids) == [5]
+    assert early.kv_target.decode_address == "d:1" and early.kv_target.kv_store_address == "kv:1"
+
+
+def test_early_headers_are_sent_once_and_settled() -> None:
+    from router.servicer import EarlyHeaders
+
+    async def scenario() -> None:
+        sent = []
+
+        async def send_initial_metadata(md):
+            await asyncio.sleep(0)
+            sent.append(md)
+
+        headers = EarlyHeaders(SimpleNamespace(send_initial_metadata=send_initial_metadata))
+        await headers.settle()          # nothing sent: nothing to wait for
+        headers.send()
+        headers.send()                  # a retry: still one
+        await headers.settle()
+        assert sent == [()] and headers.task.done()
+
+    asyncio.run(scenario())

@@ -136,3 +136,37 @@ def test_stats_timeouts_mark_a_worker_down_only_in_a_row() -> None:
         await client.channel.close()
 
     asyncio.run(scenario())
+
+
+def test_kv_events_only_for_workers_with_a_peer_of_their_kind() -> None:
+    """The prefix index only ranks two or more candidates: a lone decode (or prefill) worker's
+    KV events are not consumed; a second one of its kind turns them on for both, and losing it
+    turns them off again (and forgets the index entries)."""
+    async def scenario() -> None:
+        reg = WorkerRegistry(RouterSettings("r"), SPEC, "p:1", "d:1,d:2")
+        for address, roles in reg._targets:
+            reg._add(address, roles)
+        started: list[str] = []
+        for c in reg.clients.values():
+            c._task.cancel()                        # no supervisor: the test drives the states
+            c._start_kv_events = lambda c=c: started.append(c.key) or setattr(
+                c, "_kv_task", asyncio.ensure_future(asyncio.sleep(3600)))
+        roles = {"p:1": common_pb2.ROLE_PREFILL, "d:1": common_pb2.ROLE_DECODE, "d:2": common_pb2.ROLE_BOTH}
+
+        def up(key: str) -> None:
+            c = reg.clients[key]
+            c.info, c.up = common_pb2.ServerInfo(role=roles[key]), True
+            reg._changed()
+
+        up("p:1")
+        up("d:1")
+        assert not any(c.kv_wanted for c in reg.clients.values()) and not started
+        up("d:2")
+        assert sorted(started) == ["d:1", "d:2"] and not reg.clients["p:1"].kv_wanted
+        reg.prefix_index.apply("d:1", stored=[1, 2])
+        reg.clients["d:2"].mark_down("test", quiet=True)
+        assert not reg.clients["d:1"].kv_wanted and reg.clients["d:1"]._kv_task is None
+        assert reg.prefix_index.num_blocks("d:1") == 0
+        await reg.stop()
+
+    asyncio.run(scenario())
