@@ -183,16 +183,13 @@ def main(argv: list[str] | None = None) -> int:
     result = {"copy_bandwidth_GBps": bandwidth / 1e9, "config": vars(args), "wall_s": elapsed,
               "output_tok_s": work.num_output_tokens / elapsed,
               **summarize(records, weight_bytes, kv_bytes, bandwidth)}
+    del llm.engine.model_runner.launch        # the profiles below run without the trace's wrapper
     if args.profile_prefill:
-        engine = llm.engine
-        engine.model_runner.launch = type(engine.model_runner).launch.__get__(engine.model_runner)
         result["prefill_profile"] = profile_prefill(llm)
         print(result["prefill_profile"])
         result["prefill_cprofile"] = cprofile_prefill(llm)
         print(result["prefill_cprofile"])
     if args.profile_decode:
-        engine = llm.engine
-        engine.model_runner.launch = type(engine.model_runner).launch.__get__(engine.model_runner)
         b, c = (int(x) for x in args.profile_decode.split(":"))
         result["decode_profile"] = profile_decode(llm, b, c)
         print(result["decode_profile"])

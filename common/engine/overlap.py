@@ -1,4 +1,4 @@
-"""Overlapped decode: step N+1 is launched before the host has read step N's tokens.
+"""Overlapped steps: step N+1 is launched before the host has read step N's tokens.
 
 While the GPU runs a decode step, the host would otherwise sit idle until the tokens arrive,
 then schedule and prepare the next step while the GPU idles. Here the next decode step is
