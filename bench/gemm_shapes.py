@@ -58,9 +58,11 @@ def main(argv: list[str] | None = None) -> int:
             for way, fn in ways.items():
                 torch.testing.assert_close(fn(), ref, rtol=2e-2, atol=2e-2)
                 row[f"{way}_us"] = 1e6 * graph_time(fn)
+            blas_default = torch.backends.cuda.preferred_blas_library()
             for lib in ("cublaslt", "cublas"):
                 torch.backends.cuda.preferred_blas_library(lib)
                 row[f"linear_TN_{lib}_us"] = 1e6 * graph_time(lambda: F.linear(x, w))
+            torch.backends.cuda.preferred_blas_library(blas_default)   # the next rows' default
             print(" ".join(f"{k}={v:.2f}" if isinstance(v, float) else f"{k}={v}" for k, v in row.items()))
             rows.append(row)
     write_result(args.out, {"copy_bandwidth_GBps": bandwidth / 1e9, "rows": rows})
