@@ -25,12 +25,15 @@ class PagedAttention(nn.Module):
         self.k_cache = torch.empty(0)
         self.v_cache = torch.empty(0)
 
-    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        """q: [T, Hq, D]; k, v: [T, Hkv, D] -> [T, Hq, D]."""
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                kv_stored: bool = False) -> torch.Tensor:
+        """q: [T, Hq, D]; k, v: [T, Hkv, D] -> [T, Hq, D]. ``kv_stored``: the caller already
+        wrote k/v into the cache at the context's slots (the fused qk-norm+RoPE kernel does)."""
         ctx = get_forward_context()
         if self.k_cache.numel() == 0:
             raise RuntimeError("KV cache is not allocated")
-        self.backend.store_kv(k, v, self.k_cache, self.v_cache, ctx.slot_mapping)
+        if not kv_stored:
+            self.backend.store_kv(k, v, self.k_cache, self.v_cache, ctx.slot_mapping)
         if ctx.is_prefill:
             return self.backend.prefill(q, self.k_cache, self.v_cache, ctx.cu_seqlens_q,
                                         ctx.context_lens, ctx.block_tables, ctx.max_seqlen_q, self.scale)

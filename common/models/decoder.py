@@ -13,6 +13,7 @@ import torch
 from torch import nn
 
 from common.config import ModelConfig
+from common.context import get_forward_context
 from common.layers.activation import SiluAndMul
 from common.layers.attention import PagedAttention
 from common.layers.fused_dispatch import use_fused
@@ -41,8 +42,8 @@ class SelfAttention(nn.Module):
         """positions: [T]; hidden: [T, H] -> [T, H]."""
         qkv = self.qkv_proj(hidden)
         if use_fused(qkv):
-            q, k, v = self._fused_qk_norm_rope(qkv, positions)
-            return self.o_proj(self.attn(q, k, v).reshape(-1, self.q_size))
+            q, k, v = self._fused_qk_norm_rope(qkv, positions)      # K/V already in the cache
+            return self.o_proj(self.attn(q, k, v, kv_stored=True).reshape(-1, self.q_size))
         q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q = q.view(-1, self.num_heads, self.head_dim)
         k = k.view(-1, self.num_kv_heads, self.head_dim)
@@ -60,8 +61,11 @@ class SelfAttention(nn.Module):
         qw = self.q_norm.weight if self.qk_norm else None
         kw = self.k_norm.weight if self.qk_norm else None
         eps = self.q_norm.eps if self.qk_norm else 0.0
+        allocated = self.attn.k_cache.numel() > 0              # else attn() raises
+        kc, vc = (self.attn.k_cache, self.attn.v_cache) if allocated else (None, None)
+        slots = get_forward_context().slot_mapping if allocated else None
         return qk_norm_rope(qkv, positions, self.rotary.cos_cache, self.rotary.sin_cache, self.num_heads,
-                            self.num_kv_heads, self.head_dim, qw, kw, eps)
+                            self.num_kv_heads, self.head_dim, qw, kw, eps, kc, vc, slots)
 
 
 class MLP(nn.Module):

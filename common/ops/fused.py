@@ -74,8 +74,11 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
 
 @triton.jit
 def _qk_norm_rope_kernel(qkv_ptr, pos_ptr, cos_ptr, sin_ptr, qw_ptr, kw_ptr, q_out_ptr, k_out_ptr,
+                         slot_ptr, kc_ptr, vc_ptr, stride_kc_b, stride_kc_t, stride_kc_h,
+                         stride_vc_b, stride_vc_t, stride_vc_h,
                          stride_qkv, stride_cos, eps, NUM_Q: tl.constexpr, NUM_KV: tl.constexpr,
-                         HEAD_DIM: tl.constexpr, HAS_NORM: tl.constexpr, BLOCK_H: tl.constexpr):
+                         HEAD_DIM: tl.constexpr, HAS_NORM: tl.constexpr, BLOCK_H: tl.constexpr,
+                         STORE_KV: tl.constexpr, CACHE_BLOCK: tl.constexpr, BLOCK_KV: tl.constexpr):
     tok = tl.program_id(0)
     half: tl.constexpr = HEAD_DIM // 2
     heads = tl.arange(0, BLOCK_H)
@@ -112,21 +115,58 @@ def _qk_norm_rope_kernel(qkv_ptr, pos_ptr, cos_ptr, sin_ptr, qw_ptr, kw_ptr, q_o
     k_base = k_out_ptr + tok * NUM_KV * HEAD_DIM + k_heads[:, None] * HEAD_DIM + dims[None, :]
     tl.store(k_base, o1, mask=k_mask)
     tl.store(k_base + half, o2, mask=k_mask)
+    if STORE_KV:
+        # the token's K (as just computed) and V into the paged cache; slot < 0: padding
+        slot = tl.load(slot_ptr + tok).to(tl.int64)
+        blk = slot // CACHE_BLOCK
+        off = slot % CACHE_BLOCK
+        kc = kc_ptr + blk * stride_kc_b + off * stride_kc_t + k_heads[:, None] * stride_kc_h + dims[None, :]
+        kc_mask = k_mask & ((heads * 0 + slot) >= 0)[:, None]
+        tl.store(kc, o1.to(kc_ptr.dtype.element_ty), mask=kc_mask)
+        tl.store(kc + half, o2.to(kc_ptr.dtype.element_ty), mask=kc_mask)
+        kv_heads = tl.arange(0, BLOCK_KV)
+        full = tl.arange(0, HEAD_DIM)
+        v_mask = ((kv_heads < NUM_KV) & ((kv_heads * 0 + slot) >= 0))[:, None]
+        v = tl.load(qkv_ptr + tok * stride_qkv + (NUM_Q + NUM_KV) * HEAD_DIM
+                    + kv_heads[:, None] * HEAD_DIM + full[None, :], mask=v_mask, other=0.0)
+        tl.store(vc_ptr + blk * stride_vc_b + off * stride_vc_t + kv_heads[:, None] * stride_vc_h
+                 + full[None, :], v.to(vc_ptr.dtype.element_ty), mask=v_mask)
 
 
 def qk_norm_rope(qkv: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                  num_q: int, num_kv: int, head_dim: int, q_weight: torch.Tensor | None = None,
-                 k_weight: torch.Tensor | None = None, eps: float = 1e-6
+                 k_weight: torch.Tensor | None = None, eps: float = 1e-6,
+                 k_cache: torch.Tensor | None = None, v_cache: torch.Tensor | None = None,
+                 slot_mapping: torch.Tensor | None = None,
                  ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """qkv: [T, (Hq+2Hkv)*D]; cos/sin: [P, D] fp32 caches -> q [T,Hq,D], k [T,Hkv,D], v [T,Hkv,D] (view)."""
+    """qkv: [T, (Hq+2Hkv)*D]; cos/sin: [P, D] fp32 caches -> q [T,Hq,D], k [T,Hkv,D], v [T,Hkv,D] (view).
+
+    With ``k_cache``/``v_cache`` (``[num_blocks, block_size, Hkv, D]``, head dim contiguous) and
+    ``slot_mapping[T]``, the same kernel also writes each token's K and V into the cache at its
+    slot, as ``common.ops.kv_store.store_kvcache`` would (negative slots are skipped): one
+    kernel less per layer.
+    """
     T = qkv.shape[0]
     q = torch.empty(T, num_q, head_dim, dtype=qkv.dtype, device=qkv.device)
     k = torch.empty(T, num_kv, head_dim, dtype=qkv.dtype, device=qkv.device)
     has_norm = q_weight is not None
     qw = q_weight if has_norm else cos
     kw = k_weight if has_norm else cos
-    _qk_norm_rope_kernel[(T,)](qkv, positions, cos, sin, qw, kw, q, k, qkv.stride(0), cos.stride(0), eps,
+    store = k_cache is not None
+    if store:
+        assert v_cache is not None and slot_mapping is not None and slot_mapping.shape == (T,)
+        assert k_cache.shape[2:] == (num_kv, head_dim) and v_cache.shape == k_cache.shape
+        assert k_cache.stride(-1) == 1 and v_cache.stride(-1) == 1
+        kc, vc, slots = k_cache, v_cache, slot_mapping
+    else:
+        kc, vc, slots = q, q, positions                    # unused
+    kc_strides = (kc.stride(0), kc.stride(1), kc.stride(2)) if store else (0, 0, 0)
+    vc_strides = (vc.stride(0), vc.stride(1), vc.stride(2)) if store else (0, 0, 0)
+    _qk_norm_rope_kernel[(T,)](qkv, positions, cos, sin, qw, kw, q, k, slots, kc, vc,
+                               *kc_strides, *vc_strides, qkv.stride(0), cos.stride(0), eps,
                                NUM_Q=num_q, NUM_KV=num_kv, HEAD_DIM=head_dim, HAS_NORM=has_norm,
-                               BLOCK_H=triton.next_power_of_2(num_q + num_kv), num_warps=4)
+                               BLOCK_H=triton.next_power_of_2(num_q + num_kv), STORE_KV=store,
+                               CACHE_BLOCK=k_cache.shape[1] if store else 1,
+                               BLOCK_KV=triton.next_power_of_2(num_kv), num_warps=4)
     v = qkv[:, (num_q + num_kv) * head_dim:].view(T, num_kv, head_dim)
     return q, k, v

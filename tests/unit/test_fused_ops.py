@@ -67,6 +67,32 @@ def test_qk_norm_rope_matches_layers(dtype, qk_norm, heads):
     torch.testing.assert_close(v, v_ref.reshape(T, hkv, d), rtol=0, atol=0)
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_qk_norm_rope_stores_kv_like_store_kvcache(dtype):
+    """The fused K/V store writes exactly what store_kvcache writes (padding slots skipped),
+    into strided per-layer views of a pool, and leaves every other slot alone."""
+    from common.ops.kv_store import store_kvcache
+    torch.manual_seed(3)
+    hq, hkv, d, T, bs, nb = 4, 2, 32, 5, 4, 6
+    rot = RotaryEmbedding(d, 64, 10000.0).to(DEVICE)
+    qkv = torch.randn(T, (hq + 2 * hkv) * d, device=DEVICE, dtype=dtype)
+    pos = torch.tensor([0, 3, 7, 12, 40], device=DEVICE)
+    qw = torch.randn(d, device=DEVICE, dtype=dtype)
+    kw = torch.randn(d, device=DEVICE, dtype=dtype)
+    slots = torch.tensor([5, -1, 0, 23, 9], dtype=torch.int32, device=DEVICE)
+    pools = [torch.full((nb, 2, 2, bs, hkv, d), float("nan"), device=DEVICE, dtype=dtype)
+             for _ in range(2)]
+    layer = 1
+    kc, vc = pools[0][:, layer, 0], pools[0][:, layer, 1]
+    q, k, v = qk_norm_rope(qkv, pos, rot.cos_cache, rot.sin_cache, hq, hkv, d, qw, kw, 1e-6,
+                           kc, vc, slots)
+    q2, k2, v2 = qk_norm_rope(qkv, pos, rot.cos_cache, rot.sin_cache, hq, hkv, d, qw, kw, 1e-6)
+    torch.testing.assert_close(q, q2, rtol=0, atol=0)
+    torch.testing.assert_close(k, k2, rtol=0, atol=0)
+    store_kvcache(k2, v2, pools[1][:, layer, 0], pools[1][:, layer, 1], slots)
+    torch.testing.assert_close(pools[0], pools[1], rtol=0, atol=0, equal_nan=True)
+
+
 def test_gumbel_sample_greedy_rows_and_distribution():
     from common.ops.sampling import gumbel_sample
     torch.manual_seed(3)
