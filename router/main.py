@@ -13,10 +13,12 @@ import gc
 import logging
 import sys
 import uuid
+from typing import Any, Callable, Coroutine
 
 from common import env
 
 log = logging.getLogger(__name__)
+EVENT_LOOPS = ("auto", "uvloop", "asyncio")
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -52,12 +54,42 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--startup-wait-s", type=float, default=env.get_float("ROUTER_STARTUP_WAIT_S", 5.0),
                    help="at start: how long to wait for the listed workers' first registration before "
                         "reporting SERVING (env PDSERVE_ROUTER_STARTUP_WAIT_S)")
+    p.add_argument("--event-loop", choices=EVENT_LOOPS, default=env.get("ROUTER_EVENT_LOOP", "auto"),
+                   help="asyncio event loop: uvloop (~0.1 ms less added TTFT per request), asyncio, or auto "
+                        "(uvloop where it is installed) (env PDSERVE_ROUTER_EVENT_LOOP)")
+
+
+def _loop_runner(choice: str) -> Callable[[Coroutine[Any, Any, None]], None]:
+    """``uvloop.run`` or ``asyncio.run`` for ``--event-loop``.
+
+    uvloop's loop costs less per wake-up and per callback than asyncio's selector loop, and a
+    request wakes the router's loop several times on its way to its first token (grpc.aio
+    delivers every completion through a poller thread and a socket the loop watches): measured
+    -0.1 to -0.15 ms of added TTFT per request on a 2-CPU host. ``auto`` falls back to asyncio
+    where uvloop is not installed (it has no Windows build).
+    """
+    if choice != "asyncio":
+        try:
+            import uvloop
+        except ImportError:
+            if choice == "uvloop":
+                raise
+            log.debug("uvloop not installed: asyncio event loop")
+        else:
+            log.info("event loop: uvloop %s", getattr(uvloop, "__version__", ""))
+            return uvloop.run
+    return asyncio.run
 
 
 def run(args: argparse.Namespace) -> int:
     from common.grpc_utils import PdserveError
     try:
-        asyncio.run(_serve(args))
+        runner = _loop_runner(getattr(args, "event_loop", "auto"))
+    except ImportError as e:
+        log.error("--event-loop uvloop: %s", e)
+        return 2
+    try:
+        runner(_serve(args))
     except FileNotFoundError as e:
         log.error("%s", e)
         return 2
