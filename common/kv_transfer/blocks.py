@@ -87,41 +87,6 @@ def _index_tensor(ids: BlockIds, device: torch.device) -> torch.Tensor:
     return idx
 
 
-class IndexBuffer:
-    """Block ids as a CUDA index tensor without a pinned allocation per call.
-
-    ``torch.tensor(ids).pin_memory().to(device)`` costs ~0.1-0.15 ms of host time per call
-    (bench/kv_probe.py, 2xH200): one transfer's whole budget at 1,024 tokens is ~0.5 ms. This
-    keeps one pinned host buffer and one device buffer (grown as needed): the ids are written
-    into the host buffer and copied on ``stream``. Before the host buffer is overwritten, the
-    previous copy is waited for (an event; normally long complete). Not thread-safe: one per
-    pair, used by the thread that runs the pair's transfers, always with the pair's side
-    stream (the device buffer's readers are then ordered by that stream).
-    """
-
-    def __init__(self, device: torch.device) -> None:
-        self.device = device
-        self._host: torch.Tensor | None = None      # [capacity] int64, pinned
-        self._dev: torch.Tensor | None = None       # [capacity] int64 on device
-        self._event: torch.cuda.Event | None = None
-
-    def __call__(self, ids: Sequence[int], stream: "torch.cuda.Stream") -> torch.Tensor:
-        n = len(ids)
-        if self._event is not None:
-            self._event.synchronize()                # the host buffer's previous copy
-        with torch.cuda.stream(stream):              # device memory ordered by the side stream
-            if self._host is None or self._host.numel() < n:
-                cap = max(n, 256, 2 * (self._host.numel() if self._host is not None else 0))
-                self._host = torch.empty(cap, dtype=torch.long).pin_memory()
-                self._dev = torch.empty(cap, dtype=torch.long, device=self.device)
-            self._host.numpy()[:n] = ids
-            out = self._dev[:n]
-            out.copy_(self._host[:n], non_blocking=True)
-            self._event = torch.cuda.Event()
-            self._event.record(stream)
-        return out
-
-
 def _stream_ctx(stream):
     return torch.cuda.stream(stream) if stream is not None else nullcontext()
 

@@ -227,9 +227,6 @@ class PairChannel:
         # Point-to-point on the eagerly created communicator is serialized with the group's
         # other operations: that is what a pair channel wants; don't warn about it.
         os.environ.setdefault("TORCH_NCCL_SHOW_EAGER_INIT_P2P_SERIALIZATION_WARNING", "false")
-        # No flight recorder (it records a Python stack per operation, host time on every
-        # transfer): this module times out and aborts stuck operations itself.
-        os.environ.setdefault("TORCH_NCCL_TRACE_BUFFER_SIZE", "0")
         opts = dist.ProcessGroupNCCL.Options()
         opts.is_high_priority_stream = bool(high_priority)
         # Backstop only: this module aborts the group itself at its own timeout.

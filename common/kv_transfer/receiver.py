@@ -10,8 +10,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .blocks import (DEFAULT_MAX_MESSAGE_BYTES, BlockIds, IndexBuffer, bytes_per_block,
-                     check_block_ids, check_pool)
+from .blocks import DEFAULT_MAX_MESSAGE_BYTES, BlockIds, bytes_per_block, check_block_ids, check_pool
 from .channel import DEFAULT_TIMEOUT, PairChannel
 from .errors import KvTransferError
 from .store import KvStoreServer
@@ -41,7 +40,6 @@ class _RecvPeer:
         self.stream = (torch.cuda.Stream(owner.kv_cache.device)
                        if owner.kv_cache.is_cuda else None)
         self.staging: list | None = None if owner.kv_cache.is_cuda else [None, None]
-        self.index = IndexBuffer(owner.kv_cache.device) if owner.kv_cache.is_cuda else None
         self.stopping = False
         self.thread = threading.Thread(target=self._run, name=f"kv-recv-{prefill_id}",
                                        daemon=True)
@@ -76,7 +74,7 @@ class _RecvPeer:
                 ch = self._channel_for(item.epoch)
                 deadline = time.monotonic() + owner.timeout
                 nbytes = _recv_blocks_on(ch, owner.kv_cache, item.ids, owner.max_message_bytes,
-                                         deadline, self.staging, self.index)
+                                         deadline, self.staging)
                 event = ch.record_event()
                 item.future.set_result((nbytes, event))
             except Exception as e:  # noqa: BLE001 - every failure goes to the future
@@ -88,8 +86,6 @@ class _RecvPeer:
                     ch.close()
                 if self.staging is not None:
                     self.staging = [None, None]  # an aborted receive may still write the old
-                if self.index is not None:
-                    self.index = IndexBuffer(owner.kv_cache.device)
                 err = e if isinstance(e, KvTransferError) else KvTransferError(str(e))
                 _fail(item, KvTransferError(
                     f"KV receive of {len(item.ids)} blocks from {self.prefill_id} epoch "

@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from .blocks import DEFAULT_MAX_MESSAGE_BYTES, BlockIds, IndexBuffer, check_block_ids, check_pool
+from .blocks import DEFAULT_MAX_MESSAGE_BYTES, BlockIds, check_block_ids, check_pool
 from .channel import DEFAULT_TIMEOUT, PairChannel
 from .errors import KvTransferError
 from .transfer import _send_blocks_on, initial_epoch
@@ -25,7 +25,6 @@ class _SendPair:
     # CPU staging buffers, reused across transfers (fresh host memory costs page faults);
     # on CUDA the caching allocator does this job
     staging: list = field(default_factory=lambda: [None, None])
-    index: IndexBuffer | None = None    # CUDA: block ids to the device without a pinned alloc
 
 
 class KvSender:
@@ -90,7 +89,6 @@ class KvSender:
             pair.channel.close()
             pair.channel = None
         pair.staging = [None, None]  # an aborted operation may still touch the old ones
-        pair.index = None
         pair.epoch += 1
 
     def send_blocks(self, decode_worker_id: str, store_address: str, epoch: int,
@@ -127,8 +125,6 @@ class KvSender:
                         pair.channel = None
                     if kv_cache.is_cuda and pair.stream is None:
                         pair.stream = torch.cuda.Stream(kv_cache.device)
-                    if kv_cache.is_cuda and pair.index is None:
-                        pair.index = IndexBuffer(kv_cache.device)
                     ch = PairChannel(store_address, self.prefill_worker_id, decode_worker_id,
                                      pair.epoch, 0, kv_cache.device, timeout=self.timeout,
                                      stream=pair.stream)
@@ -137,8 +133,7 @@ class KvSender:
                 deadline = time.monotonic() + self.timeout
                 nbytes = _send_blocks_on(ch, kv_cache, ids, self.max_message_bytes, deadline,
                                          ready_event,
-                                         None if kv_cache.is_cuda else pair.staging,
-                                         pair.index if kv_cache.is_cuda else None)
+                                         None if kv_cache.is_cuda else pair.staging)
                 return nbytes, time.perf_counter() - t0
             except Exception as e:
                 old = pair.epoch

@@ -24,8 +24,7 @@ import time
 
 import torch
 
-from .blocks import (IndexBuffer, bytes_per_block, contiguous_range, gather_blocks, plan_chunks,
-                     scatter_blocks)
+from .blocks import bytes_per_block, contiguous_range, gather_blocks, plan_chunks, scatter_blocks
 from .channel import PairChannel
 
 log = logging.getLogger(__name__)
@@ -50,10 +49,9 @@ def _staging(slots: list, slot: int, n: int, kv_cache: torch.Tensor) -> torch.Te
 def _send_blocks_on(ch: PairChannel, kv_cache: torch.Tensor, ids: list[int],
                     max_message_bytes: int, deadline: float,
                     ready_event: "torch.cuda.Event | None" = None,
-                    staging: list | None = None, index: IndexBuffer | None = None) -> int:
+                    staging: list | None = None) -> int:
     """Send the blocks ``ids`` of ``kv_cache`` over ``ch``; returns once all has crossed.
-    ``staging``: two reusable buffer slots (CPU; on CUDA the caching allocator reuses).
-    ``index``: CUDA, the pair's reusable index buffer (used with ``ch.stream``)."""
+    ``staging``: two reusable buffer slots (CPU; on CUDA the caching allocator reuses)."""
     block_bytes = bytes_per_block(kv_cache)
     chunks = plan_chunks(len(ids), block_bytes, max_message_bytes)
     stream = ch.stream
@@ -66,7 +64,6 @@ def _send_blocks_on(ch: PairChannel, kv_cache: torch.Tensor, ids: list[int],
     last: list = [None, None]   # the last send from each staging buffer
     ops: list = []              # every send: each must be waited (a Gloo send is cancelled
                                 # if its Work is dropped before completion)
-    dev_ids = _device_ids(ids, chunks, index, stream)
     ctx = torch.cuda.stream(stream) if stream is not None else _Null()
     with ctx:  # staging buffers are allocated on (and freed in the order of) the side stream
         for i, (s, e) in enumerate(chunks):
@@ -79,8 +76,7 @@ def _send_blocks_on(ch: PairChannel, kv_cache: torch.Tensor, ids: list[int],
             if last[slot] is not None:  # the buffer is free once its last send is done
                 ch.wait(last[slot], deadline)
             buf = _staging(slots, slot, len(sub), kv_cache)
-            msg = gather_blocks(kv_cache, sub if dev_ids is None else dev_ids[s:e], out=buf,
-                                stream=stream)
+            msg = gather_blocks(kv_cache, sub, out=buf, stream=stream)
             last[slot] = ch.isend(msg, tag=i)
             ops.append(last[slot])
         ch.synchronize(ops, deadline)
@@ -89,9 +85,8 @@ def _send_blocks_on(ch: PairChannel, kv_cache: torch.Tensor, ids: list[int],
 
 def _recv_blocks_on(ch: PairChannel, kv_cache: torch.Tensor, ids: list[int],
                     max_message_bytes: int, deadline: float,
-                    staging: list | None = None, index: IndexBuffer | None = None) -> int:
+                    staging: list | None = None) -> int:
     """Receive the blocks ``ids`` of ``kv_cache`` over ``ch`` and scatter them into the pool.
-    ``index``: CUDA, the pair's reusable index buffer (used with ``ch.stream``).
     On return the data has landed (CPU) or the scatter is enqueued on ``ch.stream`` after the
     completed receive (CUDA)."""
     block_bytes = bytes_per_block(kv_cache)
@@ -111,7 +106,6 @@ def _recv_blocks_on(ch: PairChannel, kv_cache: torch.Tensor, ids: list[int],
             view = buf[:len(sub) * kv_cache[0].numel()]
             posted[i] = (ch.irecv(view, tag=i), view)
 
-    dev_ids = _device_ids(ids, chunks, index, stream)
     ctx = torch.cuda.stream(stream) if stream is not None else _Null()
     with ctx:
         for i in range(min(2, len(chunks))):
@@ -120,23 +114,11 @@ def _recv_blocks_on(ch: PairChannel, kv_cache: torch.Tensor, ids: list[int],
             work, view = posted[i]
             ch.wait(work, deadline)
             if view is not None:
-                scatter_blocks(kv_cache, ids[s:e] if dev_ids is None else dev_ids[s:e], view,
-                               stream=stream)
+                scatter_blocks(kv_cache, ids[s:e], view, stream=stream)
             if i + 2 < len(chunks):
                 post(i + 2)   # reuses slot i % 2: ordered after the scatter above
         ch.synchronize([p[0] for p in posted], deadline)
     return len(ids) * block_bytes
-
-
-def _device_ids(ids: list[int], chunks: list[tuple[int, int]], index: IndexBuffer | None,
-                stream) -> torch.Tensor | None:
-    """All block ids of a transfer as one device index (sliced per chunk), when some chunk
-    goes through staging and an index buffer is given; else None."""
-    if index is None or stream is None:
-        return None
-    if all(contiguous_range(ids[s:e]) is not None for s, e in chunks):
-        return None
-    return index(ids, stream)
 
 
 class _Null:
