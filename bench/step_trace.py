@@ -94,16 +94,22 @@ def summarize(records: list[tuple], weight_bytes: int, kv_bytes: int, bandwidth:
     return {"by_batch": dict(sorted(rows.items())), "total": total}
 
 
+def _prefill_batch(shift: int, max_tokens: int = 16384) -> list[list[int]]:
+    """W-nano's first prompts up to ``max_tokens`` in all (one prefill step), token ids shifted
+    by ``shift`` so that a batch shifted differently is no prefix-cache hit."""
+    prompts, total = [], 0
+    for prompt in w_nano().prompts:
+        if total + len(prompt) > max_tokens:
+            break
+        prompts.append([t + shift for t in prompt])
+        total += len(prompt)
+    return prompts
+
+
 def profile_prefill(llm: LLM, rows: int = 20) -> str:
     """torch.profiler table (CUDA time) of one W-nano-sized prefill batch (~16k tokens)."""
     from torch.profiler import ProfilerActivity, profile
-    work = w_nano()
-    prompts, total = [], 0
-    for prompt in work.prompts:
-        if total + len(prompt) > 16384:
-            break
-        prompts.append(prompt)
-        total += len(prompt)
+    prompts = _prefill_batch(0)
     params = SamplingParams(temperature=0.6, max_tokens=1, ignore_eos=True)
     llm.generate(prompts, params, use_tqdm=False)
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
@@ -118,13 +124,7 @@ def cprofile_prefill(llm: LLM, rows: int = 30) -> str:
     import cProfile
     import io
     import pstats
-    work = w_nano()
-    prompts, total = [], 0
-    for prompt in work.prompts:
-        if total + len(prompt) > 16384:
-            break
-        prompts.append([t + 2 for t in prompt])
-        total += len(prompt)
+    prompts = _prefill_batch(2)
     params = SamplingParams(temperature=0.6, max_tokens=1, ignore_eos=True)
     prof = cProfile.Profile()
     prof.enable()

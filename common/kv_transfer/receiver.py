@@ -220,13 +220,18 @@ class KvReceiver:
         if peer is not None:
             self._stop(peer, join_timeout)
 
-    def _stop(self, peer: _RecvPeer, join_timeout: float) -> None:
+    @staticmethod
+    def _signal_stop(peer: _RecvPeer) -> None:
+        """Tell the peer's thread to stop and abort its channel (a receive in flight fails)."""
         with peer.cond:
             peer.stopping = True
             ch = peer.channel
             peer.cond.notify_all()
         if ch is not None:
             ch.abort("receiver closed")
+
+    def _stop(self, peer: _RecvPeer, join_timeout: float) -> None:
+        self._signal_stop(peer)
         peer.thread.join(join_timeout)
 
     def close(self, join_timeout: float = 2.0) -> None:
@@ -238,12 +243,7 @@ class KvReceiver:
             peers = list(self._peers.values())
             self._peers.clear()
         for peer in peers:
-            with peer.cond:
-                peer.stopping = True
-                ch = peer.channel
-                peer.cond.notify_all()
-            if ch is not None:
-                ch.abort("receiver closed")
+            self._signal_stop(peer)
         deadline = time.monotonic() + join_timeout
         for peer in peers:
             peer.thread.join(max(0.0, deadline - time.monotonic()))
