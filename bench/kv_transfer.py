@@ -13,8 +13,15 @@ Measured, per request size (tokens):
   median over the trials, for scattered block ids (gather + send + recv + scatter) and for
   contiguous ids on both sides (sent from and received into the pool directly);
 * the sender's own wall time (``send_blocks``);
-* handover latency of one request (default 1024 tokens, scattered ids): the same interval,
-  p50 / p99 over ``--handover-trials``.
+* "ahead" (CUDA; what a prefill worker does): the send, with the first-token message after
+  the blocks, is enqueued while the prefill step still runs (played by a ``torch.cuda._sleep``
+  on the sender's stream, ``--ahead-cycles``), ordered on the GPU after that step's event, with
+  the receive posted before; the interval is from that event firing (seen by the sender's host
+  polling it) to the scatter complete on the receiver (its host polling the event), scattered
+  block ids;
+* handover latency of one request (default 1024 tokens, scattered ids): the "ahead" interval
+  (the served path), p50 / p99 over ``--handover-trials``; and the same with the send started
+  only once the KV is ready (``handover_after_ready``).
 
 Before timing, it checks bit-exactness on random data (scattered ids, a chunked transfer,
 contiguous ids; untouched blocks must keep their poison). ``--check-failures`` then checks
@@ -44,6 +51,7 @@ import random  # noqa: E402
 import statistics  # noqa: E402
 import subprocess  # noqa: E402
 import sys  # noqa: E402
+import threading  # noqa: E402
 import time  # noqa: E402
 from pathlib import Path  # noqa: E402
 
@@ -130,22 +138,45 @@ def make_schedule(args: dict) -> dict:
                   "max_message_bytes": max(1, args["verify_chunk_bytes"])})
     sched.append({"kind": "verify", "label": "contiguous", "src": list(range(vb)),
                   "dst": list(range(nb - vb, nb))})
+    src, dst = scattered(vb, 0, vb)
+    sched.append({"kind": "verify", "label": "ahead, first token", "mode": "ahead",
+                  "src": src, "dst": dst})
     for tokens in args["sizes"]:
         n = -(-tokens // bs)
-        for mode in ("scattered", "contiguous"):
+        for mode in MODES:
             for t in range(args["warmup"] + args["trials"]):
-                if mode == "scattered":
-                    src, dst = scattered(n)
-                else:
+                if mode == "contiguous":
                     src, dst = list(range(n)), list(range(nb - n, nb))
+                else:
+                    src, dst = scattered(n)
                 sched.append({"kind": "bench", "tokens": tokens, "mode": mode,
                               "warmup": t < args["warmup"], "src": src, "dst": dst})
     n = -(-args["handover_tokens"] // bs)
-    for t in range(args["warmup"] + args["handover_trials"]):
-        src, dst = scattered(n)
-        sched.append({"kind": "handover", "tokens": args["handover_tokens"],
-                      "warmup": t < args["warmup"], "src": src, "dst": dst})
+    for mode in ("ahead", "scattered"):
+        for t in range(args["warmup"] + args["handover_trials"]):
+            src, dst = scattered(n)
+            sched.append({"kind": "handover", "tokens": args["handover_tokens"], "mode": mode,
+                          "warmup": t < args["warmup"], "src": src, "dst": dst})
     return {"items": sched}
+
+
+MODES = ("scattered", "contiguous", "ahead")
+
+
+def _first_token_of(i: int) -> tuple[int, float]:
+    """The first token item ``i`` carries (the receiver checks it)."""
+    return 1000 + i, -0.25 - i / 1024.0
+
+
+def _wait_received(fut, dev):
+    """Spin (yielding the GIL) until the receive future and its scatter event are done."""
+    while not fut.done():
+        time.sleep(0)
+    got = fut.result()
+    if got.event is not None:
+        while not got.event.query():
+            time.sleep(0)
+    return got
 
 
 # ---------------------------------------------------------------------------- processes
@@ -166,7 +197,8 @@ def decode_proc(args: dict, sched: dict, addr_q, go_q, t_q, res_q) -> None:
         pool = torch.empty(args["num_blocks"], *_geom(args), dtype=dt, device=dev)
         _bits(pool).fill_(POISON_BITS if pool.element_size() == 2 else 0x40E00000)
         recv = KvReceiver(pool, DECODE_ID, server, timeout=args["timeout"],
-                          max_message_bytes=args["max_message_bytes"])
+                          max_message_bytes=args["max_message_bytes"],
+                          direct_block_bytes=args["direct_block_bytes"])
         expected = _verify_data(args, args["verify_blocks"]).to(dev)
         poison_block = pool[0].clone()
         kind, epoch = t_q.get(timeout=WAIT)
@@ -174,15 +206,26 @@ def decode_proc(args: dict, sched: dict, addr_q, go_q, t_q, res_q) -> None:
         verify, timings = [], []
         for i, item in enumerate(sched["items"]):
             recv.max_message_bytes = item.get("max_message_bytes", args["max_message_bytes"])
-            fut = recv.post(PREFILL_ID, epoch, item["dst"])
+            ahead = item.get("mode") == "ahead"
+            fut = recv.post(PREFILL_ID, epoch, item["dst"], with_first_token=ahead)
             go_q.put(("go", i))
-            nbytes, event = fut.result(timeout=WAIT)
-            if event is not None:
-                event.synchronize()
+            if ahead:
+                got = _wait_received(fut, dev)
+            else:
+                got = fut.result(timeout=WAIT)
+                if got.event is not None:
+                    got.event.synchronize()
             t1 = time.perf_counter()
+            nbytes = got.num_bytes
             kind, j, t0, send_s, send_bytes = t_q.get(timeout=WAIT)
             assert kind == "sent" and j == i, (kind, j, i)
             assert nbytes == send_bytes
+            if ahead:
+                token_ok = got.first_token == _first_token_of(i)
+                if not token_ok:
+                    verify.append({"label": f"first token of item {i}", "bit_exact": False,
+                                   "untouched_clean": True, "blocks": 0, "bytes": 0,
+                                   "got": got.first_token, "want": _first_token_of(i)})
             if item["kind"] == "verify":
                 src_idx = torch.tensor(item["src"], device=dev)
                 dst_idx = torch.tensor(item["dst"], device=dev)
@@ -280,7 +323,8 @@ def prefill_proc(args: dict, sched: dict | None, addr_q, go_q, t_q, res_q,
         pool[:args["verify_blocks"]] = _verify_data(args, args["verify_blocks"]).to(dev)
         _sync(dev)
         sender = KvSender(PREFILL_ID, timeout=args["timeout"],
-                          max_message_bytes=args["max_message_bytes"], first_epoch=first_epoch)
+                          max_message_bytes=args["max_message_bytes"],
+                          direct_block_bytes=args["direct_block_bytes"], first_epoch=first_epoch)
         t_q.put(("epoch", sender.next_epoch(DECODE_ID)))
         if sched is None:  # restarted sender
             kind, src = go_q.get(timeout=WAIT)
@@ -294,9 +338,13 @@ def prefill_proc(args: dict, sched: dict | None, addr_q, go_q, t_q, res_q,
             assert kind == "go" and j == i, (kind, j, i)
             sender.max_message_bytes = item.get("max_message_bytes", args["max_message_bytes"])
             _sync(dev)                      # the KV is ready
-            t0 = time.perf_counter()
-            nbytes, secs = sender.send_blocks(DECODE_ID, addr, sender.next_epoch(DECODE_ID),
-                                              pool, item["src"])
+            if item.get("mode") == "ahead":
+                t0, secs, nbytes = _send_ahead(args, sender, addr, pool, item["src"], i, dev)
+            else:
+                t0 = time.perf_counter()
+                nbytes, secs = sender.send_blocks(DECODE_ID, addr,
+                                                  sender.next_epoch(DECODE_ID), pool,
+                                                  item["src"])
             t_q.put(("sent", i, t0, secs, nbytes))
         sender.max_message_bytes = args["max_message_bytes"]
         if args["check_failures"]:
@@ -324,6 +372,46 @@ def prefill_proc(args: dict, sched: dict | None, addr_q, go_q, t_q, res_q,
         res_q.put(("error", f"prefill: {e!r}\n{traceback.format_exc()}"))
 
 
+def _send_ahead(args: dict, sender, addr: str, pool, src: list[int], i: int, dev):
+    """Enqueue the send (blocks + first token) while a stand-in prefill step still runs on the
+    GPU; returns (the moment that step's event fired, the sender's own seconds, bytes)."""
+    import torch
+
+    from common.kv_transfer import FirstTokenRef
+    token, logprob = _first_token_of(i)
+    token_ids = torch.tensor([token], dtype=torch.int64, device=dev)
+    logprobs = torch.tensor([logprob], dtype=torch.float32, device=dev)
+    ready = None
+    if dev.type == "cuda":
+        torch.cuda._sleep(args["ahead_cycles"])      # the prefill step, still running
+        ready = torch.cuda.Event()
+        ready.record()
+    result: dict = {}
+
+    def send() -> None:
+        try:
+            result["out"] = sender.send_blocks(
+                DECODE_ID, addr, sender.next_epoch(DECODE_ID), pool, src, ready_event=ready,
+                first_token=FirstTokenRef(token_ids, logprobs, 0))
+        except BaseException as e:  # noqa: BLE001 - re-raised below
+            result["error"] = e
+
+    if ready is None:
+        t0 = time.perf_counter()
+        send()
+    else:
+        thread = threading.Thread(target=send)
+        thread.start()
+        while not ready.query():
+            time.sleep(0)
+        t0 = time.perf_counter()
+        thread.join()
+    if "error" in result:
+        raise result["error"]
+    nbytes, secs = result["out"]
+    return t0, secs, nbytes
+
+
 # ---------------------------------------------------------------------------- main
 def _git_commit(override: str | None = None) -> str | None:
     if override:
@@ -337,6 +425,7 @@ def _git_commit(override: str | None = None) -> str | None:
 
 
 def parse_args(argv=None) -> dict:
+    from common.kv_transfer.blocks import DEFAULT_DIRECT_BLOCK_BYTES
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--device", choices=["cuda", "cpu"], default="cuda",
                    help="cuda: NCCL between GPU 0 and GPU 1; cpu: Gloo")
@@ -353,6 +442,12 @@ def parse_args(argv=None) -> dict:
     p.add_argument("--block-size", type=int, default=16)
     p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"])
     p.add_argument("--max-message-mib", type=float, default=512.0)
+    p.add_argument("--direct-block-mib", type=float, default=None,
+                   help="blocks at least this large cross one message each, with no staging "
+                        "copy (default: the library's, 8 MiB)")
+    p.add_argument("--ahead-cycles", type=int, default=4_000_000,
+                   help="GPU clock cycles of the stand-in prefill step in the 'ahead' mode "
+                        "(long enough for the sender's host to enqueue the send)")
     p.add_argument("--timeout", type=float, default=60.0)
     p.add_argument("--check-failures", action="store_true",
                    help="also check timeout / peer-death recovery")
@@ -374,6 +469,9 @@ def parse_args(argv=None) -> dict:
         "layers": a.layers, "kv_heads": a.kv_heads, "head_dim": a.head_dim,
         "block_size": a.block_size, "dtype": a.dtype,
         "max_message_bytes": int(a.max_message_mib * 1024 * 1024),
+        "direct_block_bytes": (int(a.direct_block_mib * 1024 * 1024)
+                               if a.direct_block_mib is not None else DEFAULT_DIRECT_BLOCK_BYTES),
+        "ahead_cycles": a.ahead_cycles,
         "timeout": a.timeout, "check_failures": a.check_failures,
         "failure_timeout": a.failure_timeout, "cpu_threads": a.cpu_threads, "out": a.out,
         "git_commit": a.git_commit,
@@ -462,8 +560,9 @@ def main(argv=None) -> int:
         n_blocks = -(-tokens // args["block_size"])
         row = {"tokens": tokens, "bytes": n_blocks * args["block_size"] * bpt,
                "messages": len(plan_chunks(n_blocks, args["block_size"] * bpt,
-                                           args["max_message_bytes"]))}
-        for mode in ("scattered", "contiguous"):
+                                           args["max_message_bytes"],
+                                           args["direct_block_bytes"]))}
+        for mode in MODES:
             xs = by_key[("bench", tokens, mode)]
             el = statistics.median(x[0] for x in xs)
             snd = statistics.median(x[1] for x in xs)
@@ -473,31 +572,38 @@ def main(argv=None) -> int:
                          "GBps": nbytes / el / 1e9, "sender_median_ms": snd * 1e3,
                          "trials": len(xs)}
         rows.append(row)
-    hv = [x[0] for x in by_key[("handover", args["handover_tokens"], "scattered")]]
-    handover = {"tokens": args["handover_tokens"], "trials": len(hv),
-                "p50_ms": _pct(hv, 50) * 1e3, "p99_ms": _pct(hv, 99) * 1e3,
-                "min_ms": min(hv) * 1e3, "max_ms": max(hv) * 1e3}
+    handovers = {}
+    for mode in ("ahead", "scattered"):
+        hv = [x[0] for x in by_key[("handover", args["handover_tokens"], mode)]]
+        handovers[mode] = {"tokens": args["handover_tokens"], "trials": len(hv),
+                           "p50_ms": _pct(hv, 50) * 1e3, "p99_ms": _pct(hv, 99) * 1e3,
+                           "min_ms": min(hv) * 1e3, "max_ms": max(hv) * 1e3}
+    handover = handovers["ahead"]
     print(f"KV transfer: {device_name}, {args['device']} "
           f"({'NCCL ' + nccl if nccl else 'Gloo'}), {args['layers']} layers x "
           f"{args['kv_heads']} kv heads x {args['head_dim']} {args['dtype']}, block "
           f"{args['block_size']}: {bpt:,} B/token; max message "
-          f"{args['max_message_bytes'] / 2**20:.0f} MiB")
+          f"{args['max_message_bytes'] / 2**20:.0f} MiB, direct blocks from "
+          f"{args['direct_block_bytes'] / 2**20:.1f} MiB")
     print("verification: " + ", ".join(
         f"{v['label']} ({v['blocks']} blocks) "
         f"{'bit-exact' if v['bit_exact'] and v['untouched_clean'] else 'MISMATCH'}"
         for v in dec_res["verify"]))
     hdr = (f"{'tokens':>7} {'MB':>9} {'msgs':>4} | {'scattered ms':>12} {'GB/s':>7} "
-           f"{'send ms':>8} | {'contig ms':>9} {'GB/s':>7} {'send ms':>8}")
+           f"{'send ms':>8} | {'contig ms':>9} {'GB/s':>7} {'send ms':>8} | "
+           f"{'ahead ms':>8} {'GB/s':>7}")
     print(hdr)
     print("-" * len(hdr))
     for r in rows:
-        s, c = r["scattered"], r["contiguous"]
+        s, c, a = r["scattered"], r["contiguous"], r["ahead"]
         print(f"{r['tokens']:>7} {r['bytes'] / 1e6:>9.2f} {r['messages']:>4} | "
               f"{s['median_ms']:>12.3f} {s['GBps']:>7.1f} {s['sender_median_ms']:>8.3f} | "
-              f"{c['median_ms']:>9.3f} {c['GBps']:>7.1f} {c['sender_median_ms']:>8.3f}")
-    print(f"handover latency, {handover['tokens']} tokens, {handover['trials']} trials: "
-          f"p50 {handover['p50_ms']:.3f} ms, p99 {handover['p99_ms']:.3f} ms "
-          f"(min {handover['min_ms']:.3f}, max {handover['max_ms']:.3f})")
+              f"{c['median_ms']:>9.3f} {c['GBps']:>7.1f} {c['sender_median_ms']:>8.3f} | "
+              f"{a['median_ms']:>8.3f} {a['GBps']:>7.1f}")
+    for mode, h in handovers.items():
+        print(f"handover latency ({mode}), {h['tokens']} tokens, {h['trials']} trials: "
+              f"p50 {h['p50_ms']:.3f} ms, p99 {h['p99_ms']:.3f} ms "
+              f"(min {h['min_ms']:.3f}, max {h['max_ms']:.3f})")
     if dec_res["failures"] is not None:
         print("failure checks: " + json.dumps(dec_res["failures"], indent=1))
     ok = all(v["bit_exact"] and v["untouched_clean"] for v in dec_res["verify"])
@@ -517,14 +623,23 @@ def main(argv=None) -> int:
         "geometry": {k: args[k] for k in ("layers", "kv_heads", "head_dim", "block_size",
                                           "dtype", "bytes_per_token")},
         "max_message_bytes": args["max_message_bytes"],
-        "method": "time from before the gather on the sender (KV ready, synchronised) to the "
-                  "scatter complete on the receiver (event synchronised), perf_counter on one "
-                  "host; median over trials; scattered = random non-contiguous block ids on "
-                  "both sides (gather + send + recv + scatter), contiguous = block ranges sent "
-                  "from and received into the pool directly",
+        "direct_block_bytes": args["direct_block_bytes"],
+        "ahead_cycles": args["ahead_cycles"],
+        "method": "scattered / contiguous: time from before the gather on the sender (KV "
+                  "ready, synchronised) to the scatter complete on the receiver (event "
+                  "synchronised), perf_counter on one host; median over trials; scattered = "
+                  "random non-contiguous block ids on both sides (gather + send + recv + "
+                  "scatter), contiguous = block ranges sent from and received into the pool "
+                  "directly. ahead = the send (blocks + first-token message) enqueued while a "
+                  "stand-in prefill step still runs, ordered after its event, the receive "
+                  "posted before; time from that event firing (polled by the sender's host) "
+                  "to the scatter event complete (polled by the receiver's host), scattered "
+                  "ids. handover = the ahead interval at handover_tokens (the served path); "
+                  "handover_after_ready = the scattered interval",
         "verification": dec_res["verify"],
         "sizes": rows,
         "handover": handover,
+        "handover_after_ready": handovers["scattered"],
         "failure_checks": dec_res["failures"],
         "all_ok": ok,
         "wall_seconds": wall,

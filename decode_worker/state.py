@@ -157,5 +157,7 @@ def resolve_receive(loop: EngineLoop, state: DecodeState, request_id: str, first
                     logprob: float, future: Future) -> None:
     """Callback of a KV receive future: hand the result to the engine thread."""
     error = future.exception()
-    num_bytes, event = (0, None) if error is not None else future.result()
+    num_bytes, event, on_channel = (0, None, None) if error is not None else future.result()
+    if on_channel is not None:            # the first token came after the blocks
+        first_token, logprob = on_channel
     loop.call(lambda engine: state.finish_receive(engine, request_id, first_token, logprob, event, error, num_bytes))

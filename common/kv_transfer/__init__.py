@@ -6,21 +6,22 @@ transfer").
   (prefill worker, decode worker, epoch), built without a global default group.
 * ``gather_blocks`` / ``scatter_blocks`` (blocks.py): whole blocks of the paged pool
   ``kv_cache[num_blocks, num_layers, 2, block_size, num_kv_heads, head_dim]``.
-* ``KvSender`` / ``KvReceiver`` (transfer.py): the ordered transfer protocol behind PushKV.
+* ``KvSender`` / ``KvReceiver`` (sender.py, receiver.py; protocol in transfer.py): the ordered
+  transfer protocol behind PushKV, with the first token optionally carried after the blocks.
 
 No gRPC, protobuf or pickle here: tensors cross as raw bytes.
 """
-from .blocks import (DEFAULT_MAX_MESSAGE_BYTES, bytes_per_block, gather_blocks, plan_chunks,
-                     scatter_blocks)
+from .blocks import (DEFAULT_DIRECT_BLOCK_BYTES, DEFAULT_MAX_MESSAGE_BYTES, bytes_per_block,
+                     gather_blocks, plan_chunks, scatter_blocks)
 from .channel import DEFAULT_TIMEOUT, PairChannel, channel_prefix
 from .errors import KvTransferError
 from .store import KvStoreServer
-from .receiver import KvReceiver
+from .receiver import KvReceiver, Received
 from .sender import KvSender
-from .transfer import initial_epoch
+from .transfer import FirstTokenRef, initial_epoch
 
 __all__ = [
-    "DEFAULT_MAX_MESSAGE_BYTES", "DEFAULT_TIMEOUT", "KvReceiver", "KvSender", "KvStoreServer",
-    "KvTransferError", "PairChannel", "bytes_per_block", "channel_prefix", "gather_blocks",
+    "DEFAULT_DIRECT_BLOCK_BYTES", "DEFAULT_MAX_MESSAGE_BYTES", "DEFAULT_TIMEOUT", "FirstTokenRef",
+    "KvReceiver", "KvSender", "KvStoreServer", "KvTransferError", "Received", "PairChannel", "bytes_per_block", "channel_prefix", "gather_blocks",
     "initial_epoch", "plan_chunks", "scatter_blocks",
 ]

@@ -7,10 +7,12 @@ import time
 from collections import deque
 from concurrent.futures import Future
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 
-from .blocks import DEFAULT_MAX_MESSAGE_BYTES, BlockIds, bytes_per_block, check_block_ids, check_pool
+from .blocks import (DEFAULT_DIRECT_BLOCK_BYTES, DEFAULT_MAX_MESSAGE_BYTES, BlockIds, bytes_per_block,
+                     check_block_ids, check_pool)
 from .channel import DEFAULT_TIMEOUT, PairChannel
 from .errors import KvTransferError
 from .store import KvStoreServer
@@ -18,12 +20,20 @@ from .transfer import _recv_blocks_on
 
 log = logging.getLogger(__name__)
 
+class Received(NamedTuple):
+    """What a receive future resolves to."""
+    num_bytes: int
+    event: "torch.cuda.Event | None"          # CUDA: after the scatter; the decode step waits on it
+    first_token: tuple[int, float] | None     # (token id, logprob) when posted with_first_token
+
+
 @dataclass
 class _Post:
     epoch: int
     ids: list[int]
     future: Future
     posted_at: float
+    with_first_token: bool = False
 
 
 class _RecvPeer:
@@ -73,10 +83,11 @@ class _RecvPeer:
             try:
                 ch = self._channel_for(item.epoch)
                 deadline = time.monotonic() + owner.timeout
-                nbytes = _recv_blocks_on(ch, owner.kv_cache, item.ids, owner.max_message_bytes,
-                                         deadline, self.staging)
+                nbytes, first = _recv_blocks_on(ch, owner.kv_cache, item.ids,
+                                                owner.max_message_bytes, deadline, self.staging,
+                                                item.with_first_token, owner.direct_block_bytes)
                 event = ch.record_event()
-                item.future.set_result((nbytes, event))
+                item.future.set_result(Received(nbytes, event, first))
             except Exception as e:  # noqa: BLE001 - every failure goes to the future
                 with self.cond:
                     if not self._superseded(item.epoch):
@@ -134,9 +145,10 @@ class KvReceiver:
     """Decode side: receives blocks into the local pool, in post order per prefill worker.
 
     ``post`` is called by the PushKV handler before it answers; it returns a
-    ``concurrent.futures.Future`` that resolves to ``(num_bytes, event)`` once the blocks are
-    in ``kv_cache`` (``event`` is None on CPU; on CUDA a ``torch.cuda.Event`` after the
-    scatter, which the decode step's stream must wait on), or raises ``KvTransferError``
+    ``concurrent.futures.Future`` that resolves to ``Received(num_bytes, event, first_token)``
+    once the blocks are in ``kv_cache`` (``event`` is None on CPU; on CUDA a
+    ``torch.cuda.Event`` after the scatter, which the decode step's stream must wait on;
+    ``first_token`` is set when posted ``with_first_token``), or raises ``KvTransferError``
     (timeout, peer death, superseded epoch, receiver closed). The blocks must stay reserved
     until the future is done, whatever the request's fate (cancel included): the sender may
     still be writing them.
@@ -147,18 +159,21 @@ class KvReceiver:
 
     ``timeout`` applies to each receive from the moment its thread starts it (after the
     earlier receives from the same prefill worker), and to joining a new channel.
-    ``max_message_bytes`` must equal the senders' (both cut a transfer the same way).
+    ``max_message_bytes`` and ``direct_block_bytes`` must equal the senders' (both cut a
+    transfer the same way).
     """
 
     def __init__(self, kv_cache: torch.Tensor, decode_worker_id: str,
                  store: KvStoreServer | str, *, timeout: float = DEFAULT_TIMEOUT,
-                 max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES) -> None:
+                 max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,
+                 direct_block_bytes: int = DEFAULT_DIRECT_BLOCK_BYTES) -> None:
         check_pool(kv_cache)
         self.kv_cache = kv_cache
         self.decode_worker_id = decode_worker_id
         self.store_address = store.local_address if isinstance(store, KvStoreServer) else store
         self.timeout = float(timeout)
         self.max_message_bytes = int(max_message_bytes)
+        self.direct_block_bytes = int(direct_block_bytes)
         self.block_bytes = bytes_per_block(kv_cache)
         self._peers: dict[str, _RecvPeer] = {}
         self._lock = threading.Lock()
@@ -173,12 +188,16 @@ class KvReceiver:
         peer = self._peers.get(prefill_worker_id)
         return None if peer is None else peer.epoch
 
-    def post(self, prefill_worker_id: str, epoch: int, block_ids: BlockIds) -> Future:
-        """Post the receive announced by one PushKV. Raises ``KvTransferError`` at once (so
-        PushKV can answer an error and nothing is sent) when the epoch is older than one
-        already posted, or is known broken here, or the block ids are bad."""
+    def post(self, prefill_worker_id: str, epoch: int, block_ids: BlockIds, *,
+             with_first_token: bool = False) -> Future:
+        """Post the receive announced by one PushKV (``with_first_token``: the first-token
+        message follows the blocks). Raises ``KvTransferError`` at once (so PushKV can answer
+        an error and nothing is sent) when the epoch is older than one already posted, or is
+        known broken here, or the block ids are bad."""
         epoch = int(epoch)
         ids = check_block_ids(block_ids, self.kv_cache.shape[0])
+        if with_first_token and not ids:
+            raise KvTransferError("a first token travels after at least one block")
         with self._lock:
             if self._closed:
                 raise KvTransferError("KvReceiver is closed")
@@ -204,9 +223,9 @@ class KvReceiver:
                 if ch is not None and ch.epoch != epoch:
                     to_abort = ch
             if not ids:
-                future.set_result((0, None))
+                future.set_result(Received(0, None, None))
             else:
-                peer.queue.append(_Post(epoch, ids, future, time.monotonic()))
+                peer.queue.append(_Post(epoch, ids, future, time.monotonic(), with_first_token))
                 peer.cond.notify()
         if to_abort is not None:
             to_abort.abort(f"superseded by epoch {epoch}")

@@ -8,10 +8,11 @@ from dataclasses import dataclass, field
 
 import torch
 
-from .blocks import DEFAULT_MAX_MESSAGE_BYTES, BlockIds, check_block_ids, check_pool
+from .blocks import (DEFAULT_DIRECT_BLOCK_BYTES, DEFAULT_MAX_MESSAGE_BYTES, BlockIds, check_block_ids,
+                     check_pool)
 from .channel import DEFAULT_TIMEOUT, PairChannel
 from .errors import KvTransferError
-from .transfer import _send_blocks_on, initial_epoch
+from .transfer import FirstTokenRef, _send_blocks_on, initial_epoch
 
 log = logging.getLogger(__name__)
 
@@ -49,10 +50,12 @@ class KvSender:
 
     def __init__(self, prefill_worker_id: str, *, timeout: float = DEFAULT_TIMEOUT,
                  max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,
+                 direct_block_bytes: int = DEFAULT_DIRECT_BLOCK_BYTES,
                  first_epoch: int | None = None) -> None:
         self.prefill_worker_id = prefill_worker_id
         self.timeout = float(timeout)
         self.max_message_bytes = int(max_message_bytes)
+        self.direct_block_bytes = int(direct_block_bytes)
         self._first_epoch = initial_epoch() if first_epoch is None else int(first_epoch)
         self._pairs: dict[str, _SendPair] = {}
         self._lock = threading.Lock()
@@ -93,14 +96,18 @@ class KvSender:
 
     def send_blocks(self, decode_worker_id: str, store_address: str, epoch: int,
                     kv_cache: torch.Tensor, block_ids: BlockIds, *,
-                    ready_event: "torch.cuda.Event | None" = None) -> tuple[int, float]:
+                    ready_event: "torch.cuda.Event | None" = None,
+                    first_token: FirstTokenRef | None = None) -> tuple[int, float]:
         """Send blocks ``block_ids`` of ``kv_cache`` (in that order) to the decode worker,
-        whose matching receive was posted by a PushKV with ``epoch``.
+        whose matching receive was posted by a PushKV with ``epoch``; then, if given, the
+        ``first_token`` message (the receive must have been posted ``with_first_token``).
 
         CUDA: the gather waits for ``ready_event`` if given, else for the calling thread's
-        current stream (where the KV was written). Returns ``(num_bytes, seconds)`` once the
-        data has crossed (seconds: from before the gather to completion; channel set-up not
-        included). Raises ``KvTransferError`` (the epoch is then bumped).
+        current stream (where the KV was written). The call may come before that event has
+        fired (the prefill step still running): everything is enqueued behind it, so the data
+        moves as soon as the KV exists. Returns ``(num_bytes, seconds)`` once the data has
+        crossed (seconds: from the call to completion; channel set-up not included). Raises
+        ``KvTransferError`` (the epoch is then bumped).
         """
         pair = self._pair(decode_worker_id)
         with pair.lock:
@@ -115,6 +122,8 @@ class KvSender:
                 check_pool(kv_cache)
                 ids = check_block_ids(block_ids, kv_cache.shape[0])
                 if not ids:
+                    if first_token is not None:
+                        raise KvTransferError("a first token travels after at least one block")
                     return 0, 0.0
                 ch = pair.channel
                 if (ch is None or ch.epoch != pair.epoch or ch.is_broken
@@ -133,7 +142,8 @@ class KvSender:
                 deadline = time.monotonic() + self.timeout
                 nbytes = _send_blocks_on(ch, kv_cache, ids, self.max_message_bytes, deadline,
                                          ready_event,
-                                         None if kv_cache.is_cuda else pair.staging)
+                                         None if kv_cache.is_cuda else pair.staging,
+                                         first_token, self.direct_block_bytes)
                 return nbytes, time.perf_counter() - t0
             except Exception as e:
                 old = pair.epoch

@@ -6,11 +6,17 @@ receives in PushKV call order; the prefill worker sends in the order its PushKV 
 returned and never has two PushKV in flight to the same decode worker. Both sides then issue
 the same messages in the same order on the pair channel.
 
-A transfer of ``n`` blocks is cut into ``plan_chunks(n, bytes_per_block, max_message_bytes)``
-messages (one message unless it is larger than ``max_message_bytes``). A run of consecutive
-block ids is sent from / received into the pool directly; other blocks go through a staging
-buffer (``gather_blocks`` / ``scatter_blocks``), double-buffered so that the gather (scatter)
-of one chunk overlaps the transfer of the next (previous) one.
+A transfer of ``n`` blocks is cut into ``plan_chunks(n, bytes_per_block, max_message_bytes,
+direct_block_bytes)`` messages (one message unless it is larger than ``max_message_bytes``, or
+one per block when blocks are at least ``direct_block_bytes``). A run of consecutive block ids
+is sent from / received into the pool directly; other blocks go through a staging buffer
+(``gather_blocks`` / ``scatter_blocks``), double-buffered so that the gather (scatter) of one
+chunk overlaps the transfer of the next (previous) one.
+
+The first token may follow the blocks as one more message of 8 bytes (``int32`` token id,
+``float32`` log-probability): a prefill worker then starts the transfer as soon as its prefill
+step is launched, before the token exists on the host (the send is ordered after the step on
+the GPU), and the decode worker learns the token from the channel.
 
 Epochs: each (prefill, decode) pair has a current epoch, chosen by the prefill worker and
 carried in PushKV. Any failure of a send makes the prefill worker bump its epoch; a post with a
@@ -24,7 +30,8 @@ import time
 
 import torch
 
-from .blocks import bytes_per_block, contiguous_range, gather_blocks, plan_chunks, scatter_blocks
+from .blocks import (DEFAULT_DIRECT_BLOCK_BYTES, bytes_per_block, contiguous_range, gather_blocks,
+                     plan_chunks, scatter_blocks)
 from .channel import PairChannel
 
 log = logging.getLogger(__name__)
@@ -34,6 +41,33 @@ def initial_epoch() -> int:
     """A fresh epoch for a new sender: microseconds since the Unix epoch, so that a restarted
     prefill worker always uses a larger epoch than its previous incarnation did."""
     return time.time_ns() // 1000
+
+
+# ============================================================================ first token
+class FirstTokenRef:
+    """Where a prefill step's sampled token for one sequence will be: row ``row`` of
+    ``token_ids`` ([B] int64) and of ``logprobs`` ([B] fp32, or None), on the pool's device.
+    On CUDA they must be written before the step's ``ready_event``."""
+
+    __slots__ = ("token_ids", "logprobs", "row")
+
+    def __init__(self, token_ids: torch.Tensor, logprobs: torch.Tensor | None, row: int) -> None:
+        self.token_ids, self.logprobs, self.row = token_ids, logprobs, int(row)
+
+    def message(self) -> torch.Tensor:
+        """The 8-byte wire message: ``int32[2]`` = (token id, logprob's fp32 bits)."""
+        tok = self.token_ids[self.row:self.row + 1].to(torch.int32)
+        if self.logprobs is None:
+            lp = torch.zeros(1, dtype=torch.int32, device=tok.device)
+        else:
+            lp = self.logprobs[self.row:self.row + 1].to(torch.float32).view(torch.int32)
+        return torch.cat([tok, lp])
+
+
+def parse_first_token(msg: torch.Tensor) -> tuple[int, float]:
+    """(token id, logprob) from a received ``int32[2]`` first-token message."""
+    host = msg.cpu()
+    return int(host[0]), float(host[1:2].view(torch.float32)[0])
 
 
 # ============================================================================ data path
@@ -49,11 +83,14 @@ def _staging(slots: list, slot: int, n: int, kv_cache: torch.Tensor) -> torch.Te
 def _send_blocks_on(ch: PairChannel, kv_cache: torch.Tensor, ids: list[int],
                     max_message_bytes: int, deadline: float,
                     ready_event: "torch.cuda.Event | None" = None,
-                    staging: list | None = None) -> int:
-    """Send the blocks ``ids`` of ``kv_cache`` over ``ch``; returns once all has crossed.
-    ``staging``: two reusable buffer slots (CPU; on CUDA the caching allocator reuses)."""
+                    staging: list | None = None,
+                    first_token: FirstTokenRef | None = None,
+                    direct_block_bytes: int = DEFAULT_DIRECT_BLOCK_BYTES) -> int:
+    """Send the blocks ``ids`` of ``kv_cache`` (then ``first_token``'s message, if given) over
+    ``ch``; returns once all has crossed. ``staging``: two reusable buffer slots (CPU; on CUDA
+    the caching allocator reuses)."""
     block_bytes = bytes_per_block(kv_cache)
-    chunks = plan_chunks(len(ids), block_bytes, max_message_bytes)
+    chunks = plan_chunks(len(ids), block_bytes, max_message_bytes, direct_block_bytes)
     stream = ch.stream
     if stream is not None:
         if ready_event is not None:
@@ -79,18 +116,23 @@ def _send_blocks_on(ch: PairChannel, kv_cache: torch.Tensor, ids: list[int],
             msg = gather_blocks(kv_cache, sub, out=buf, stream=stream)
             last[slot] = ch.isend(msg, tag=i)
             ops.append(last[slot])
+        if first_token is not None:
+            ops.append(ch.isend(first_token.message(), tag=len(chunks)))
         ch.synchronize(ops, deadline)
     return len(ids) * block_bytes
 
 
 def _recv_blocks_on(ch: PairChannel, kv_cache: torch.Tensor, ids: list[int],
                     max_message_bytes: int, deadline: float,
-                    staging: list | None = None) -> int:
-    """Receive the blocks ``ids`` of ``kv_cache`` over ``ch`` and scatter them into the pool.
-    On return the data has landed (CPU) or the scatter is enqueued on ``ch.stream`` after the
-    completed receive (CUDA)."""
+                    staging: list | None = None, with_first_token: bool = False,
+                    direct_block_bytes: int = DEFAULT_DIRECT_BLOCK_BYTES,
+                    ) -> tuple[int, tuple[int, float] | None]:
+    """Receive the blocks ``ids`` of ``kv_cache`` over ``ch`` and scatter them into the pool,
+    then (``with_first_token``) the first-token message. Returns ``(num_bytes, (token id,
+    logprob) or None)``. On return the data has landed (CPU) or the scatter is enqueued on
+    ``ch.stream`` after the completed receive (CUDA)."""
     block_bytes = bytes_per_block(kv_cache)
-    chunks = plan_chunks(len(ids), block_bytes, max_message_bytes)
+    chunks = plan_chunks(len(ids), block_bytes, max_message_bytes, direct_block_bytes)
     stream = ch.stream
     slots: list = staging if staging is not None else [None, None]
     posted: list = [None] * len(chunks)   # (work, buffer or None)
@@ -117,8 +159,14 @@ def _recv_blocks_on(ch: PairChannel, kv_cache: torch.Tensor, ids: list[int],
                 scatter_blocks(kv_cache, ids[s:e], view, stream=stream)
             if i + 2 < len(chunks):
                 post(i + 2)   # reuses slot i % 2: ordered after the scatter above
-        ch.synchronize([p[0] for p in posted], deadline)
-    return len(ids) * block_bytes
+        works = [p[0] for p in posted]
+        token_msg = None
+        if with_first_token:
+            token_msg = torch.zeros(2, dtype=torch.int32, device=kv_cache.device)
+            works.append(ch.irecv(token_msg, tag=len(chunks)))
+        ch.synchronize(works, deadline)
+        first = parse_first_token(token_msg) if token_msg is not None else None
+    return len(ids) * block_bytes, first
 
 
 class _Null:

@@ -94,7 +94,7 @@ def _decode_child(cfg: dict, addr_q, go_qs: dict, res_q) -> None:
             touched = {did: {b for it in cfg["plan"] if it[1] == did for b in it[5]}
                        for did in pools}
             for (pid, did, epoch, seed, src_ids, dst_ids), fut in zip(cfg["plan"], futures):
-                nbytes, event = fut.result(timeout=CHILD_WAIT)
+                nbytes, event, _ = fut.result(timeout=CHILD_WAIT)
                 assert event is None
                 src = _source_pool(seed, cfg["dtypes"][did])
                 results.append((nbytes, _check_landed(pools[did], src, src_ids, dst_ids,
@@ -439,6 +439,49 @@ def test_chunk_plan():
     assert _check_landed(dst, src, ids, dst_ids, set(dst_ids)) == []
 
 
+def test_direct_block_plan():
+    """Blocks at least direct_block_bytes large cross one message each (no staging)."""
+    assert plan_chunks(3, 1000, 10_000, direct_block_bytes=1000) == [(0, 1), (1, 2), (2, 3)]
+    assert plan_chunks(3, 999, 10_000, direct_block_bytes=1000) == [(0, 3)]
+
+
+def test_first_token_message_round_trip():
+    from common.kv_transfer import FirstTokenRef
+    from common.kv_transfer.transfer import parse_first_token
+    ids = torch.tensor([5, 151_935, 7])
+    lps = torch.tensor([-0.5, -1.25, -3.0])
+    msg = FirstTokenRef(ids, lps, 1).message()
+    assert msg.dtype == torch.int32 and msg.numel() == 2
+    assert parse_first_token(msg) == (151_935, -1.25)
+    assert parse_first_token(FirstTokenRef(ids, None, 2).message()) == (7, 0.0)
+
+
+def test_in_process_first_token_and_direct_blocks():
+    """The first token follows the blocks on the channel; blocks above the direct threshold go
+    pool to pool, one message each (Gloo over loopback, two threads)."""
+    from common.kv_transfer import FirstTokenRef
+    g = torch.Generator().manual_seed(5)
+    src = torch.randn(NUM_BLOCKS, *GEOM, generator=g).to(torch.bfloat16)
+    dst = torch.full_like(src, POISON)
+    bb = bytes_per_block(src)
+    with KvStoreServer("127.0.0.1", 0) as server:
+        recv = KvReceiver(dst, "d", server, timeout=10, direct_block_bytes=bb)
+        sender = KvSender("p", timeout=10, direct_block_bytes=bb, first_epoch=1)
+        src_ids, dst_ids = [4, 9, 0], [2, 17, 11]
+        with pytest.raises(KvTransferError):
+            recv.post("p", 1, [], with_first_token=True)
+        fut = recv.post("p", 1, dst_ids, with_first_token=True)
+        token = FirstTokenRef(torch.tensor([3, 42]), torch.tensor([-0.1, -2.5]), 1)
+        nbytes, _ = sender.send_blocks("d", server.address, 1, src, src_ids, first_token=token)
+        got = fut.result(timeout=10)
+        assert got.num_bytes == nbytes == 3 * bb and got.first_token == (42, -2.5)
+        assert _check_landed(dst, src, src_ids, dst_ids, set(dst_ids)) == []
+        with pytest.raises(KvTransferError):   # a first token needs a block to follow
+            sender.send_blocks("d", server.address, 1, src, [], first_token=token)
+        sender.close()
+        recv.close()
+
+
 def test_in_process_chunked_transfer_and_errors():
     """Sender and receiver in one process (two threads, Gloo over loopback): transfers
     chunked into 1-block messages, contiguous and scattered ids, zero blocks, bad input."""
@@ -469,8 +512,8 @@ def test_in_process_chunked_transfer_and_errors():
         assert not t.is_alive()
         touched = set()
         for (src_ids, dst_ids), fut, (nbytes, secs) in zip(transfers, futures, results):
-            got, event = fut.result(timeout=10)
-            assert got == nbytes == len(src_ids) * bb and event is None
+            got, event, first = fut.result(timeout=10)
+            assert got == nbytes == len(src_ids) * bb and event is None and first is None
             touched.update(dst_ids)
         assert _check_landed(dst, src, [i for s, _ in transfers for i in s],
                              [i for _, d in transfers for i in d], touched) == []
