@@ -97,6 +97,18 @@ def _index_tensor(ids: BlockIds, device: torch.device) -> torch.Tensor:
     return idx
 
 
+def _wide_rows(t: torch.Tensor) -> torch.Tensor:
+    """``t`` ([n, ...], contiguous) as ``[n, k]`` rows of the widest integer type dividing a
+    row: the copy kernels then move 8 bytes per element instead of 2 (bf16), several times
+    faster on a GPU. Bit-exact: only the view's dtype changes."""
+    rows = t.view(t.shape[0], -1)
+    for dtype in (torch.int64, torch.int32, torch.int16):
+        size = torch.empty(0, dtype=dtype).element_size()
+        if (rows.shape[1] * rows.element_size()) % size == 0:
+            return rows.view(torch.uint8).view(dtype) if rows.dtype != dtype else rows
+    return rows.view(torch.uint8)
+
+
 def _stream_ctx(stream):
     return torch.cuda.stream(stream) if stream is not None else nullcontext()
 
@@ -117,7 +129,8 @@ def gather_blocks(kv_cache: torch.Tensor, block_ids: BlockIds,
     with _stream_ctx(stream):
         idx = _index_tensor(block_ids, kv_cache.device)
         if out is None:
-            return torch.index_select(kv_cache, 0, idx)
+            return torch.index_select(_wide_rows(kv_cache), 0, idx).view(kv_cache.dtype).view(
+                n, *block_shape)
         if out.dtype != kv_cache.dtype or out.device != kv_cache.device:
             raise KvTransferError(
                 f"staging buffer is {out.dtype} on {out.device}, pool is {kv_cache.dtype} "
@@ -127,7 +140,7 @@ def gather_blocks(kv_cache: torch.Tensor, block_ids: BlockIds,
             raise KvTransferError(
                 f"staging buffer too small or not contiguous ({out.numel()} < {need} elements)")
         view = out.view(-1)[:need].view(n, *block_shape)
-        torch.index_select(kv_cache, 0, idx, out=view)
+        torch.index_select(_wide_rows(kv_cache), 0, idx, out=_wide_rows(view))
         return view
 
 
@@ -150,4 +163,4 @@ def scatter_blocks(kv_cache: torch.Tensor, block_ids: BlockIds, buffer: torch.Te
         return
     with _stream_ctx(stream):
         idx = _index_tensor(block_ids, kv_cache.device)
-        kv_cache.index_copy_(0, idx, buffer.reshape(n, *block_shape))
+        _wide_rows(kv_cache).index_copy_(0, idx, _wide_rows(buffer.reshape(n, *block_shape)))
