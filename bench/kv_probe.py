@@ -5,7 +5,10 @@ For each strategy and size, every trial: the receiver enqueues its side (the rec
 posted before the sender starts, as PushKV does), signals the sender over a pipe; the sender
 synchronises its device, takes ``t0``, enqueues its side and spins on its completion event;
 the receiver spins on its own completion event (``t1``). Reported: ``t1 - t0`` (median, p90),
-the host time each side spends enqueueing, and bit-exactness of the landed blocks.
+the host time each side spends enqueueing, GPU intervals from CUDA events (``send_gpu_ms``:
+the sender's stream from its start -- after the stand-in prefill step with ``--ahead-cycles``
+-- to its side done; ``scatter_gpu_ms``: the receiver's scatter after the data landed), and
+bit-exactness of the landed blocks.
 
 Strategies (scattered = random block ids on both sides):
 * ``contig``      one message, contiguous ids on both sides (the wire alone);
@@ -67,12 +70,15 @@ def _chunks(n: int, k: int) -> list[tuple[int, int]]:
     return [(s, min(s + per, n)) for s in range(0, n, per)]
 
 
-def _enqueue(rank: int, strategy: str, ch, pool, item: dict, staging):
-    """Enqueue this rank's side of one transfer on ``ch.stream``; returns the completion event."""
+def _enqueue(rank: int, strategy: str, ch, pool, item: dict, staging, gpu: dict | None = None):
+    """Enqueue this rank's side of one transfer on ``ch.stream``; returns the completion event.
+    ``gpu``: filled with timing events (``landed``: receiver, after the receives, before the
+    scatter) for GPU-side intervals."""
     import torch
     from common.kv_transfer.channel import _wire
     dev = pool.device
     s = ch.stream
+    gpu = {} if gpu is None else gpu
     ids = item["src"] if rank == 0 else item["dst"]
     n = item["n"]
     marks = [time.perf_counter()]
@@ -106,11 +112,14 @@ def _enqueue(rank: int, strategy: str, ch, pool, item: dict, staging):
                     op.work.wait()
             else:
                 ops = [ch.irecv(buf[a:b]) for a, b in parts]   # all posted first
-                for (a, b), op in zip(parts, ops):
+                for i, ((a, b), op) in enumerate(zip(parts, ops)):
                     op.work.wait()                              # stream waits, no host block
+                    if i == 0:
+                        gpu["landed"] = torch.cuda.Event(enable_timing=True)
+                        gpu["landed"].record(s)
                     pool.index_copy_(0, idx[a:b], buf[a:b])
         marks.append(time.perf_counter())
-        ev = torch.cuda.Event()
+        ev = torch.cuda.Event(enable_timing=True)
         ev.record(s)
     _PHASES.append([b - a for a, b in zip(marks, marks[1:])])
     return ev
@@ -146,14 +155,17 @@ def _run(rank: int, args: dict, plan: list[dict], conn, addr_q, out_q) -> None:
                     pool.zero_()
                     torch.cuda.synchronize()
                     h0 = time.perf_counter()
-                    ev = _enqueue(1, strategy, ch, pool, item, staging)
+                    gpu: dict = {}
+                    ev = _enqueue(1, strategy, ch, pool, item, staging, gpu)
                     h1 = time.perf_counter()
                     conn.send("go")
                     while not ev.query():
                         if time.perf_counter() - h1 > 20:
                             raise TimeoutError(f"{strategy} {item['tokens']} tokens never landed")
                     t1 = time.perf_counter()
-                    t0, s_enq, s_done = conn.recv()
+                    t0, s_enq, s_done, send_gpu_ms = conn.recv()
+                    scatter_gpu_ms = (gpu["landed"].elapsed_time(ev) if "landed" in gpu
+                                      else 0.0)
                     ok = None
                     if item["trial"] == args["trials"] - 1:
                         if strategy == "contig":
@@ -168,17 +180,23 @@ def _run(rank: int, args: dict, plan: list[dict], conn, addr_q, out_q) -> None:
                                  "trial": item["trial"], "ms": (t1 - t0) * 1e3,
                                  "recv_enqueue_ms": (h1 - h0) * 1e3,
                                  "send_enqueue_ms": s_enq * 1e3, "send_done_ms": s_done * 1e3,
+                                 "send_gpu_ms": send_gpu_ms, "scatter_gpu_ms": scatter_gpu_ms,
                                  "bit_exact": ok})
                 else:
                     conn.recv()
                     torch.cuda.synchronize()
+                    start = torch.cuda.Event(enable_timing=True)
+                    if args["ahead_cycles"]:   # the send is enqueued while a step still runs
+                        torch.cuda._sleep(args["ahead_cycles"])
+                        ch.stream.wait_stream(torch.cuda.current_stream())
+                    start.record(ch.stream)
                     t0 = time.perf_counter()
                     ev = _enqueue(0, strategy, ch, pool, item, staging)
                     t_enq = time.perf_counter()
                     while not ev.query():
                         pass
                     t_done = time.perf_counter()
-                    conn.send((t0, t_enq - t0, t_done - t0))
+                    conn.send((t0, t_enq - t0, t_done - t0, start.elapsed_time(ev)))
                     if item["trial"] == args["trials"] - 1:
                         ph = [[round(x * 1e3, 3) for x in p] for p in _PHASES[-5:]]
                         print(f"rank 0 {strategy} {item['tokens']}: enqueue phases ms {ph}",
@@ -206,6 +224,8 @@ def _summary(rows: list[dict], warmup: int) -> list[dict]:
                     "send_enqueue_ms": statistics.median(r["send_enqueue_ms"] for r in rs),
                     "send_done_ms": statistics.median(r["send_done_ms"] for r in rs),
                     "recv_enqueue_ms": statistics.median(r["recv_enqueue_ms"] for r in rs),
+                    "send_gpu_ms": statistics.median(r["send_gpu_ms"] for r in rs),
+                    "scatter_gpu_ms": statistics.median(r["scatter_gpu_ms"] for r in rs),
                     "bit_exact": all(r["bit_exact"] for r in rs if r["bit_exact"] is not None)})
     return out
 
@@ -217,10 +237,13 @@ def main(argv=None) -> int:
     p.add_argument("--trials", type=int, default=23)
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--num-blocks", type=int, default=1024)
+    p.add_argument("--ahead-cycles", type=int, default=0,
+                   help="enqueue the sender's side behind a GPU sleep of this many cycles (the "
+                        "prefill step still running); send_gpu_ms then starts when it ends")
     p.add_argument("--out", default="bench/results/kv_probe.json")
     a = p.parse_args(argv)
     args = {"strategies": a.strategies.split(","), "trials": a.trials,
-            "num_blocks": a.num_blocks}
+            "num_blocks": a.num_blocks, "ahead_cycles": a.ahead_cycles}
     plan = _plan([int(s) for s in a.sizes.split(",")], a.num_blocks, a.trials)
     ctx = mp.get_context("spawn")
     c0, c1 = ctx.Pipe()
@@ -245,11 +268,12 @@ def main(argv=None) -> int:
             return 1
     summary = _summary(results[1], a.warmup)
     print(f"{'strategy':>9} {'tokens':>6} {'med ms':>7} {'p90 ms':>7} {'GB/s':>6} "
-          f"{'s_enq':>6} {'s_done':>6} {'r_enq':>6} exact")
+          f"{'s_enq':>6} {'s_done':>6} {'r_enq':>6} {'s_gpu':>6} {'scat':>6} exact")
     for s in summary:
         print(f"{s['strategy']:>9} {s['tokens']:>6} {s['median_ms']:7.3f} {s['p90_ms']:7.3f} "
               f"{s['GBps']:6.1f} {s['send_enqueue_ms']:6.3f} {s['send_done_ms']:6.3f} "
-              f"{s['recv_enqueue_ms']:6.3f} {s['bit_exact']}")
+              f"{s['recv_enqueue_ms']:6.3f} {s['send_gpu_ms']:6.3f} {s['scatter_gpu_ms']:6.3f} "
+              f"{s['bit_exact']}")
     os.makedirs(os.path.dirname(a.out) or ".", exist_ok=True)
     with open(a.out, "w") as f:
         json.dump({"benchmark": "kv_probe", "date": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
