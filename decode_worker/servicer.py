@@ -80,13 +80,17 @@ class DecodeServicer(BaseWorkerServicer):
         if request.num_bytes and request.num_bytes != expected_bytes:
             raise InvalidArgument("num_bytes", f"{request.num_bytes} != {expected_bytes} for {len(block_ids)} "
                                                f"blocks of this worker's geometry")
+        on_channel = request.first_token_on_channel
+        if on_channel and not block_ids:
+            raise InvalidArgument("first_token_on_channel", "needs at least one block to follow")
         rid, first, lp = request.request_id, request.first_token_id, request.first_token_logprob
         await self._call(lambda e: self.state.start_receive(e, rid, block_ids))
         if not block_ids:
             self.runtime.loop.call(lambda e: self.state.finish_receive(e, rid, first, lp, None, None))
             return worker_pb2.PushKVResponse()
         try:
-            future = self.receiver.post(request.prefill_worker_id, request.channel_epoch, block_ids)
+            future = self.receiver.post(request.prefill_worker_id, request.channel_epoch, block_ids,
+                                        with_first_token=on_channel)
         except KvTransferError as e:   # nothing was posted: the reservation ends here
             self.runtime.loop.call(lambda eng: self.state.finish_receive(eng, rid, first, lp, None, e))
             raise FailedPrecondition(str(e)) from e

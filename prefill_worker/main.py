@@ -25,7 +25,7 @@ async def _main(args: argparse.Namespace) -> None:
     servicer = PrefillServicer(runtime, state, sender)
 
     async def startup() -> None:
-        await runtime.start(state.on_step, state.expire)
+        await runtime.start(state.on_step, state.expire, state.on_launch)
         start_metrics(args.metrics_port)
 
     try:

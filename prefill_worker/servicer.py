@@ -1,4 +1,5 @@
-"""The prefill worker's gRPC servicer: prefill, first token at once, then the KV to the decode worker."""
+"""The prefill worker's gRPC servicer: prefill; the KV shipped to the decode worker from the step's launch; the
+first token streamed at once."""
 from __future__ import annotations
 
 import asyncio
@@ -16,7 +17,7 @@ from common.kv_transfer import KvTransferError
 from common.serving.worker_runtime import WorkerRuntime
 from common.serving.worker_servicer import BaseWorkerServicer
 from pdserve.v1 import worker_pb2, worker_pb2_grpc
-from prefill_worker.state import PrefillAborted, PrefillState
+from prefill_worker.state import LaunchedPrefill, PrefillAborted, PrefillState
 
 logger = logging.getLogger(__name__)
 PUSH_KV_TIMEOUT_S = 10.0
@@ -53,9 +54,14 @@ class PrefillServicer(BaseWorkerServicer):
         t = request.kv_target
         if not t.decode_address or not t.decode_worker_id:
             raise InvalidArgument("kv_target", "decode_address and decode_worker_id are required")
-        needed = -(-len(request.token_ids) // self.runtime.engine_config.block_size)
+        block_size = self.runtime.engine_config.block_size
+        needed = -(-len(request.token_ids) // block_size)
         if len(t.block_ids) != needed:
             raise InvalidArgument("kv_target.block_ids", f"{len(t.block_ids)} ids for a prompt of {needed} blocks")
+        if t.num_cached_tokens % block_size or t.num_cached_tokens >= len(request.token_ids):
+            raise InvalidArgument("kv_target.num_cached_tokens",
+                                  f"{t.num_cached_tokens} must be a multiple of {block_size} below the prompt's "
+                                  f"{len(request.token_ids)} tokens")
 
     async def Prefill(self, request, context):
         self._validate(request)
@@ -64,79 +70,80 @@ class PrefillServicer(BaseWorkerServicer):
             raise DeadlineExceeded(f"request {request.request_id!r} is past its deadline")
         params = sampling_params_from_proto(request.params)
         rid = request.request_id
-        first = asyncio.get_running_loop().create_future()
+        loop = asyncio.get_running_loop()
+        first, launched = loop.create_future(), loop.create_future()
         try:
-            await self.runtime.call(lambda e: self.state.start(e, rid, list(request.token_ids), params, deadline, first))
+            await self.runtime.call(lambda e: self.state.start(e, rid, list(request.token_ids), params, deadline,
+                                                               first, launched))
         except DuplicateRequest as e:
             raise AlreadyExists(str(e)) from e
         self.in_flight += 1
-        result, shipping = None, False
+        ship = None                  # from its start, the blocks are freed only after it ended
         try:
-            try:
-                result = await first
-            except PrefillAborted as e:
-                if e.reason == FinishReason.DEADLINE:
-                    raise DeadlineExceeded(f"request {rid!r} passed its deadline before prefill") from e
-                raise Cancelled(f"request {rid!r} was cancelled") from e
-            except asyncio.CancelledError:
-                # queued or running: cancel it; already prefilled (held): free its blocks
-                self.runtime.loop.call(lambda e: self.state.cancel(e, rid) or self.state.release(e, rid))
-                raise
+            ship = asyncio.ensure_future(self._ship(request, await self._wait(rid, launched)))
+            result = await self._wait(rid, first)
             yield worker_pb2.PrefillResponse(first_token=worker_pb2.FirstToken(
                 token_id=result.token_id, logprob=result.logprob, num_cached_tokens=result.num_cached_tokens,
                 finish_reason=finish_reason_to_proto(result.finish_reason)))
             if result.finish_reason is not None:
-                return
-            shipping = True                   # from here _ship frees the held blocks, whatever happens
-            done = await self._ship(request, result)
+                return               # the router cancels the decode side; the send may still end
+            done = await asyncio.shield(ship)
             yield worker_pb2.PrefillResponse(transfer_done=done)
         finally:
             self.in_flight -= 1
-            if result is not None and result.finish_reason is None and not shipping:
-                # the caller went away between the first token and the transfer
-                self.runtime.loop.call(lambda e: self.state.release(e, rid))
+            self._release_after(rid, ship)
 
-    async def _ship(self, request, result) -> worker_pb2.TransferDone:
-        """PushKV, then send the blocks the decode worker lacks; the held blocks are freed after.
-
-        One transfer at a time per decode worker (its pair channel orders sends as PushKV calls
-        were answered); the asyncio lock keeps the event loop free while a send runs in a thread.
-        """
-        rid, t = request.request_id, request.kv_target
-        seq = self.runtime.engine.held.get(rid)
-        first_block = t.num_cached_tokens // self.runtime.engine_config.block_size
-        src, dst = seq.block_table[first_block:], list(t.block_ids)[first_block:]
-        block_bytes = self.runtime.engine.model_runner.block_bytes
-        transfer = None
-        lock = self._pair_locks.setdefault(t.decode_worker_id, asyncio.Lock())
+    async def _wait(self, rid: str, future: asyncio.Future):
+        """The request's launch or first token; its end (cancel, deadline) as a gRPC error."""
         try:
-            async with lock:
-                epoch = self.sender.next_epoch(t.decode_worker_id)
-                await self._push_kv(request, result, epoch, dst, block_bytes)
-                started = time.perf_counter()
-                if src:
-                    transfer = asyncio.ensure_future(asyncio.to_thread(
-                        self.sender.send_blocks, t.decode_worker_id, t.kv_store_address, epoch,
-                        self.runtime.engine.model_runner.kv_cache, src, ready_event=seq.kv_ready))
-                    try:
-                        await asyncio.shield(transfer)
-                    except KvTransferError as e:
-                        raise Unavailable(f"KV transfer to {t.decode_worker_id} failed: {e}") from e
-                elapsed_ms = (time.perf_counter() - started) * 1000
-            self.num_transfers += 1
-            self.transfer_bytes += len(src) * block_bytes
-            return worker_pb2.TransferDone(bytes=len(src) * block_bytes, transfer_ms=elapsed_ms,
-                                           num_blocks=len(src))
-        finally:
-            self._release_after(rid, transfer)
+            return await future
+        except PrefillAborted as e:
+            if e.reason == FinishReason.DEADLINE:
+                raise DeadlineExceeded(f"request {rid!r} passed its deadline before prefill") from e
+            raise Cancelled(f"request {rid!r} was cancelled") from e
+        except asyncio.CancelledError:   # the caller left: end the request in the engine
+            self.runtime.loop.call(lambda e: self.state.cancel(e, rid))
+            raise
 
-    async def _push_kv(self, request, result, epoch: int, dst: list[int], block_bytes: int) -> None:
+    async def _ship(self, request, launched: LaunchedPrefill) -> worker_pb2.TransferDone:
+        """PushKV, then send the blocks the decode worker lacks and the first token after them.
+
+        Runs from the moment the prefill step is launched: the send is enqueued behind the step
+        on the GPU, so the KV moves as soon as it exists. One transfer at a time per decode
+        worker (its pair channel orders sends as PushKV calls were answered); the asyncio lock
+        keeps the event loop free while a send runs in a thread. There is always a block to
+        send: a decode worker's prefix-cache hit never covers the prompt's last token.
+        """
+        t = request.kv_target
+        block_size = self.runtime.engine_config.block_size
+        first_block = t.num_cached_tokens // block_size
+        src, dst = launched.block_table[first_block:], list(t.block_ids)[first_block:]
+        block_bytes = self.runtime.engine.model_runner.block_bytes
+        lock = self._pair_locks.setdefault(t.decode_worker_id, asyncio.Lock())
+        async with lock:
+            epoch = self.sender.next_epoch(t.decode_worker_id)
+            await self._push_kv(request, epoch, dst, block_bytes)
+            started = time.perf_counter()
+            try:
+                await asyncio.to_thread(
+                    self.sender.send_blocks, t.decode_worker_id, t.kv_store_address, epoch,
+                    self.runtime.engine.model_runner.kv_cache, src, ready_event=launched.kv_ready,
+                    first_token=launched.first_token)
+            except KvTransferError as e:
+                raise Unavailable(f"KV transfer to {t.decode_worker_id} failed: {e}") from e
+            elapsed_ms = (time.perf_counter() - started) * 1000
+        self.num_transfers += 1
+        self.transfer_bytes += len(src) * block_bytes
+        return worker_pb2.TransferDone(bytes=len(src) * block_bytes, transfer_ms=elapsed_ms, num_blocks=len(src))
+
+    async def _push_kv(self, request, epoch: int, dst: list[int], block_bytes: int) -> None:
+        """Announce the send (the first token follows the blocks on the channel)."""
         t = request.kv_target
         try:
             await self._decode_stub(t.decode_address).PushKV(worker_pb2.PushKVRequest(
                 request_id=request.request_id, prefill_worker_id=self.runtime.worker_id, channel_epoch=epoch,
-                first_token_id=result.token_id, first_token_logprob=result.logprob, num_blocks=len(dst),
-                block_ids=dst, num_bytes=len(dst) * block_bytes), timeout=PUSH_KV_TIMEOUT_S)
+                num_blocks=len(dst), block_ids=dst, num_bytes=len(dst) * block_bytes,
+                first_token_on_channel=True), timeout=PUSH_KV_TIMEOUT_S)
         except grpc.aio.AioRpcError as e:
             if e.code() not in (grpc.StatusCode.NOT_FOUND, grpc.StatusCode.INVALID_ARGUMENT):
                 # the receive may have been posted, or the decode worker refused this epoch:
@@ -146,10 +153,10 @@ class PrefillServicer(BaseWorkerServicer):
                               f"{e.code().name}: {e.details()}") from e
 
     def _release_after(self, rid: str, transfer: asyncio.Future | None) -> None:
-        """Free the held blocks once no send reads them any more."""
+        """Free the request's blocks once no send reads them any more."""
         def release(done: asyncio.Future | None = None) -> None:
             if done is not None and not done.cancelled() and done.exception() is not None:
-                logger.warning("KV transfer of %s failed after its caller left: %s", rid, done.exception())
+                logger.info("KV transfer of %s ended without its caller: %s", rid, done.exception())
             self.runtime.loop.call(lambda e: self.state.release(e, rid))
         if transfer is None or transfer.done():
             release()

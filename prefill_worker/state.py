@@ -1,6 +1,10 @@
-"""The prefill worker's requests: queued for a batched prefill, first token out, KV held for shipping.
+"""The prefill worker's requests: queued for a batched prefill, launched (the KV can start
+shipping), first token out, KV held until the send has crossed.
 
-Methods whose first argument is ``engine`` run on the engine thread.
+Methods whose first argument is ``engine`` run on the engine thread, like ``on_launch`` and
+``on_step``. Once a request's prefill step is launched its blocks may be read by a KV send at
+any time, so from then on only the servicer frees them (``release``, after the send ended);
+``cancel`` then only ends the request's wait.
 """
 from __future__ import annotations
 
@@ -9,8 +13,10 @@ import time
 from dataclasses import dataclass
 
 from common.engine.llm_engine import LLMEngine, StepOutput
+from common.engine.model_runner import LaunchedStep
 from common.engine.sampling_params import SamplingParams
 from common.engine.sequence import FinishReason, Sequence
+from common.kv_transfer import FirstTokenRef
 
 
 class PrefillAborted(Exception):
@@ -30,10 +36,21 @@ class FirstTokenResult:
 
 
 @dataclass
+class LaunchedPrefill:
+    """A request's prefill step is on the device: what a KV send needs, snapshot on the engine
+    thread. ``kv_ready``: CUDA event after the step (None on CPU, where it is already done)."""
+    block_table: list[int]
+    kv_ready: object
+    first_token: FirstTokenRef
+
+
+@dataclass
 class Pending:
     seq: Sequence
     deadline: float | None
-    first: asyncio.Future
+    first: asyncio.Future       # -> FirstTokenResult, or PrefillAborted
+    launched: asyncio.Future    # -> LaunchedPrefill, or PrefillAborted if it ends before
+    is_launched: bool = False   # engine thread's view: its blocks may be read by a send
 
 
 class PrefillState:
@@ -42,19 +59,36 @@ class PrefillState:
         self.pending: dict[str, Pending] = {}   # waiting for the first token
 
     def start(self, engine: LLMEngine, request_id: str, token_ids: list[int], params: SamplingParams,
-              deadline: float | None, first: asyncio.Future) -> None:
+              deadline: float | None, first: asyncio.Future, launched: asyncio.Future) -> None:
         seq = engine.add_request(token_ids, params, request_id, prefill_only=True)
-        self.pending[request_id] = Pending(seq, deadline, first)
+        self.pending[request_id] = Pending(seq, deadline, first, launched)
 
-    def _resolve(self, p: Pending, result=None, error: BaseException | None = None) -> None:
+    def _set(self, future: asyncio.Future, result=None, error: BaseException | None = None) -> None:
         def set_() -> None:
-            if p.first.done():
+            if future.done():
                 return
             if error is not None:
-                p.first.set_exception(error)
+                future.set_exception(error)
+                future.exception()   # its Prefill call may be gone: not an unhandled error
             else:
-                p.first.set_result(result)
+                future.set_result(result)
         self.aio_loop.call_soon_threadsafe(set_)
+
+    def _resolve(self, p: Pending, result=None, error: BaseException | None = None) -> None:
+        self._set(p.first, result, error)
+        if error is not None:
+            self._set(p.launched, error=error)   # a no-op once launched
+
+    def on_launch(self, seqs: list[Sequence], launched: LaunchedStep) -> None:
+        """Engine hook: a prefill step was launched; its requests may start shipping."""
+        for row, seq in enumerate(seqs):
+            p = self.pending.get(seq.request_id)
+            if p is None or p.seq is not seq:
+                continue
+            self._set(p.launched, LaunchedPrefill(
+                list(seq.block_table), seq.kv_ready,
+                FirstTokenRef(launched.token_ids, launched.logprobs, row)))
+            p.is_launched = True
 
     def on_step(self, out: StepOutput) -> None:
         for seq in out.finished:
@@ -65,16 +99,19 @@ class PrefillState:
             self._resolve(p, FirstTokenResult(seq.last_token, logprob, seq.num_prefix_hit_tokens, seq.finish_reason))
 
     def cancel(self, engine: LLMEngine, request_id: str, reason: FinishReason = FinishReason.CANCELLED) -> bool:
-        """End a request before its first token; once its KV is held, ``release`` ends it."""
+        """End a request before its first token. Before its step is launched its blocks are
+        freed here; after, ``release`` frees them (a send may be reading them)."""
         p = self.pending.pop(request_id, None)
         if p is None:
             return False
-        engine.abort(request_id, reason)
+        if not p.is_launched:
+            engine.abort(request_id, reason)
         self._resolve(p, error=PrefillAborted(reason))
         return True
 
     def release(self, engine: LLMEngine, request_id: str) -> None:
-        """Free the blocks held for shipping (after the transfer, or when it failed)."""
+        """Free the request's blocks (after its KV send ended, or when none will run); a no-op
+        when they are already free."""
         engine.abort(request_id)
 
     def expire(self, engine: LLMEngine) -> None:

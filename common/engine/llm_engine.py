@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 from common.config import EngineConfig
 from common.engine import overlap
 from common.engine.block_manager import BlockManager
-from common.engine.model_runner import ModelRunner
+from common.engine.model_runner import LaunchedStep, ModelRunner
 from common.engine.sampling_params import InvalidParameter, SamplingParams
 from common.engine.scheduler import Scheduler, SchedulerConfig
 from common.engine.sequence import FinishReason, Sequence, SequenceStatus
@@ -68,6 +68,10 @@ class LLMEngine:
         self.overlap_enabled = self._overlap_enabled()
         self.requests: dict[str, Sequence] = {}   # queued, running or reserved
         self.held: dict[str, Sequence] = {}       # prefill-only, first token out, blocks kept
+        # Called on this thread right after a prefill step is launched (its KV and tokens
+        # still being computed on the device): ``(seqs, launched)``, row i of ``launched`` is
+        # ``seqs[i]``. A prefill worker starts shipping the KV from here.
+        self.on_prefill_launch: Callable[[list[Sequence], LaunchedStep], None] | None = None
 
     # ---- setup ------------------------------------------------------------------------
     def _max_model_len(self, num_blocks: int) -> int:
@@ -198,7 +202,10 @@ class LLMEngine:
             return out
         out.num_computed_tokens = (sum(s.num_tokens - s.num_cached_tokens for s in seqs)
                                    if is_prefill else len(seqs))
-        token_ids, logprobs = self.model_runner.run(seqs, is_prefill)
+        launched = self.model_runner.launch(seqs, is_prefill)
+        if is_prefill:
+            self.prefill_launched(seqs, launched)
+        token_ids, logprobs = launched.result()
         for seq in seqs:
             seq.num_cached_tokens = seq.num_tokens
         want = [s.sampling_params.logprobs for s in seqs]
@@ -207,13 +214,17 @@ class LLMEngine:
         out.seqs, out.new_token_ids = seqs, token_ids
         return out
 
+    def prefill_launched(self, seqs: list[Sequence], launched: LaunchedStep) -> None:
+        if self.on_prefill_launch is not None:
+            self.on_prefill_launch(seqs, launched)
+
     def _postprocess(self, seqs: list[Sequence], token_ids: list[int], logprobs) -> list[Sequence]:
         finished = []
         for i, (seq, token_id) in enumerate(zip(seqs, token_ids)):
             seq.append_token(token_id, logprobs[i] if logprobs is not None else None)
             reason = self.scheduler.stop_reason(seq)
-            if reason is None and seq.prefill_only:
-                self._hold(seq)
+            if seq.prefill_only:
+                self._hold(seq, reason)
                 finished.append(seq)
             elif reason is not None:
                 self.finish(seq, reason)
@@ -225,11 +236,13 @@ class LLMEngine:
         self.requests.pop(seq.request_id, None)
         self.model_runner.release(seq)
 
-    def _hold(self, seq: Sequence) -> None:
-        """A prefill-only sequence after its first token: out of the batch, blocks kept."""
+    def _hold(self, seq: Sequence, reason: FinishReason | None = None) -> None:
+        """A prefill-only sequence after its first token: out of the batch, blocks kept (also
+        when that token ends the request, ``reason``: a send of its KV may be reading them)."""
         if seq in self.scheduler.running:
             self.scheduler.running.remove(seq)
         seq.status = SequenceStatus.FINISHED
+        seq.finish_reason = reason
         self.requests.pop(seq.request_id, None)
         self.model_runner.release(seq)
         self.held[seq.request_id] = seq

@@ -57,6 +57,8 @@ def launch(engine, seqs: list[Sequence], is_prefill: bool, prev: PendingStep | N
         prev_tokens = prev.launched.token_ids
     computed = sum(s.num_tokens - s.num_cached_tokens for s in seqs) if is_prefill else len(seqs)
     launched = engine.model_runner.launch(seqs, is_prefill, src_rows, prev_tokens)
+    if is_prefill:
+        engine.prefill_launched(seqs, launched)
     positions = []
     for s in seqs:
         s.num_cached_tokens = s.num_tokens
@@ -100,13 +102,13 @@ def resolve(engine, step: PendingStep, out) -> None:
         out.seqs.append(seq)
         out.new_token_ids.append(token)
         reason = sched.stop_reason_at(seq, token, pos + 1)
-        if reason is not None:
+        if seq.prefill_only:                           # first token out: keep the blocks, stop
+            engine._hold(seq, reason)
+            out.finished.append(seq)
+        elif reason is not None:
             del seq.token_ids[pos + 1:]                # a speculative next placeholder, if any
             seq.last_token = token
             engine.finish(seq, reason)
-            out.finished.append(seq)
-        elif seq.prefill_only:                         # first token out: keep the blocks, stop
-            engine._hold(seq)
             out.finished.append(seq)
         elif (pos + 1) % bm.block_size == 0 and pos + 1 < seq.num_tokens and seq.block_table:
             bm.register_block(seq, pos // bm.block_size)

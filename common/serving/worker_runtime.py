@@ -31,8 +31,12 @@ class WorkerRuntime:
         self.loop: EngineLoop | None = None
 
     async def start(self, on_step: Callable[[StepOutput], None],
-                    before_step: Callable[[LLMEngine], None] | None = None) -> None:
+                    before_step: Callable[[LLMEngine], None] | None = None,
+                    on_prefill_launch: Callable | None = None) -> None:
+        """Build the engine and start its thread. ``on_prefill_launch``: the engine's hook
+        after each prefill step is launched (``LLMEngine.on_prefill_launch``)."""
         self.engine = await asyncio.to_thread(LLMEngine, self.engine_config, None, self._on_kv_event)
+        self.engine.on_prefill_launch = on_prefill_launch
 
         def step_hook(out: StepOutput) -> None:
             on_step(out)

@@ -25,7 +25,7 @@ _sym_db = _symbol_database.Default()
 from pdserve.v1 import common_pb2 as pdserve_dot_v1_dot_common__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x17pdserve/v1/worker.proto\x12\npdserve.v1\x1a\x17pdserve/v1/common.proto\"\xa2\x01\n\x0eReserveRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\r\x12*\n\x06params\x18\x03 \x01(\x0b\x32\x1a.pdserve.v1.SamplingParams\x12\x10\n\x08lease_ms\x18\x04 \x01(\r\x12\x18\n\x10\x64\x65\x61\x64line_unix_ms\x18\x05 \x01(\x04\x12\x11\n\trouter_id\x18\x06 \x01(\t\"\x8b\x01\n\x0fReserveResponse\x12\x11\n\tblock_ids\x18\x01 \x03(\r\x12\x19\n\x11num_cached_tokens\x18\x02 \x01(\r\x12\x18\n\x10kv_store_address\x18\x03 \x01(\t\x12\x11\n\tworker_id\x18\x04 \x01(\t\x12\x1d\n\x15lease_expires_unix_ms\x18\x05 \x01(\x04\"\x84\x01\n\x08KvTarget\x12\x18\n\x10\x64\x65\x63ode_worker_id\x18\x01 \x01(\t\x12\x18\n\x10kv_store_address\x18\x02 \x01(\t\x12\x16\n\x0e\x64\x65\x63ode_address\x18\x03 \x01(\t\x12\x11\n\tblock_ids\x18\x04 \x03(\r\x12\x19\n\x11num_cached_tokens\x18\x05 \x01(\r\"\xa6\x01\n\x0ePrefillRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\r\x12*\n\x06params\x18\x03 \x01(\x0b\x32\x1a.pdserve.v1.SamplingParams\x12\x18\n\x10\x64\x65\x61\x64line_unix_ms\x18\x04 \x01(\x04\x12\'\n\tkv_target\x18\x05 \x01(\x0b\x32\x14.pdserve.v1.KvTarget\"{\n\nFirstToken\x12\x10\n\x08token_id\x18\x01 \x01(\r\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\x12\x19\n\x11num_cached_tokens\x18\x03 \x01(\r\x12/\n\rfinish_reason\x18\x04 \x01(\x0e\x32\x18.pdserve.v1.FinishReason\"F\n\x0cTransferDone\x12\r\n\x05\x62ytes\x18\x01 \x01(\x04\x12\x13\n\x0btransfer_ms\x18\x02 \x01(\x02\x12\x12\n\nnum_blocks\x18\x03 \x01(\r\"|\n\x0fPrefillResponse\x12-\n\x0b\x66irst_token\x18\x01 \x01(\x0b\x32\x16.pdserve.v1.FirstTokenH\x00\x12\x31\n\rtransfer_done\x18\x02 \x01(\x0b\x32\x18.pdserve.v1.TransferDoneH\x00\x42\x07\n\x05\x65vent\"\xc4\x01\n\rPushKVRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x19\n\x11prefill_worker_id\x18\x02 \x01(\t\x12\x15\n\rchannel_epoch\x18\x03 \x01(\x04\x12\x16\n\x0e\x66irst_token_id\x18\x04 \x01(\r\x12\x1b\n\x13\x66irst_token_logprob\x18\x05 \x01(\x02\x12\x12\n\nnum_blocks\x18\x06 \x01(\r\x12\x11\n\tblock_ids\x18\x07 \x03(\r\x12\x11\n\tnum_bytes\x18\x08 \x01(\x04\"\x10\n\x0ePushKVResponse\"\x8f\x01\n\rSubmitRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\r\x12*\n\x06params\x18\x03 \x01(\x0b\x32\x1a.pdserve.v1.SamplingParams\x12\x18\n\x10\x64\x65\x61\x64line_unix_ms\x18\x04 \x01(\x04\x12\x11\n\trouter_id\x18\x05 \x01(\t\"#\n\x0eSubmitResponse\x12\x11\n\tworker_id\x18\x01 \x01(\t\"%\n\x10SubscribeRequest\x12\x11\n\trouter_id\x18\x01 \x01(\t\"H\n\x0bStepOutputs\x12+\n\x07outputs\x18\x01 \x03(\x0b\x32\x1a.pdserve.v1.SequenceOutput\x12\x0c\n\x04step\x18\x02 \x01(\x04\"\xbf\x01\n\x0eSequenceOutput\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\r\x12\x10\n\x08logprobs\x18\x03 \x03(\x02\x12/\n\rfinish_reason\x18\x04 \x01(\x0e\x32\x18.pdserve.v1.FinishReason\x12\x19\n\x11num_prompt_tokens\x18\x05 \x01(\r\x12\x19\n\x11num_cached_tokens\x18\x06 \x01(\r\x12\r\n\x05\x65rror\x18\x07 \x01(\t\"#\n\rCancelRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\"\x1f\n\x0e\x43\x61ncelResponse\x12\r\n\x05\x66ound\x18\x01 \x01(\x08\"\x11\n\x0fGetStatsRequest\"\xf9\x02\n\x0bWorkerStats\x12\x17\n\x0fnum_free_blocks\x18\x01 \x01(\r\x12\x17\n\x0fnum_used_blocks\x18\x02 \x01(\r\x12\x18\n\x10num_total_blocks\x18\x03 \x01(\r\x12\x19\n\x11num_cached_blocks\x18\x04 \x01(\r\x12\x13\n\x0bnum_waiting\x18\x05 \x01(\r\x12\x13\n\x0bnum_running\x18\x06 \x01(\r\x12\x14\n\x0cnum_reserved\x18\x07 \x01(\r\x12\x1f\n\x17prefix_cache_hit_tokens\x18\x08 \x01(\x04\x12!\n\x19prefix_cache_query_tokens\x18\t \x01(\x04\x12\x17\n\x0fnum_preemptions\x18\n \x01(\x04\x12\x1e\n\x04role\x18\x0b \x01(\x0e\x32\x10.pdserve.v1.Role\x12\x11\n\tworker_id\x18\x0c \x01(\t\x12\x18\n\x10num_kv_transfers\x18\r \x01(\x04\x12\x19\n\x11kv_transfer_bytes\x18\x0e \x01(\x04\"\x11\n\x0fKvEventsRequest\"P\n\x08KvEvents\x12\x0e\n\x06stored\x18\x01 \x03(\x06\x12\x0f\n\x07\x65victed\x18\x02 \x03(\x06\x12\x10\n\x08snapshot\x18\x03 \x01(\x08\x12\x11\n\tworker_id\x18\x04 \x01(\t2\xa4\x04\n\x06Worker\x12\x42\n\x07Reserve\x12\x1a.pdserve.v1.ReserveRequest\x1a\x1b.pdserve.v1.ReserveResponse\x12\x44\n\x07Prefill\x12\x1a.pdserve.v1.PrefillRequest\x1a\x1b.pdserve.v1.PrefillResponse0\x01\x12?\n\x06PushKV\x12\x19.pdserve.v1.PushKVRequest\x1a\x1a.pdserve.v1.PushKVResponse\x12?\n\x06Submit\x12\x19.pdserve.v1.SubmitRequest\x1a\x1a.pdserve.v1.SubmitResponse\x12\x44\n\tSubscribe\x12\x1c.pdserve.v1.SubscribeRequest\x1a\x17.pdserve.v1.StepOutputs0\x01\x12?\n\x06\x43\x61ncel\x12\x19.pdserve.v1.CancelRequest\x1a\x1a.pdserve.v1.CancelResponse\x12@\n\x08GetStats\x12\x1b.pdserve.v1.GetStatsRequest\x1a\x17.pdserve.v1.WorkerStats\x12\x45\n\x0eStreamKvEvents\x12\x1b.pdserve.v1.KvEventsRequest\x1a\x14.pdserve.v1.KvEvents0\x01\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x17pdserve/v1/worker.proto\x12\npdserve.v1\x1a\x17pdserve/v1/common.proto\"\xa2\x01\n\x0eReserveRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\r\x12*\n\x06params\x18\x03 \x01(\x0b\x32\x1a.pdserve.v1.SamplingParams\x12\x10\n\x08lease_ms\x18\x04 \x01(\r\x12\x18\n\x10\x64\x65\x61\x64line_unix_ms\x18\x05 \x01(\x04\x12\x11\n\trouter_id\x18\x06 \x01(\t\"\x8b\x01\n\x0fReserveResponse\x12\x11\n\tblock_ids\x18\x01 \x03(\r\x12\x19\n\x11num_cached_tokens\x18\x02 \x01(\r\x12\x18\n\x10kv_store_address\x18\x03 \x01(\t\x12\x11\n\tworker_id\x18\x04 \x01(\t\x12\x1d\n\x15lease_expires_unix_ms\x18\x05 \x01(\x04\"\x84\x01\n\x08KvTarget\x12\x18\n\x10\x64\x65\x63ode_worker_id\x18\x01 \x01(\t\x12\x18\n\x10kv_store_address\x18\x02 \x01(\t\x12\x16\n\x0e\x64\x65\x63ode_address\x18\x03 \x01(\t\x12\x11\n\tblock_ids\x18\x04 \x03(\r\x12\x19\n\x11num_cached_tokens\x18\x05 \x01(\r\"\xa6\x01\n\x0ePrefillRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\r\x12*\n\x06params\x18\x03 \x01(\x0b\x32\x1a.pdserve.v1.SamplingParams\x12\x18\n\x10\x64\x65\x61\x64line_unix_ms\x18\x04 \x01(\x04\x12\'\n\tkv_target\x18\x05 \x01(\x0b\x32\x14.pdserve.v1.KvTarget\"{\n\nFirstToken\x12\x10\n\x08token_id\x18\x01 \x01(\r\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\x12\x19\n\x11num_cached_tokens\x18\x03 \x01(\r\x12/\n\rfinish_reason\x18\x04 \x01(\x0e\x32\x18.pdserve.v1.FinishReason\"F\n\x0cTransferDone\x12\r\n\x05\x62ytes\x18\x01 \x01(\x04\x12\x13\n\x0btransfer_ms\x18\x02 \x01(\x02\x12\x12\n\nnum_blocks\x18\x03 \x01(\r\"|\n\x0fPrefillResponse\x12-\n\x0b\x66irst_token\x18\x01 \x01(\x0b\x32\x16.pdserve.v1.FirstTokenH\x00\x12\x31\n\rtransfer_done\x18\x02 \x01(\x0b\x32\x18.pdserve.v1.TransferDoneH\x00\x42\x07\n\x05\x65vent\"\xe4\x01\n\rPushKVRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x19\n\x11prefill_worker_id\x18\x02 \x01(\t\x12\x15\n\rchannel_epoch\x18\x03 \x01(\x04\x12\x16\n\x0e\x66irst_token_id\x18\x04 \x01(\r\x12\x1b\n\x13\x66irst_token_logprob\x18\x05 \x01(\x02\x12\x12\n\nnum_blocks\x18\x06 \x01(\r\x12\x11\n\tblock_ids\x18\x07 \x03(\r\x12\x11\n\tnum_bytes\x18\x08 \x01(\x04\x12\x1e\n\x16\x66irst_token_on_channel\x18\t \x01(\x08\"\x10\n\x0ePushKVResponse\"\x8f\x01\n\rSubmitRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\r\x12*\n\x06params\x18\x03 \x01(\x0b\x32\x1a.pdserve.v1.SamplingParams\x12\x18\n\x10\x64\x65\x61\x64line_unix_ms\x18\x04 \x01(\x04\x12\x11\n\trouter_id\x18\x05 \x01(\t\"#\n\x0eSubmitResponse\x12\x11\n\tworker_id\x18\x01 \x01(\t\"%\n\x10SubscribeRequest\x12\x11\n\trouter_id\x18\x01 \x01(\t\"H\n\x0bStepOutputs\x12+\n\x07outputs\x18\x01 \x03(\x0b\x32\x1a.pdserve.v1.SequenceOutput\x12\x0c\n\x04step\x18\x02 \x01(\x04\"\xbf\x01\n\x0eSequenceOutput\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\r\x12\x10\n\x08logprobs\x18\x03 \x03(\x02\x12/\n\rfinish_reason\x18\x04 \x01(\x0e\x32\x18.pdserve.v1.FinishReason\x12\x19\n\x11num_prompt_tokens\x18\x05 \x01(\r\x12\x19\n\x11num_cached_tokens\x18\x06 \x01(\r\x12\r\n\x05\x65rror\x18\x07 \x01(\t\"#\n\rCancelRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\"\x1f\n\x0e\x43\x61ncelResponse\x12\r\n\x05\x66ound\x18\x01 \x01(\x08\"\x11\n\x0fGetStatsRequest\"\xf9\x02\n\x0bWorkerStats\x12\x17\n\x0fnum_free_blocks\x18\x01 \x01(\r\x12\x17\n\x0fnum_used_blocks\x18\x02 \x01(\r\x12\x18\n\x10num_total_blocks\x18\x03 \x01(\r\x12\x19\n\x11num_cached_blocks\x18\x04 \x01(\r\x12\x13\n\x0bnum_waiting\x18\x05 \x01(\r\x12\x13\n\x0bnum_running\x18\x06 \x01(\r\x12\x14\n\x0cnum_reserved\x18\x07 \x01(\r\x12\x1f\n\x17prefix_cache_hit_tokens\x18\x08 \x01(\x04\x12!\n\x19prefix_cache_query_tokens\x18\t \x01(\x04\x12\x17\n\x0fnum_preemptions\x18\n \x01(\x04\x12\x1e\n\x04role\x18\x0b \x01(\x0e\x32\x10.pdserve.v1.Role\x12\x11\n\tworker_id\x18\x0c \x01(\t\x12\x18\n\x10num_kv_transfers\x18\r \x01(\x04\x12\x19\n\x11kv_transfer_bytes\x18\x0e \x01(\x04\"\x11\n\x0fKvEventsRequest\"P\n\x08KvEvents\x12\x0e\n\x06stored\x18\x01 \x03(\x06\x12\x0f\n\x07\x65victed\x18\x02 \x03(\x06\x12\x10\n\x08snapshot\x18\x03 \x01(\x08\x12\x11\n\tworker_id\x18\x04 \x01(\t2\xa4\x04\n\x06Worker\x12\x42\n\x07Reserve\x12\x1a.pdserve.v1.ReserveRequest\x1a\x1b.pdserve.v1.ReserveResponse\x12\x44\n\x07Prefill\x12\x1a.pdserve.v1.PrefillRequest\x1a\x1b.pdserve.v1.PrefillResponse0\x01\x12?\n\x06PushKV\x12\x19.pdserve.v1.PushKVRequest\x1a\x1a.pdserve.v1.PushKVResponse\x12?\n\x06Submit\x12\x19.pdserve.v1.SubmitRequest\x1a\x1a.pdserve.v1.SubmitResponse\x12\x44\n\tSubscribe\x12\x1c.pdserve.v1.SubscribeRequest\x1a\x17.pdserve.v1.StepOutputs0\x01\x12?\n\x06\x43\x61ncel\x12\x19.pdserve.v1.CancelRequest\x1a\x1a.pdserve.v1.CancelResponse\x12@\n\x08GetStats\x12\x1b.pdserve.v1.GetStatsRequest\x1a\x17.pdserve.v1.WorkerStats\x12\x45\n\x0eStreamKvEvents\x12\x1b.pdserve.v1.KvEventsRequest\x1a\x14.pdserve.v1.KvEvents0\x01\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -47,31 +47,31 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_PREFILLRESPONSE']._serialized_start=872
   _globals['_PREFILLRESPONSE']._serialized_end=996
   _globals['_PUSHKVREQUEST']._serialized_start=999
-  _globals['_PUSHKVREQUEST']._serialized_end=1195
-  _globals['_PUSHKVRESPONSE']._serialized_start=1197
-  _globals['_PUSHKVRESPONSE']._serialized_end=1213
-  _globals['_SUBMITREQUEST']._serialized_start=1216
-  _globals['_SUBMITREQUEST']._serialized_end=1359
-  _globals['_SUBMITRESPONSE']._serialized_start=1361
-  _globals['_SUBMITRESPONSE']._serialized_end=1396
-  _globals['_SUBSCRIBEREQUEST']._serialized_start=1398
-  _globals['_SUBSCRIBEREQUEST']._serialized_end=1435
-  _globals['_STEPOUTPUTS']._serialized_start=1437
-  _globals['_STEPOUTPUTS']._serialized_end=1509
-  _globals['_SEQUENCEOUTPUT']._serialized_start=1512
-  _globals['_SEQUENCEOUTPUT']._serialized_end=1703
-  _globals['_CANCELREQUEST']._serialized_start=1705
-  _globals['_CANCELREQUEST']._serialized_end=1740
-  _globals['_CANCELRESPONSE']._serialized_start=1742
-  _globals['_CANCELRESPONSE']._serialized_end=1773
-  _globals['_GETSTATSREQUEST']._serialized_start=1775
-  _globals['_GETSTATSREQUEST']._serialized_end=1792
-  _globals['_WORKERSTATS']._serialized_start=1795
-  _globals['_WORKERSTATS']._serialized_end=2172
-  _globals['_KVEVENTSREQUEST']._serialized_start=2174
-  _globals['_KVEVENTSREQUEST']._serialized_end=2191
-  _globals['_KVEVENTS']._serialized_start=2193
-  _globals['_KVEVENTS']._serialized_end=2273
-  _globals['_WORKER']._serialized_start=2276
-  _globals['_WORKER']._serialized_end=2824
+  _globals['_PUSHKVREQUEST']._serialized_end=1227
+  _globals['_PUSHKVRESPONSE']._serialized_start=1229
+  _globals['_PUSHKVRESPONSE']._serialized_end=1245
+  _globals['_SUBMITREQUEST']._serialized_start=1248
+  _globals['_SUBMITREQUEST']._serialized_end=1391
+  _globals['_SUBMITRESPONSE']._serialized_start=1393
+  _globals['_SUBMITRESPONSE']._serialized_end=1428
+  _globals['_SUBSCRIBEREQUEST']._serialized_start=1430
+  _globals['_SUBSCRIBEREQUEST']._serialized_end=1467
+  _globals['_STEPOUTPUTS']._serialized_start=1469
+  _globals['_STEPOUTPUTS']._serialized_end=1541
+  _globals['_SEQUENCEOUTPUT']._serialized_start=1544
+  _globals['_SEQUENCEOUTPUT']._serialized_end=1735
+  _globals['_CANCELREQUEST']._serialized_start=1737
+  _globals['_CANCELREQUEST']._serialized_end=1772
+  _globals['_CANCELRESPONSE']._serialized_start=1774
+  _globals['_CANCELRESPONSE']._serialized_end=1805
+  _globals['_GETSTATSREQUEST']._serialized_start=1807
+  _globals['_GETSTATSREQUEST']._serialized_end=1824
+  _globals['_WORKERSTATS']._serialized_start=1827
+  _globals['_WORKERSTATS']._serialized_end=2204
+  _globals['_KVEVENTSREQUEST']._serialized_start=2206
+  _globals['_KVEVENTSREQUEST']._serialized_end=2223
+  _globals['_KVEVENTS']._serialized_start=2225
+  _globals['_KVEVENTS']._serialized_end=2305
+  _globals['_WORKER']._serialized_start=2308
+  _globals['_WORKER']._serialized_end=2856
 # @@protoc_insertion_point(module_scope)

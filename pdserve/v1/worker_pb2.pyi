@@ -96,7 +96,7 @@ class PrefillResponse(_message.Message):
     def __init__(self, first_token: _Optional[_Union[FirstToken, _Mapping]] = ..., transfer_done: _Optional[_Union[TransferDone, _Mapping]] = ...) -> None: ...
 
 class PushKVRequest(_message.Message):
-    __slots__ = ("request_id", "prefill_worker_id", "channel_epoch", "first_token_id", "first_token_logprob", "num_blocks", "block_ids", "num_bytes")
+    __slots__ = ("request_id", "prefill_worker_id", "channel_epoch", "first_token_id", "first_token_logprob", "num_blocks", "block_ids", "num_bytes", "first_token_on_channel")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     PREFILL_WORKER_ID_FIELD_NUMBER: _ClassVar[int]
     CHANNEL_EPOCH_FIELD_NUMBER: _ClassVar[int]
@@ -105,6 +105,7 @@ class PushKVRequest(_message.Message):
     NUM_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     BLOCK_IDS_FIELD_NUMBER: _ClassVar[int]
     NUM_BYTES_FIELD_NUMBER: _ClassVar[int]
+    FIRST_TOKEN_ON_CHANNEL_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     prefill_worker_id: str
     channel_epoch: int
@@ -113,7 +114,8 @@ class PushKVRequest(_message.Message):
     num_blocks: int
     block_ids: _containers.RepeatedScalarFieldContainer[int]
     num_bytes: int
-    def __init__(self, request_id: _Optional[str] = ..., prefill_worker_id: _Optional[str] = ..., channel_epoch: _Optional[int] = ..., first_token_id: _Optional[int] = ..., first_token_logprob: _Optional[float] = ..., num_blocks: _Optional[int] = ..., block_ids: _Optional[_Iterable[int]] = ..., num_bytes: _Optional[int] = ...) -> None: ...
+    first_token_on_channel: bool
+    def __init__(self, request_id: _Optional[str] = ..., prefill_worker_id: _Optional[str] = ..., channel_epoch: _Optional[int] = ..., first_token_id: _Optional[int] = ..., first_token_logprob: _Optional[float] = ..., num_blocks: _Optional[int] = ..., block_ids: _Optional[_Iterable[int]] = ..., num_bytes: _Optional[int] = ..., first_token_on_channel: _Optional[bool] = ...) -> None: ...
 
 class PushKVResponse(_message.Message):
     __slots__ = ()

@@ -13,7 +13,7 @@ import grpc
 import pytest
 
 from common.engine import LLM, SamplingParams
-from pdserve.v1 import common_pb2, router_pb2
+from pdserve.v1 import common_pb2, router_pb2, worker_pb2, worker_pb2_grpc
 from bench import deployment as services
 
 MAX_TOKENS = 20
@@ -60,9 +60,13 @@ def _request(tokens: list[int], max_tokens: int = MAX_TOKENS) -> router_pb2.Gene
 
 
 def _stream(dep, tokens: list[int]) -> tuple[list[int], router_pb2.GenerateResponse, int]:
+    return _stream_max(dep, tokens, MAX_TOKENS)
+
+
+def _stream_max(dep, tokens: list[int], max_tokens: int) -> tuple[list[int], router_pb2.GenerateResponse, int]:
     stub = dep.router_stub()
     ids, last, messages = [], None, 0
-    for msg in stub.Generate(_request(tokens), timeout=180):
+    for msg in stub.Generate(_request(tokens, max_tokens), timeout=180):
         ids.extend(msg.token_ids)
         last, messages = msg, messages + 1
     return ids, last, messages
@@ -103,6 +107,33 @@ def test_deadline_frees_blocks(deployment, prompts):
             pass
     assert e.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
     deployment.wait_whole(deployment.decode[0])
+    deployment.wait_whole(deployment.prefill[0])
+
+
+def test_first_token_that_ends_the_request_frees_both_pools(deployment, prompts, expected):
+    """max_tokens 1: the prefill worker's token ends the request while its KV is already on
+    its way (the send starts at the step's launch); both pools end whole."""
+    ids, last, _ = _stream_max(deployment, prompts[3], 1)
+    assert ids == expected[3][:1] and last.finish_reason == common_pb2.FINISH_REASON_LENGTH
+    deployment.wait_whole(deployment.decode[0])
+    deployment.wait_whole(deployment.prefill[0])
+
+
+def test_prefill_refuses_a_kv_target_with_nothing_to_ship(deployment, prompts):
+    """A decode worker's cached prefix never covers the last prompt token: a KvTarget that says
+    so is INVALID_ARGUMENT, named, and nothing is left allocated."""
+    tokens = prompts[4]
+    blocks = -(-len(tokens) // 16)
+    target = worker_pb2.KvTarget(decode_worker_id="d", kv_store_address="127.0.0.1:1",
+                                 decode_address="127.0.0.1:1", block_ids=list(range(blocks)),
+                                 num_cached_tokens=blocks * 16)
+    with grpc.insecure_channel(deployment.prefill[0]) as ch:
+        stub = worker_pb2_grpc.WorkerStub(ch)
+        with pytest.raises(grpc.RpcError) as e:
+            list(stub.Prefill(worker_pb2.PrefillRequest(request_id="bad-target", token_ids=tokens,
+                                                        kv_target=target), timeout=30))
+    assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert "kv_target.num_cached_tokens" in e.value.details()
     deployment.wait_whole(deployment.prefill[0])
 
 

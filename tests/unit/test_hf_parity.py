@@ -95,6 +95,30 @@ def test_overlapped_prefill_only_holds_blocks_after_the_first_token(checkpoint):
     assert eng.block_manager.is_whole()
 
 
+@pytest.mark.parametrize("overlap", [False, True])
+def test_prefill_launch_hook_and_first_token_that_ends_the_request(checkpoint, overlap):
+    """The engine calls ``on_prefill_launch`` once per prefill step, before the tokens are read,
+    with the rows of its launched tokens; a prefill-only request whose first token ends it
+    (max_tokens 1) still keeps its blocks (a KV send may be reading them) until released."""
+    path, prompts, expected = checkpoint
+    llm = LLM(str(path), device="cpu", dtype="float32", block_size=16, num_kv_blocks=256, async_scheduling=overlap)
+    eng = llm.engine
+    seen = []
+    eng.on_prefill_launch = lambda seqs, launched: seen.append(
+        [(s.request_id, int(launched.token_ids[i])) for i, s in enumerate(seqs)])
+    params = SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True)
+    seqs = [eng.add_request(p, params, prefill_only=True) for p in prompts]
+    while eng.has_unfinished():
+        eng.step()
+    launched = {rid: tok for step in seen for rid, tok in step}
+    assert launched == {s.request_id: exp[0] for s, exp in zip(seqs, expected)}
+    assert set(eng.held) == {s.request_id for s in seqs}
+    assert all(s.finish_reason is not None and s.block_table for s in seqs)
+    for seq in seqs:
+        eng.release_held(seq)
+    assert eng.block_manager.is_whole()
+
+
 def test_overlapped_decode_stops_on_eos_one_step_late_without_extra_tokens(checkpoint):
     """With overlap, a sequence that stops on a token value gets no extra token and frees its blocks."""
     path, prompts, expected = checkpoint
