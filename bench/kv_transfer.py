@@ -13,8 +13,8 @@ Measured, per request size (tokens):
   median over the trials, for scattered block ids (gather + send + recv + scatter) and for
   contiguous ids on both sides (sent from and received into the pool directly);
 * the sender's own wall time (``send_blocks``);
-* "ahead" (CUDA; what a prefill worker does): the send, with the first-token message after
-  the blocks, is enqueued while the prefill step still runs (played by a ``torch.cuda._sleep``
+* "ahead" (CUDA; what a prefill worker does): the send, with the first token at the end of
+  the last message, is enqueued while the prefill step still runs (played by a ``torch.cuda._sleep``
   on the sender's stream, ``--ahead-cycles``), ordered on the GPU after that step's event, with
   the receive posted before; the interval is from that event firing (seen by the sender's host
   polling it) to the scatter complete on the receiver (its host polling the event), scattered
@@ -630,7 +630,7 @@ def main(argv=None) -> int:
                   "synchronised), perf_counter on one host; median over trials; scattered = "
                   "random non-contiguous block ids on both sides (gather + send + recv + "
                   "scatter), contiguous = block ranges sent from and received into the pool "
-                  "directly. ahead = the send (blocks + first-token message) enqueued while a "
+                  "directly. ahead = the send (blocks, the first token at the end) enqueued while a "
                   "stand-in prefill step still runs, ordered after its event, the receive "
                   "posted before; time from that event firing (polled by the sender's host) "
                   "to the scatter event complete (polled by the receiver's host), scattered "

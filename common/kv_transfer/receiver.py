@@ -190,8 +190,8 @@ class KvReceiver:
 
     def post(self, prefill_worker_id: str, epoch: int, block_ids: BlockIds, *,
              with_first_token: bool = False) -> Future:
-        """Post the receive announced by one PushKV (``with_first_token``: the first-token
-        message follows the blocks). Raises ``KvTransferError`` at once (so PushKV can answer
+        """Post the receive announced by one PushKV (``with_first_token``: the first token's
+        8 bytes end the last message). Raises ``KvTransferError`` at once (so PushKV can answer
         an error and nothing is sent) when the epoch is older than one already posted, or is
         known broken here, or the block ids are bad."""
         epoch = int(epoch)

@@ -99,8 +99,8 @@ class KvSender:
                     ready_event: "torch.cuda.Event | None" = None,
                     first_token: FirstTokenRef | None = None) -> tuple[int, float]:
         """Send blocks ``block_ids`` of ``kv_cache`` (in that order) to the decode worker,
-        whose matching receive was posted by a PushKV with ``epoch``; then, if given, the
-        ``first_token`` message (the receive must have been posted ``with_first_token``).
+        whose matching receive was posted by a PushKV with ``epoch``; ``first_token``'s 8 bytes,
+        if given, end the last message (the receive must have been posted ``with_first_token``).
 
         CUDA: the gather waits for ``ready_event`` if given, else for the calling thread's
         current stream (where the KV was written). The call may come before that event has

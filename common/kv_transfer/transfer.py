@@ -13,10 +13,12 @@ is sent from / received into the pool directly; other blocks go through a stagin
 (``gather_blocks`` / ``scatter_blocks``), double-buffered so that the gather (scatter) of one
 chunk overlaps the transfer of the next (previous) one.
 
-The first token may follow the blocks as one more message of 8 bytes (``int32`` token id,
-``float32`` log-probability): a prefill worker then starts the transfer as soon as its prefill
-step is launched, before the token exists on the host (the send is ordered after the step on
-the GPU), and the decode worker learns the token from the channel.
+The first token may ride along: 8 bytes (``int32`` token id, ``float32`` log-probability)
+appended to the last message, which both sides then stage even when its blocks are
+consecutive (one more NCCL operation would cost ~0.05-0.1 ms of start-up; a staged copy of one
+chunk costs less). A prefill worker thus starts the transfer as soon as its prefill step is
+launched, before the token exists on the host (the send is ordered after the step on the GPU),
+and the decode worker learns the token from the channel.
 
 Epochs: each (prefill, decode) pair has a current epoch, chosen by the prefill worker and
 carried in PushKV. Any failure of a send makes the prefill worker bump its epoch; a post with a
@@ -71,8 +73,16 @@ def parse_first_token(msg: torch.Tensor) -> tuple[int, float]:
 
 
 # ============================================================================ data path
-def _staging(slots: list, slot: int, n: int, kv_cache: torch.Tensor) -> torch.Tensor:
-    need = n * kv_cache[0].numel()
+_TOKEN_BYTES = 8
+
+
+def _trailer_elems(kv_cache: torch.Tensor) -> int:
+    """Pool elements that hold the 8 first-token bytes at the end of a message."""
+    return -(-_TOKEN_BYTES // kv_cache.element_size())
+
+
+def _staging(slots: list, slot: int, n: int, kv_cache: torch.Tensor, extra: int = 0) -> torch.Tensor:
+    need = n * kv_cache[0].numel() + extra
     buf = slots[slot]
     if buf is None or buf.numel() < need:
         buf = torch.empty(need, dtype=kv_cache.dtype, device=kv_cache.device)
@@ -86,9 +96,9 @@ def _send_blocks_on(ch: PairChannel, kv_cache: torch.Tensor, ids: list[int],
                     staging: list | None = None,
                     first_token: FirstTokenRef | None = None,
                     direct_block_bytes: int = DEFAULT_DIRECT_BLOCK_BYTES) -> int:
-    """Send the blocks ``ids`` of ``kv_cache`` (then ``first_token``'s message, if given) over
-    ``ch``; returns once all has crossed. ``staging``: two reusable buffer slots (CPU; on CUDA
-    the caching allocator reuses)."""
+    """Send the blocks ``ids`` of ``kv_cache`` (with ``first_token``'s 8 bytes at the end of the
+    last message, if given) over ``ch``; returns once all has crossed. ``staging``: two reusable
+    buffer slots (CPU; on CUDA the caching allocator reuses)."""
     block_bytes = bytes_per_block(kv_cache)
     chunks = plan_chunks(len(ids), block_bytes, max_message_bytes, direct_block_bytes)
     stream = ch.stream
@@ -106,18 +116,22 @@ def _send_blocks_on(ch: PairChannel, kv_cache: torch.Tensor, ids: list[int],
         for i, (s, e) in enumerate(chunks):
             sub = ids[s:e]
             slot = i % 2
+            token = first_token if i == len(chunks) - 1 else None
             rng = contiguous_range(sub)
-            if rng is not None:
+            if rng is not None and token is None:
                 ops.append(ch.isend(kv_cache[rng[0]:rng[1]], tag=i))
                 continue
             if last[slot] is not None:  # the buffer is free once its last send is done
                 ch.wait(last[slot], deadline)
-            buf = _staging(slots, slot, len(sub), kv_cache)
-            msg = gather_blocks(kv_cache, sub, out=buf, stream=stream)
+            extra = _trailer_elems(kv_cache) if token is not None else 0
+            buf = _staging(slots, slot, len(sub), kv_cache, extra)
+            gather_blocks(kv_cache, sub, out=buf, stream=stream)
+            need = len(sub) * kv_cache[0].numel()
+            msg = buf[:need + extra]
+            if token is not None:
+                msg[need:].view(torch.uint8)[:_TOKEN_BYTES].copy_(token.message().view(torch.uint8))
             last[slot] = ch.isend(msg, tag=i)
             ops.append(last[slot])
-        if first_token is not None:
-            ops.append(ch.isend(first_token.message(), tag=len(chunks)))
         ch.synchronize(ops, deadline)
     return len(ids) * block_bytes
 
@@ -127,27 +141,31 @@ def _recv_blocks_on(ch: PairChannel, kv_cache: torch.Tensor, ids: list[int],
                     staging: list | None = None, with_first_token: bool = False,
                     direct_block_bytes: int = DEFAULT_DIRECT_BLOCK_BYTES,
                     ) -> tuple[int, tuple[int, float] | None]:
-    """Receive the blocks ``ids`` of ``kv_cache`` over ``ch`` and scatter them into the pool,
-    then (``with_first_token``) the first-token message. Returns ``(num_bytes, (token id,
-    logprob) or None)``. On return the data has landed (CPU) or the scatter is enqueued on
-    ``ch.stream`` after the completed receive (CUDA)."""
+    """Receive the blocks ``ids`` of ``kv_cache`` over ``ch`` and scatter them into the pool
+    (``with_first_token``: the last message also carries the first token's 8 bytes). Returns
+    ``(num_bytes, (token id, logprob) or None)``. On return the data has landed (CPU) or the
+    scatter is enqueued on ``ch.stream`` after the completed receive (CUDA)."""
     block_bytes = bytes_per_block(kv_cache)
     chunks = plan_chunks(len(ids), block_bytes, max_message_bytes, direct_block_bytes)
     stream = ch.stream
     slots: list = staging if staging is not None else [None, None]
     posted: list = [None] * len(chunks)   # (work, buffer or None)
 
+    extra = _trailer_elems(kv_cache) if with_first_token else 0
+
     def post(i: int) -> None:
         s, e = chunks[i]
         sub = ids[s:e]
         rng = contiguous_range(sub)
-        if rng is not None:
+        trailer = extra if i == len(chunks) - 1 else 0
+        if rng is not None and not trailer:
             posted[i] = (ch.irecv(kv_cache[rng[0]:rng[1]], tag=i), None)
         else:
-            buf = _staging(slots, i % 2, len(sub), kv_cache)
-            view = buf[:len(sub) * kv_cache[0].numel()]
+            buf = _staging(slots, i % 2, len(sub), kv_cache, trailer)
+            view = buf[:len(sub) * kv_cache[0].numel() + trailer]
             posted[i] = (ch.irecv(view, tag=i), view)
 
+    token_msg = None
     ctx = torch.cuda.stream(stream) if stream is not None else _Null()
     with ctx:
         for i in range(min(2, len(chunks))):
@@ -156,15 +174,13 @@ def _recv_blocks_on(ch: PairChannel, kv_cache: torch.Tensor, ids: list[int],
             work, view = posted[i]
             ch.wait(work, deadline)
             if view is not None:
-                scatter_blocks(kv_cache, ids[s:e], view, stream=stream)
+                need = (e - s) * kv_cache[0].numel()
+                scatter_blocks(kv_cache, ids[s:e], view[:need], stream=stream)
+                if extra and i == len(chunks) - 1:
+                    token_msg = view[need:].view(torch.uint8)[:_TOKEN_BYTES].clone().view(torch.int32)
             if i + 2 < len(chunks):
                 post(i + 2)   # reuses slot i % 2: ordered after the scatter above
-        works = [p[0] for p in posted]
-        token_msg = None
-        if with_first_token:
-            token_msg = torch.zeros(2, dtype=torch.int32, device=kv_cache.device)
-            works.append(ch.irecv(token_msg, tag=len(chunks)))
-        ch.synchronize(works, deadline)
+        ch.synchronize([p[0] for p in posted], deadline)
         first = parse_first_token(token_msg) if token_msg is not None else None
     return len(ids) * block_bytes, first
 

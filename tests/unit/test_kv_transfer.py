@@ -456,25 +456,31 @@ def test_first_token_message_round_trip():
     assert parse_first_token(FirstTokenRef(ids, None, 2).message()) == (7, 0.0)
 
 
-def test_in_process_first_token_and_direct_blocks():
-    """The first token follows the blocks on the channel; blocks above the direct threshold go
-    pool to pool, one message each (Gloo over loopback, two threads)."""
+@pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
+@pytest.mark.parametrize("case", ["direct", "staged", "contiguous", "chunked"])
+def test_in_process_first_token_rides_in_the_last_message(case, dtype):
+    """The first token's 8 bytes end the last message, whatever path the blocks take: one
+    message per large block pool to pool, one staged message, consecutive ids on both sides,
+    several chunks (Gloo over loopback, two threads)."""
     from common.kv_transfer import FirstTokenRef
-    g = torch.Generator().manual_seed(5)
-    src = torch.randn(NUM_BLOCKS, *GEOM, generator=g).to(torch.bfloat16)
-    dst = torch.full_like(src, POISON)
+    src = _source_pool(5, dtype)
+    dst = _poisoned_pool(dtype)
     bb = bytes_per_block(src)
+    direct = bb if case == "direct" else 1 << 40
+    max_msg = 2 * bb if case == "chunked" else 1 << 40
+    src_ids, dst_ids = {"direct": ([4, 9, 0], [2, 17, 11]), "staged": ([4, 9, 0], [2, 17, 11]),
+                        "contiguous": ([5, 6, 7], [12, 13, 14]),
+                        "chunked": ([3, 8, 1, 20, 21], [0, 9, 10, 4, 16])}[case]
     with KvStoreServer("127.0.0.1", 0) as server:
-        recv = KvReceiver(dst, "d", server, timeout=10, direct_block_bytes=bb)
-        sender = KvSender("p", timeout=10, direct_block_bytes=bb, first_epoch=1)
-        src_ids, dst_ids = [4, 9, 0], [2, 17, 11]
+        recv = KvReceiver(dst, "d", server, timeout=10, direct_block_bytes=direct, max_message_bytes=max_msg)
+        sender = KvSender("p", timeout=10, direct_block_bytes=direct, max_message_bytes=max_msg, first_epoch=1)
         with pytest.raises(KvTransferError):
             recv.post("p", 1, [], with_first_token=True)
         fut = recv.post("p", 1, dst_ids, with_first_token=True)
         token = FirstTokenRef(torch.tensor([3, 42]), torch.tensor([-0.1, -2.5]), 1)
         nbytes, _ = sender.send_blocks("d", server.address, 1, src, src_ids, first_token=token)
         got = fut.result(timeout=10)
-        assert got.num_bytes == nbytes == 3 * bb and got.first_token == (42, -2.5)
+        assert got.num_bytes == nbytes == len(src_ids) * bb and got.first_token == (42, -2.5)
         assert _check_landed(dst, src, src_ids, dst_ids, set(dst_ids)) == []
         with pytest.raises(KvTransferError):   # a first token needs a block to follow
             sender.send_blocks("d", server.address, 1, src, [], first_token=token)
