@@ -197,8 +197,7 @@ def decode_proc(args: dict, sched: dict, addr_q, go_q, t_q, res_q) -> None:
         pool = torch.empty(args["num_blocks"], *_geom(args), dtype=dt, device=dev)
         _bits(pool).fill_(POISON_BITS if pool.element_size() == 2 else 0x40E00000)
         recv = KvReceiver(pool, DECODE_ID, server, timeout=args["timeout"],
-                          max_message_bytes=args["max_message_bytes"],
-                          direct_block_bytes=args["direct_block_bytes"])
+                          max_message_bytes=args["max_message_bytes"])
         expected = _verify_data(args, args["verify_blocks"]).to(dev)
         poison_block = pool[0].clone()
         kind, epoch = t_q.get(timeout=WAIT)
@@ -323,8 +322,7 @@ def prefill_proc(args: dict, sched: dict | None, addr_q, go_q, t_q, res_q,
         pool[:args["verify_blocks"]] = _verify_data(args, args["verify_blocks"]).to(dev)
         _sync(dev)
         sender = KvSender(PREFILL_ID, timeout=args["timeout"],
-                          max_message_bytes=args["max_message_bytes"],
-                          direct_block_bytes=args["direct_block_bytes"], first_epoch=first_epoch)
+                          max_message_bytes=args["max_message_bytes"], first_epoch=first_epoch)
         t_q.put(("epoch", sender.next_epoch(DECODE_ID)))
         if sched is None:  # restarted sender
             kind, src = go_q.get(timeout=WAIT)
@@ -425,7 +423,6 @@ def _git_commit(override: str | None = None) -> str | None:
 
 
 def parse_args(argv=None) -> dict:
-    from common.kv_transfer.blocks import DEFAULT_DIRECT_BLOCK_BYTES
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--device", choices=["cuda", "cpu"], default="cuda",
                    help="cuda: NCCL between GPU 0 and GPU 1; cpu: Gloo")
@@ -442,9 +439,6 @@ def parse_args(argv=None) -> dict:
     p.add_argument("--block-size", type=int, default=16)
     p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"])
     p.add_argument("--max-message-mib", type=float, default=512.0)
-    p.add_argument("--direct-block-mib", type=float, default=None,
-                   help="blocks at least this large cross one message each, with no staging "
-                        "copy (default: the library's, 8 MiB)")
     p.add_argument("--ahead-cycles", type=int, default=4_000_000,
                    help="GPU clock cycles of the stand-in prefill step in the 'ahead' mode "
                         "(long enough for the sender's host to enqueue the send)")
@@ -469,8 +463,6 @@ def parse_args(argv=None) -> dict:
         "layers": a.layers, "kv_heads": a.kv_heads, "head_dim": a.head_dim,
         "block_size": a.block_size, "dtype": a.dtype,
         "max_message_bytes": int(a.max_message_mib * 1024 * 1024),
-        "direct_block_bytes": (int(a.direct_block_mib * 1024 * 1024)
-                               if a.direct_block_mib is not None else DEFAULT_DIRECT_BLOCK_BYTES),
         "ahead_cycles": a.ahead_cycles,
         "timeout": a.timeout, "check_failures": a.check_failures,
         "failure_timeout": a.failure_timeout, "cpu_threads": a.cpu_threads, "out": a.out,
@@ -560,8 +552,7 @@ def main(argv=None) -> int:
         n_blocks = -(-tokens // args["block_size"])
         row = {"tokens": tokens, "bytes": n_blocks * args["block_size"] * bpt,
                "messages": len(plan_chunks(n_blocks, args["block_size"] * bpt,
-                                           args["max_message_bytes"],
-                                           args["direct_block_bytes"]))}
+                                           args["max_message_bytes"]))}
         for mode in MODES:
             xs = by_key[("bench", tokens, mode)]
             el = statistics.median(x[0] for x in xs)
@@ -583,8 +574,7 @@ def main(argv=None) -> int:
           f"({'NCCL ' + nccl if nccl else 'Gloo'}), {args['layers']} layers x "
           f"{args['kv_heads']} kv heads x {args['head_dim']} {args['dtype']}, block "
           f"{args['block_size']}: {bpt:,} B/token; max message "
-          f"{args['max_message_bytes'] / 2**20:.0f} MiB, direct blocks from "
-          f"{args['direct_block_bytes'] / 2**20:.1f} MiB")
+          f"{args['max_message_bytes'] / 2**20:.0f} MiB")
     print("verification: " + ", ".join(
         f"{v['label']} ({v['blocks']} blocks) "
         f"{'bit-exact' if v['bit_exact'] and v['untouched_clean'] else 'MISMATCH'}"
@@ -623,7 +613,6 @@ def main(argv=None) -> int:
         "geometry": {k: args[k] for k in ("layers", "kv_heads", "head_dim", "block_size",
                                           "dtype", "bytes_per_token")},
         "max_message_bytes": args["max_message_bytes"],
-        "direct_block_bytes": args["direct_block_bytes"],
         "ahead_cycles": args["ahead_cycles"],
         "method": "scattered / contiguous: time from before the gather on the sender (KV "
                   "ready, synchronised) to the scatter complete on the receiver (event "

@@ -11,8 +11,8 @@ transfer").
 
 No gRPC, protobuf or pickle here: tensors cross as raw bytes.
 """
-from .blocks import (DEFAULT_DIRECT_BLOCK_BYTES, DEFAULT_MAX_MESSAGE_BYTES, bytes_per_block,
-                     gather_blocks, plan_chunks, scatter_blocks)
+from .blocks import (DEFAULT_MAX_MESSAGE_BYTES, bytes_per_block, gather_blocks, plan_chunks,
+                     scatter_blocks)
 from .channel import DEFAULT_TIMEOUT, PairChannel, channel_prefix
 from .errors import KvTransferError
 from .store import KvStoreServer
@@ -21,7 +21,7 @@ from .sender import KvSender
 from .transfer import FirstTokenRef, initial_epoch
 
 __all__ = [
-    "DEFAULT_DIRECT_BLOCK_BYTES", "DEFAULT_MAX_MESSAGE_BYTES", "DEFAULT_TIMEOUT", "FirstTokenRef",
+    "DEFAULT_MAX_MESSAGE_BYTES", "DEFAULT_TIMEOUT", "FirstTokenRef",
     "KvReceiver", "KvSender", "KvStoreServer", "KvTransferError", "Received", "PairChannel", "bytes_per_block", "channel_prefix", "gather_blocks",
     "initial_epoch", "plan_chunks", "scatter_blocks",
 ]

@@ -6,8 +6,10 @@ contiguous, so a request's blocks are gathered with one ``index_select`` over di
 the wire as one message (or a few, when larger than ``max_message_bytes``).
 
 Both sides of a transfer cut it into the same chunks: ``plan_chunks(num_blocks,
-bytes_per_block(kv_cache), max_message_bytes, direct_block_bytes)``, so both values must be the
-same on the prefill and the decode worker of a deployment (the defaults are).
+bytes_per_block(kv_cache), max_message_bytes)``, so ``max_message_bytes`` must be the same on
+the prefill and the decode worker of a deployment (the default is). One message beats several:
+each NCCL send/recv from idle pays ~0.1 ms of start-up (bench/nccl_register_probe.py), more than
+the gather and scatter of the same bytes cost.
 """
 from __future__ import annotations
 
@@ -21,11 +23,6 @@ from .errors import KvTransferError
 #: Largest single message on a pair channel (bytes); larger transfers are cut along the block
 #: dimension. Both sides of a pair must use the same value.
 DEFAULT_MAX_MESSAGE_BYTES = 512 * 1024 * 1024
-
-#: Blocks at least this large cross as one message each, straight from the sender's pool into
-#: the receiver's (no gather, no scatter): a few large messages already run near the link's
-#: bandwidth, and the staging copies would add their time. Both sides must use the same value.
-DEFAULT_DIRECT_BLOCK_BYTES = 8 * 1024 * 1024
 
 BlockIds = Sequence[int] | torch.Tensor
 
@@ -63,16 +60,11 @@ def check_block_ids(block_ids: BlockIds, num_blocks: int) -> list[int]:
 
 
 def plan_chunks(num_blocks: int, block_bytes: int,
-                max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,
-                direct_block_bytes: int = DEFAULT_DIRECT_BLOCK_BYTES) -> list[tuple[int, int]]:
+                max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES) -> list[tuple[int, int]]:
     """``[(start, end), ...]`` slices of the block list, each at most ``max_message_bytes``
-    (but at least one block); one block per slice when ``block_bytes >= direct_block_bytes``
-    (each is then sent from / received into the pool directly). Deterministic: both sides of a
-    pair compute the same plan."""
+    (but at least one block). Deterministic: both sides of a pair compute the same plan."""
     if num_blocks <= 0:
         return []
-    if block_bytes >= direct_block_bytes:
-        return [(i, i + 1) for i in range(num_blocks)]
     per = max(1, int(max_message_bytes) // max(1, int(block_bytes)))
     return [(s, min(s + per, num_blocks)) for s in range(0, num_blocks, per)]
 

@@ -11,8 +11,7 @@ from typing import NamedTuple
 
 import torch
 
-from .blocks import (DEFAULT_DIRECT_BLOCK_BYTES, DEFAULT_MAX_MESSAGE_BYTES, BlockIds, bytes_per_block,
-                     check_block_ids, check_pool)
+from .blocks import DEFAULT_MAX_MESSAGE_BYTES, BlockIds, bytes_per_block, check_block_ids, check_pool
 from .channel import DEFAULT_TIMEOUT, PairChannel
 from .errors import KvTransferError
 from .store import KvStoreServer
@@ -85,7 +84,7 @@ class _RecvPeer:
                 deadline = time.monotonic() + owner.timeout
                 nbytes, first = _recv_blocks_on(ch, owner.kv_cache, item.ids,
                                                 owner.max_message_bytes, deadline, self.staging,
-                                                item.with_first_token, owner.direct_block_bytes)
+                                                item.with_first_token)
                 event = ch.record_event()
                 item.future.set_result(Received(nbytes, event, first))
             except Exception as e:  # noqa: BLE001 - every failure goes to the future
@@ -159,21 +158,18 @@ class KvReceiver:
 
     ``timeout`` applies to each receive from the moment its thread starts it (after the
     earlier receives from the same prefill worker), and to joining a new channel.
-    ``max_message_bytes`` and ``direct_block_bytes`` must equal the senders' (both cut a
-    transfer the same way).
+    ``max_message_bytes`` must equal the senders' (both cut a transfer the same way).
     """
 
     def __init__(self, kv_cache: torch.Tensor, decode_worker_id: str,
                  store: KvStoreServer | str, *, timeout: float = DEFAULT_TIMEOUT,
-                 max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,
-                 direct_block_bytes: int = DEFAULT_DIRECT_BLOCK_BYTES) -> None:
+                 max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES) -> None:
         check_pool(kv_cache)
         self.kv_cache = kv_cache
         self.decode_worker_id = decode_worker_id
         self.store_address = store.local_address if isinstance(store, KvStoreServer) else store
         self.timeout = float(timeout)
         self.max_message_bytes = int(max_message_bytes)
-        self.direct_block_bytes = int(direct_block_bytes)
         self.block_bytes = bytes_per_block(kv_cache)
         self._peers: dict[str, _RecvPeer] = {}
         self._lock = threading.Lock()

@@ -8,8 +8,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from .blocks import (DEFAULT_DIRECT_BLOCK_BYTES, DEFAULT_MAX_MESSAGE_BYTES, BlockIds, check_block_ids,
-                     check_pool)
+from .blocks import DEFAULT_MAX_MESSAGE_BYTES, BlockIds, check_block_ids, check_pool
 from .channel import DEFAULT_TIMEOUT, PairChannel
 from .errors import KvTransferError
 from .transfer import FirstTokenRef, _send_blocks_on, initial_epoch
@@ -50,12 +49,10 @@ class KvSender:
 
     def __init__(self, prefill_worker_id: str, *, timeout: float = DEFAULT_TIMEOUT,
                  max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,
-                 direct_block_bytes: int = DEFAULT_DIRECT_BLOCK_BYTES,
                  first_epoch: int | None = None) -> None:
         self.prefill_worker_id = prefill_worker_id
         self.timeout = float(timeout)
         self.max_message_bytes = int(max_message_bytes)
-        self.direct_block_bytes = int(direct_block_bytes)
         self._first_epoch = initial_epoch() if first_epoch is None else int(first_epoch)
         self._pairs: dict[str, _SendPair] = {}
         self._lock = threading.Lock()
@@ -143,7 +140,7 @@ class KvSender:
                 nbytes = _send_blocks_on(ch, kv_cache, ids, self.max_message_bytes, deadline,
                                          ready_event,
                                          None if kv_cache.is_cuda else pair.staging,
-                                         first_token, self.direct_block_bytes)
+                                         first_token)
                 return nbytes, time.perf_counter() - t0
             except Exception as e:
                 old = pair.epoch

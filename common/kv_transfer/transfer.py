@@ -6,9 +6,8 @@ receives in PushKV call order; the prefill worker sends in the order its PushKV 
 returned and never has two PushKV in flight to the same decode worker. Both sides then issue
 the same messages in the same order on the pair channel.
 
-A transfer of ``n`` blocks is cut into ``plan_chunks(n, bytes_per_block, max_message_bytes,
-direct_block_bytes)`` messages (one message unless it is larger than ``max_message_bytes``, or
-one per block when blocks are at least ``direct_block_bytes``). A run of consecutive block ids
+A transfer of ``n`` blocks is cut into ``plan_chunks(n, bytes_per_block, max_message_bytes)``
+messages (one message unless it is larger than ``max_message_bytes``). A run of consecutive block ids
 is sent from / received into the pool directly; other blocks go through a staging buffer
 (``gather_blocks`` / ``scatter_blocks``), double-buffered so that the gather (scatter) of one
 chunk overlaps the transfer of the next (previous) one.
@@ -32,8 +31,7 @@ import time
 
 import torch
 
-from .blocks import (DEFAULT_DIRECT_BLOCK_BYTES, bytes_per_block, contiguous_range, gather_blocks,
-                     plan_chunks, scatter_blocks)
+from .blocks import bytes_per_block, contiguous_range, gather_blocks, plan_chunks, scatter_blocks
 from .channel import PairChannel
 
 log = logging.getLogger(__name__)
@@ -94,13 +92,12 @@ def _send_blocks_on(ch: PairChannel, kv_cache: torch.Tensor, ids: list[int],
                     max_message_bytes: int, deadline: float,
                     ready_event: "torch.cuda.Event | None" = None,
                     staging: list | None = None,
-                    first_token: FirstTokenRef | None = None,
-                    direct_block_bytes: int = DEFAULT_DIRECT_BLOCK_BYTES) -> int:
+                    first_token: FirstTokenRef | None = None) -> int:
     """Send the blocks ``ids`` of ``kv_cache`` (with ``first_token``'s 8 bytes at the end of the
     last message, if given) over ``ch``; returns once all has crossed. ``staging``: two reusable
     buffer slots (CPU; on CUDA the caching allocator reuses)."""
     block_bytes = bytes_per_block(kv_cache)
-    chunks = plan_chunks(len(ids), block_bytes, max_message_bytes, direct_block_bytes)
+    chunks = plan_chunks(len(ids), block_bytes, max_message_bytes)
     stream = ch.stream
     if stream is not None:
         if ready_event is not None:
@@ -139,14 +136,13 @@ def _send_blocks_on(ch: PairChannel, kv_cache: torch.Tensor, ids: list[int],
 def _recv_blocks_on(ch: PairChannel, kv_cache: torch.Tensor, ids: list[int],
                     max_message_bytes: int, deadline: float,
                     staging: list | None = None, with_first_token: bool = False,
-                    direct_block_bytes: int = DEFAULT_DIRECT_BLOCK_BYTES,
                     ) -> tuple[int, tuple[int, float] | None]:
     """Receive the blocks ``ids`` of ``kv_cache`` over ``ch`` and scatter them into the pool
     (``with_first_token``: the last message also carries the first token's 8 bytes). Returns
     ``(num_bytes, (token id, logprob) or None)``. On return the data has landed (CPU) or the
     scatter is enqueued on ``ch.stream`` after the completed receive (CUDA)."""
     block_bytes = bytes_per_block(kv_cache)
-    chunks = plan_chunks(len(ids), block_bytes, max_message_bytes, direct_block_bytes)
+    chunks = plan_chunks(len(ids), block_bytes, max_message_bytes)
     stream = ch.stream
     slots: list = staging if staging is not None else [None, None]
     posted: list = [None] * len(chunks)   # (work, buffer or None)

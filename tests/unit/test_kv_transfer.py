@@ -439,12 +439,6 @@ def test_chunk_plan():
     assert _check_landed(dst, src, ids, dst_ids, set(dst_ids)) == []
 
 
-def test_direct_block_plan():
-    """Blocks at least direct_block_bytes large cross one message each (no staging)."""
-    assert plan_chunks(3, 1000, 10_000, direct_block_bytes=1000) == [(0, 1), (1, 2), (2, 3)]
-    assert plan_chunks(3, 999, 10_000, direct_block_bytes=1000) == [(0, 3)]
-
-
 def test_first_token_message_round_trip():
     from common.kv_transfer import FirstTokenRef
     from common.kv_transfer.transfer import parse_first_token
@@ -457,23 +451,22 @@ def test_first_token_message_round_trip():
 
 
 @pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
-@pytest.mark.parametrize("case", ["direct", "staged", "contiguous", "chunked"])
+@pytest.mark.parametrize("case", ["per_block", "staged", "contiguous", "chunked"])
 def test_in_process_first_token_rides_in_the_last_message(case, dtype):
     """The first token's 8 bytes end the last message, whatever path the blocks take: one
-    message per large block pool to pool, one staged message, consecutive ids on both sides,
-    several chunks (Gloo over loopback, two threads)."""
+    message per block (consecutive ids each), one staged message, consecutive ids on both
+    sides, several chunks (Gloo over loopback, two threads)."""
     from common.kv_transfer import FirstTokenRef
     src = _source_pool(5, dtype)
     dst = _poisoned_pool(dtype)
     bb = bytes_per_block(src)
-    direct = bb if case == "direct" else 1 << 40
-    max_msg = 2 * bb if case == "chunked" else 1 << 40
-    src_ids, dst_ids = {"direct": ([4, 9, 0], [2, 17, 11]), "staged": ([4, 9, 0], [2, 17, 11]),
+    max_msg = {"per_block": bb, "chunked": 2 * bb}.get(case, 1 << 40)
+    src_ids, dst_ids = {"per_block": ([4, 9, 0], [2, 17, 11]), "staged": ([4, 9, 0], [2, 17, 11]),
                         "contiguous": ([5, 6, 7], [12, 13, 14]),
                         "chunked": ([3, 8, 1, 20, 21], [0, 9, 10, 4, 16])}[case]
     with KvStoreServer("127.0.0.1", 0) as server:
-        recv = KvReceiver(dst, "d", server, timeout=10, direct_block_bytes=direct, max_message_bytes=max_msg)
-        sender = KvSender("p", timeout=10, direct_block_bytes=direct, max_message_bytes=max_msg, first_epoch=1)
+        recv = KvReceiver(dst, "d", server, timeout=10, max_message_bytes=max_msg)
+        sender = KvSender("p", timeout=10, max_message_bytes=max_msg, first_epoch=1)
         with pytest.raises(KvTransferError):
             recv.post("p", 1, [], with_first_token=True)
         fut = recv.post("p", 1, dst_ids, with_first_token=True)
