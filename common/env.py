@@ -55,9 +55,3 @@ def log_level() -> str:
 def fused_ops() -> bool:
     """Fused Triton elementwise kernels on CUDA (``PDSERVE_FUSED_OPS``, default on)."""
     return get_bool("FUSED_OPS", True)
-
-
-def pdl() -> bool:
-    """Programmatic dependent launch of the decode step's Triton kernels on Hopper and newer
-    (``PDSERVE_PDL``, default on)."""
-    return get_bool("PDL", True)

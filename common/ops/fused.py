@@ -17,15 +17,11 @@ import torch
 import triton
 import triton.language as tl
 
-from common.ops.pdl import pdl_args
-
 
 @triton.jit
 def _rms_norm_kernel(x_ptr, res_ptr, w_ptr, out_ptr, res_out_ptr, n_cols, eps,
                      stride_x, stride_res, stride_out, stride_res_out,
-                     HAS_RESIDUAL: tl.constexpr, BLOCK: tl.constexpr, USE_PDL: tl.constexpr):
-    if USE_PDL:
-        tl.extra.cuda.gdc_wait()
+                     HAS_RESIDUAL: tl.constexpr, BLOCK: tl.constexpr):
     row = tl.program_id(0)
     cols = tl.arange(0, BLOCK)
     mask = cols < n_cols
@@ -49,14 +45,12 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
     res = residual if residual is not None else x
     _rms_norm_kernel[(T,)](x, res, weight, out, res_out, H, eps, x.stride(0), res.stride(0), out.stride(0),
                            res_out.stride(0), HAS_RESIDUAL=residual is not None,
-                           BLOCK=triton.next_power_of_2(H), num_warps=4 if H <= 2048 else 8, **pdl_args(x))
+                           BLOCK=triton.next_power_of_2(H), num_warps=4 if H <= 2048 else 8)
     return (out, res_out) if residual is not None else out
 
 
 @triton.jit
-def _silu_mul_kernel(x_ptr, out_ptr, n_cols, stride_x, stride_out, BLOCK: tl.constexpr, USE_PDL: tl.constexpr):
-    if USE_PDL:
-        tl.extra.cuda.gdc_wait()
+def _silu_mul_kernel(x_ptr, out_ptr, n_cols, stride_x, stride_out, BLOCK: tl.constexpr):
     row = tl.program_id(0)
     start = tl.program_id(1) * BLOCK
     cols = start + tl.arange(0, BLOCK)
@@ -74,7 +68,7 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     out = torch.empty(T, inter, dtype=x.dtype, device=x.device)
     block = min(1024, triton.next_power_of_2(inter))
     _silu_mul_kernel[(T, triton.cdiv(inter, block))](x, out, inter, x.stride(0), out.stride(0), BLOCK=block,
-                                                     num_warps=4, **pdl_args(x))
+                                                     num_warps=4)
     return out
 
 
@@ -84,10 +78,7 @@ def _qk_norm_rope_kernel(qkv_ptr, pos_ptr, cos_ptr, sin_ptr, qw_ptr, kw_ptr, q_o
                          stride_vc_b, stride_vc_t, stride_vc_h,
                          stride_qkv, stride_cos, eps, NUM_Q: tl.constexpr, NUM_KV: tl.constexpr,
                          HEAD_DIM: tl.constexpr, HAS_NORM: tl.constexpr, BLOCK_H: tl.constexpr,
-                         STORE_KV: tl.constexpr, CACHE_BLOCK: tl.constexpr, BLOCK_KV: tl.constexpr,
-                         USE_PDL: tl.constexpr):
-    if USE_PDL:
-        tl.extra.cuda.gdc_wait()
+                         STORE_KV: tl.constexpr, CACHE_BLOCK: tl.constexpr, BLOCK_KV: tl.constexpr):
     tok = tl.program_id(0)
     half: tl.constexpr = HEAD_DIM // 2
     heads = tl.arange(0, BLOCK_H)
@@ -176,6 +167,6 @@ def qk_norm_rope(qkv: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor, 
                                NUM_Q=num_q, NUM_KV=num_kv, HEAD_DIM=head_dim, HAS_NORM=has_norm,
                                BLOCK_H=triton.next_power_of_2(num_q + num_kv), STORE_KV=store,
                                CACHE_BLOCK=k_cache.shape[1] if store else 1,
-                               BLOCK_KV=triton.next_power_of_2(num_kv), num_warps=4, **pdl_args(qkv))
+                               BLOCK_KV=triton.next_power_of_2(num_kv), num_warps=4)
     v = qkv[:, (num_q + num_kv) * head_dim:].view(T, num_kv, head_dim)
     return q, k, v

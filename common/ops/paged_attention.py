@@ -53,8 +53,6 @@ import torch
 import triton
 import triton.language as tl
 
-from common.ops.pdl import pdl_args
-
 __all__ = [
     "paged_attention_decode",
     "paged_attention_prefill",
@@ -88,10 +86,8 @@ def _decode_split_kernel(
     stride_wb, stride_wh, stride_ws,
     GROUP: tl.constexpr, BLOCK_G: tl.constexpr, HEAD_DIM: tl.constexpr,
     BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr,
-    SINGLE_SPLIT: tl.constexpr, DOT_PRECISION: tl.constexpr, USE_PDL: tl.constexpr,
+    SINGLE_SPLIT: tl.constexpr, DOT_PRECISION: tl.constexpr,
 ):
-    if USE_PDL:
-        tl.extra.cuda.gdc_wait()
     b = tl.program_id(0)
     kvh = tl.program_id(1)
     split = tl.program_id(2)
@@ -155,10 +151,8 @@ def _decode_reduce_kernel(
     ws_ptr, out_ptr, num_splits,
     stride_wb, stride_wh, stride_ws,
     stride_ob, stride_oh,
-    HEAD_DIM: tl.constexpr, BLOCK_S: tl.constexpr, USE_PDL: tl.constexpr,
+    HEAD_DIM: tl.constexpr, BLOCK_S: tl.constexpr,
 ):
-    if USE_PDL:
-        tl.extra.cuda.gdc_wait()
     b = tl.program_id(0).to(tl.int64)
     h = tl.program_id(1)
     offs_s = tl.arange(0, BLOCK_S)
@@ -410,7 +404,7 @@ def paged_attention_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
         *ws_strides,
         GROUP=group, BLOCK_G=block_g, HEAD_DIM=D, BLOCK_SIZE=block_size, BLOCK_N=block_n,
         SINGLE_SPLIT=single, DOT_PRECISION=_dot_precision(q.dtype),
-        num_warps=num_warps, num_stages=num_stages, **pdl_args(q),
+        num_warps=num_warps, num_stages=num_stages,
     )
     if not single:
         _decode_reduce_kernel[(B, Hq)](
@@ -418,7 +412,7 @@ def paged_attention_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
             *ws_strides,
             out.stride(0), out.stride(1),
             HEAD_DIM=D, BLOCK_S=max(2, triton.next_power_of_2(num_splits)),
-            num_warps=4 if D >= 128 else 2, **pdl_args(q),
+            num_warps=4 if D >= 128 else 2,
         )
     return out
 
