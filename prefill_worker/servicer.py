@@ -109,10 +109,11 @@ class PrefillServicer(BaseWorkerServicer):
         """PushKV, then send the blocks the decode worker lacks and the first token after them.
 
         Runs from the moment the prefill step is launched: the send is enqueued behind the step
-        on the GPU, so the KV moves as soon as it exists. One transfer at a time per decode
-        worker (its pair channel orders sends as PushKV calls were answered); the asyncio lock
-        keeps the event loop free while a send runs in a thread. There is always a block to
-        send: a decode worker's prefix-cache hit never covers the prompt's last token.
+        on the GPU, so the KV moves as soon as it exists. One transfer per decode worker is
+        announced and enqueued at a time (its pair channel orders sends as PushKV
+        calls were answered); the wait for the data to cross is outside that lock, so the next
+        request's PushKV overlaps this transfer. There is always a block to send: a decode
+        worker's prefix-cache hit never covers the prompt's last token.
         """
         t = request.kv_target
         block_size = self.runtime.engine_config.block_size
@@ -120,18 +121,22 @@ class PrefillServicer(BaseWorkerServicer):
         src, dst = launched.block_table[first_block:], list(t.block_ids)[first_block:]
         block_bytes = self.runtime.engine.model_runner.block_bytes
         lock = self._pair_locks.setdefault(t.decode_worker_id, asyncio.Lock())
-        async with lock:
+        async with lock:            # PushKV order == send order on the channel
             epoch = self.sender.next_epoch(t.decode_worker_id)
             await self._push_kv(request, epoch, dst, block_bytes)
             started = time.perf_counter()
             try:
-                await asyncio.to_thread(
-                    self.sender.send_blocks, t.decode_worker_id, t.kv_store_address, epoch,
+                pending = await asyncio.to_thread(
+                    self.sender.start_send, t.decode_worker_id, t.kv_store_address, epoch,
                     self.runtime.engine.model_runner.kv_cache, src, ready_event=launched.kv_ready,
                     first_token=launched.first_token)
             except KvTransferError as e:
                 raise Unavailable(f"KV transfer to {t.decode_worker_id} failed: {e}") from e
-            elapsed_ms = (time.perf_counter() - started) * 1000
+        try:                        # the next request's PushKV may go out meanwhile
+            await asyncio.to_thread(pending.wait)
+        except KvTransferError as e:
+            raise Unavailable(f"KV transfer to {t.decode_worker_id} failed: {e}") from e
+        elapsed_ms = (time.perf_counter() - started) * 1000
         self.num_transfers += 1
         self.transfer_bytes += len(src) * block_bytes
         return worker_pb2.TransferDone(bytes=len(src) * block_bytes, transfer_ms=elapsed_ms, num_blocks=len(src))

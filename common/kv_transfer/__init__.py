@@ -17,11 +17,12 @@ from .channel import DEFAULT_TIMEOUT, PairChannel, channel_prefix
 from .errors import KvTransferError
 from .store import KvStoreServer
 from .receiver import KvReceiver, Received
-from .sender import KvSender
+from .sender import KvSender, PendingSend
 from .transfer import FirstTokenRef, initial_epoch
 
 __all__ = [
     "DEFAULT_MAX_MESSAGE_BYTES", "DEFAULT_TIMEOUT", "FirstTokenRef",
-    "KvReceiver", "KvSender", "KvStoreServer", "KvTransferError", "Received", "PairChannel", "bytes_per_block", "channel_prefix", "gather_blocks",
+    "KvReceiver", "KvSender", "KvStoreServer", "KvTransferError", "PairChannel", "PendingSend",
+    "Received", "bytes_per_block", "channel_prefix", "gather_blocks",
     "initial_epoch", "plan_chunks", "scatter_blocks",
 ]

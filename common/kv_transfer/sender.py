@@ -11,9 +11,38 @@ import torch
 from .blocks import DEFAULT_MAX_MESSAGE_BYTES, BlockIds, check_block_ids, check_pool
 from .channel import DEFAULT_TIMEOUT, PairChannel
 from .errors import KvTransferError
-from .transfer import FirstTokenRef, _send_blocks_on, initial_epoch
+from .transfer import FirstTokenRef, _enqueue_send_on, initial_epoch
 
 log = logging.getLogger(__name__)
+
+class PendingSend:
+    """A send started by ``KvSender.start_send``: ``wait()`` blocks until it has crossed and
+    returns ``(num_bytes, seconds)`` (seconds from the start call), or raises
+    ``KvTransferError`` (the pair's channel is then broken and its epoch bumped)."""
+
+    def __init__(self, sender: "KvSender", pair: "_SendPair", channel: PairChannel | None,
+                 ops: list, num_bytes: int, deadline: float, t0: float, label: str) -> None:
+        self._sender, self._pair, self._channel = sender, pair, channel
+        self._ops, self.num_bytes, self._deadline, self._t0 = ops, num_bytes, deadline, t0
+        self._label = label
+        self._result: tuple[int, float] | None = None
+        self._error: KvTransferError | None = None
+        self._done = threading.Lock()
+
+    def wait(self) -> tuple[int, float]:
+        with self._done:   # once: a second wait returns the same outcome
+            if self._result is None and self._error is None:
+                try:
+                    if self._channel is not None:
+                        self._channel.synchronize(self._ops, self._deadline)
+                    self._result = (self.num_bytes, time.perf_counter() - self._t0)
+                except Exception as e:  # noqa: BLE001 - reported as KvTransferError
+                    self._error = self._sender._failed(self._pair, self._channel, e, self._label)
+                self._ops = []
+        if self._error is not None:
+            raise self._error
+        return self._result
+
 
 @dataclass
 class _SendPair:
@@ -25,26 +54,29 @@ class _SendPair:
     # CPU staging buffers, reused across transfers (fresh host memory costs page faults);
     # on CUDA the caching allocator does this job
     staging: list = field(default_factory=lambda: [None, None])
+    last: "PendingSend | None" = None   # CPU: the next send waits for it (shared staging)
 
 
 class KvSender:
     """Prefill side: ships blocks of the local pool to decode workers.
 
     One pair channel per decode worker, created lazily at the first send of an epoch (rank 0).
-    ``send_blocks`` runs in the caller's thread and blocks until the data has crossed.
+    ``start_send`` enqueues a send and returns a ``PendingSend``; ``send_blocks`` also waits.
 
     How a prefill worker uses it for one request (the lock keeps PushKV order == send order,
-    and never two PushKV to one decode worker in flight)::
+    and never two PushKV to one decode worker in flight; the wait is outside it, so the next
+    request's PushKV overlaps this transfer)::
 
         with sender.lock(decode_id):
             epoch = sender.next_epoch(decode_id)
             stub.PushKV(..., channel_epoch=epoch, block_ids=ids, ...)   # receive posted
-            nbytes, secs = sender.send_blocks(decode_id, store_address, epoch, kv_cache, ids)
+            pending = sender.start_send(decode_id, store_address, epoch, kv_cache, ids)
+        nbytes, secs = pending.wait()
 
     If PushKV fails with NOT_FOUND nothing was posted: skip the send. If it fails in a way that
     leaves it unknown whether the receive was posted (deadline, UNAVAILABLE), call
-    ``mark_broken(decode_id)``. Any failure of ``send_blocks`` marks the channel broken and
-    bumps the pair's epoch itself.
+    ``mark_broken(decode_id)``. Any failure of a send marks the channel broken and bumps the
+    pair's epoch itself (the sends queued behind it on that channel fail too).
     """
 
     def __init__(self, prefill_worker_id: str, *, timeout: float = DEFAULT_TIMEOUT,
@@ -95,60 +127,90 @@ class KvSender:
                     kv_cache: torch.Tensor, block_ids: BlockIds, *,
                     ready_event: "torch.cuda.Event | None" = None,
                     first_token: FirstTokenRef | None = None) -> tuple[int, float]:
-        """Send blocks ``block_ids`` of ``kv_cache`` (in that order) to the decode worker,
-        whose matching receive was posted by a PushKV with ``epoch``; ``first_token``'s 8 bytes,
-        if given, end the last message (the receive must have been posted ``with_first_token``).
+        """``start_send(...).wait()``: returns ``(num_bytes, seconds)`` once the data has
+        crossed."""
+        return self.start_send(decode_worker_id, store_address, epoch, kv_cache, block_ids,
+                               ready_event=ready_event, first_token=first_token).wait()
+
+    def start_send(self, decode_worker_id: str, store_address: str, epoch: int,
+                   kv_cache: torch.Tensor, block_ids: BlockIds, *,
+                   ready_event: "torch.cuda.Event | None" = None,
+                   first_token: FirstTokenRef | None = None) -> PendingSend:
+        """Start sending blocks ``block_ids`` of ``kv_cache`` (in that order) to the decode
+        worker, whose matching receive was posted by a PushKV with ``epoch``; ``first_token``'s
+        8 bytes, if given, end the last message (the receive must have been posted
+        ``with_first_token``).
 
         CUDA: the gather waits for ``ready_event`` if given, else for the calling thread's
         current stream (where the KV was written). The call may come before that event has
         fired (the prefill step still running): everything is enqueued behind it, so the data
-        moves as soon as the KV exists. Returns ``(num_bytes, seconds)`` once the data has
-        crossed (seconds: from the call to completion; channel set-up not included). Raises
-        ``KvTransferError`` (the epoch is then bumped).
+        moves as soon as the KV exists; the call returns once it is enqueued (after building the
+        channel, the first time). CPU (Gloo): it first waits for the pair's previous send.
+        Raises ``KvTransferError`` at once for bad input or a failed start (the epoch is then
+        bumped); ``PendingSend.wait`` raises for a failed transfer.
         """
         pair = self._pair(decode_worker_id)
+        label = f"{self.prefill_worker_id}->{decode_worker_id}"
         with pair.lock:
+            ch = None
             try:
                 if self._closed:
                     raise KvTransferError("KvSender is closed")
                 if int(epoch) != pair.epoch:
                     raise KvTransferError(
                         f"epoch {epoch} is not the current epoch {pair.epoch} of the pair "
-                        f"{self.prefill_worker_id}->{decode_worker_id}; take next_epoch() under "
-                        "lock() before PushKV")
+                        f"{label}; take next_epoch() under lock() before PushKV")
                 check_pool(kv_cache)
                 ids = check_block_ids(block_ids, kv_cache.shape[0])
                 if not ids:
                     if first_token is not None:
                         raise KvTransferError("a first token travels after at least one block")
-                    return 0, 0.0
-                ch = pair.channel
-                if (ch is None or ch.epoch != pair.epoch or ch.is_broken
-                        or pair.store_address != store_address
-                        or ch.device != _device_of(kv_cache)):
-                    if ch is not None:
-                        ch.close()
-                        pair.channel = None
-                    if kv_cache.is_cuda and pair.stream is None:
-                        pair.stream = torch.cuda.Stream(kv_cache.device)
-                    ch = PairChannel(store_address, self.prefill_worker_id, decode_worker_id,
-                                     pair.epoch, 0, kv_cache.device, timeout=self.timeout,
-                                     stream=pair.stream)
-                    pair.channel, pair.store_address = ch, store_address
+                    return PendingSend(self, pair, None, [], 0, 0.0, time.perf_counter(), label)
+                if not kv_cache.is_cuda and pair.last is not None:
+                    pair.last.wait()          # its staging buffers are reused below
+                    if int(epoch) != pair.epoch:
+                        raise KvTransferError(f"the previous send of {label} failed")
                 t0 = time.perf_counter()
+                ch = self._channel(pair, decode_worker_id, store_address, kv_cache)
                 deadline = time.monotonic() + self.timeout
-                nbytes = _send_blocks_on(ch, kv_cache, ids, self.max_message_bytes, deadline,
-                                         ready_event,
-                                         None if kv_cache.is_cuda else pair.staging,
-                                         first_token)
-                return nbytes, time.perf_counter() - t0
+                ops = _enqueue_send_on(ch, kv_cache, ids, self.max_message_bytes, deadline,
+                                       ready_event, None if kv_cache.is_cuda else pair.staging,
+                                       first_token)
+                pending = PendingSend(self, pair, ch, ops, len(ids) * kv_cache[0].numel()
+                                      * kv_cache.element_size(), deadline, t0, label)
+                pair.last = None if kv_cache.is_cuda else pending
+                return pending
             except Exception as e:
-                old = pair.epoch
-                self._break(pair, f"send failed: {e}")
-                msg = (f"KV send {self.prefill_worker_id}->{decode_worker_id} epoch {old} failed "
-                       f"(next epoch {pair.epoch}): {e}")
-                log.warning(msg)
-                raise KvTransferError(msg) from e
+                raise self._failed(pair, ch if ch is not None else pair.channel, e, label) from e
+
+    def _channel(self, pair: _SendPair, decode_worker_id: str, store_address: str,
+                 kv_cache: torch.Tensor) -> PairChannel:
+        """The pair's channel of the current epoch (built now if needed). Under pair.lock."""
+        ch = pair.channel
+        if (ch is None or ch.epoch != pair.epoch or ch.is_broken
+                or pair.store_address != store_address or ch.device != _device_of(kv_cache)):
+            if ch is not None:
+                ch.close()
+                pair.channel = None
+            if kv_cache.is_cuda and pair.stream is None:
+                pair.stream = torch.cuda.Stream(kv_cache.device)
+            ch = PairChannel(store_address, self.prefill_worker_id, decode_worker_id,
+                             pair.epoch, 0, kv_cache.device, timeout=self.timeout,
+                             stream=pair.stream)
+            pair.channel, pair.store_address = ch, store_address
+        return ch
+
+    def _failed(self, pair: _SendPair, ch: PairChannel | None, exc: BaseException,
+                label: str) -> KvTransferError:
+        """Break the pair's channel (once: only if ``ch`` is still its channel, or none was
+        built) and return the error to raise."""
+        with pair.lock:
+            old = pair.epoch
+            if ch is None or pair.channel is ch:
+                self._break(pair, f"send failed: {exc}")
+        msg = f"KV send {label} epoch {old} failed (next epoch {pair.epoch}): {exc}"
+        log.warning(msg)
+        return KvTransferError(msg)
 
     def close(self, wait: float = 1.0) -> None:
         """Abort every channel (no peer needed); a send in flight fails. The sender cannot be

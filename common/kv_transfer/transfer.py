@@ -88,13 +88,14 @@ def _staging(slots: list, slot: int, n: int, kv_cache: torch.Tensor, extra: int 
     return buf
 
 
-def _send_blocks_on(ch: PairChannel, kv_cache: torch.Tensor, ids: list[int],
-                    max_message_bytes: int, deadline: float,
-                    ready_event: "torch.cuda.Event | None" = None,
-                    staging: list | None = None,
-                    first_token: FirstTokenRef | None = None) -> int:
-    """Send the blocks ``ids`` of ``kv_cache`` (with ``first_token``'s 8 bytes at the end of the
-    last message, if given) over ``ch``; returns once all has crossed. ``staging``: two reusable
+def _enqueue_send_on(ch: PairChannel, kv_cache: torch.Tensor, ids: list[int],
+                     max_message_bytes: int, deadline: float,
+                     ready_event: "torch.cuda.Event | None" = None,
+                     staging: list | None = None,
+                     first_token: FirstTokenRef | None = None) -> list:
+    """Start sending the blocks ``ids`` of ``kv_cache`` (with ``first_token``'s 8 bytes at the
+    end of the last message, if given) over ``ch``; returns the operations, which the caller
+    must ``ch.synchronize`` (each keeps its tensor alive until then). ``staging``: two reusable
     buffer slots (CPU; on CUDA the caching allocator reuses)."""
     block_bytes = bytes_per_block(kv_cache)
     chunks = plan_chunks(len(ids), block_bytes, max_message_bytes)
@@ -129,8 +130,7 @@ def _send_blocks_on(ch: PairChannel, kv_cache: torch.Tensor, ids: list[int],
                 msg[need:].view(torch.uint8)[:_TOKEN_BYTES].copy_(token.message().view(torch.uint8))
             last[slot] = ch.isend(msg, tag=i)
             ops.append(last[slot])
-        ch.synchronize(ops, deadline)
-    return len(ids) * block_bytes
+    return ops
 
 
 def _recv_blocks_on(ch: PairChannel, kv_cache: torch.Tensor, ids: list[int],

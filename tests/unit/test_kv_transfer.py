@@ -481,6 +481,29 @@ def test_in_process_first_token_rides_in_the_last_message(case, dtype):
         recv.close()
 
 
+def test_in_process_sends_started_before_the_previous_one_crossed():
+    """start_send returns once a send is enqueued; several can be started in PushKV order and
+    waited afterwards (Gloo: each start waits for the pair's previous send itself)."""
+    src = _source_pool(6, "bfloat16")
+    dst = _poisoned_pool("bfloat16")
+    bb = bytes_per_block(src)
+    transfers = [([1, 4], [7, 2]), ([9], [3]), ([11, 12, 13], [20, 21, 22])]
+    with KvStoreServer("127.0.0.1", 0) as server:
+        recv = KvReceiver(dst, "d", server, timeout=10)
+        sender = KvSender("p", timeout=10, first_epoch=2)
+        futures = [recv.post("p", 2, d) for _, d in transfers]
+        pending = [sender.start_send("d", server.address, 2, src, s) for s, _ in transfers]
+        assert [p.wait()[0] for p in pending] == [len(s) * bb for s, _ in transfers]
+        assert [f.result(timeout=10).num_bytes for f in futures] == [len(s) * bb for s, _ in transfers]
+        assert pending[0].wait()[0] == 2 * bb            # waiting again gives the same result
+        assert _check_landed(dst, src, [i for s, _ in transfers for i in s],
+                             [i for _, d in transfers for i in d],
+                             {i for _, d in transfers for i in d}) == []
+        assert sender.next_epoch("d") == 2               # no failure: same epoch
+        sender.close()
+        recv.close()
+
+
 def test_in_process_chunked_transfer_and_errors():
     """Sender and receiver in one process (two threads, Gloo over loopback): transfers
     chunked into 1-block messages, contiguous and scattered ids, zero blocks, bad input."""
