@@ -60,3 +60,22 @@ def copy_bandwidth(num_bytes: int = 1 << 30, iters: int = 20) -> float:
     times.sort()
     del src, dst
     return 2 * num_bytes / times[len(times) // 2]
+
+
+def gpu_pair_channel(rank: int, addr_q, name: str, timeout: float):
+    """For a two-process GPU probe: bind this process to ``cuda:rank`` and join a pair channel
+    named ``name`` (rank 1 hosts the store and hands its address to rank 0 through ``addr_q``).
+    Returns ``(device, channel, store)``; keep the store referenced while the channel is used."""
+    from common.kv_transfer import KvStoreServer
+    from common.kv_transfer.channel import PairChannel
+    dev = torch.device("cuda", rank)
+    torch.cuda.set_device(dev)
+    store = None
+    if rank == 1:
+        store = KvStoreServer("127.0.0.1", 0)
+        addr_q.put(store.address)
+        addr = store.address
+    else:
+        addr = addr_q.get(timeout=60)
+    ch = PairChannel(addr, f"{name}-p", f"{name}-d", 1, rank, dev, timeout=timeout)
+    return dev, ch, store

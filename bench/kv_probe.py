@@ -129,22 +129,13 @@ def _run(rank: int, args: dict, plan: list[dict], conn, addr_q, out_q) -> None:
     try:
         import torch
 
-        from common.kv_transfer import KvStoreServer
-        from common.kv_transfer.channel import PairChannel
-        dev = torch.device("cuda", rank)
-        torch.cuda.set_device(dev)
-        if rank == 1:
-            server = KvStoreServer("127.0.0.1", 0)
-            addr_q.put(server.address)
-            addr = server.address
-        else:
-            addr = addr_q.get(timeout=60)
+        from bench.common import gpu_pair_channel
+        dev, ch, _store = gpu_pair_channel(rank, addr_q, "probe", timeout=15)
         nb = args["num_blocks"]
         pool = _pool(dev, nb, 7 if rank == 0 else None)
         ref = _pool(dev, nb, 7) if rank == 1 else None
         max_n = max(item["n"] for item in plan)
         staging = torch.empty(max_n, *GEOM, dtype=torch.bfloat16, device=dev)
-        ch = PairChannel(addr, "probe-p", "probe-d", 1, rank, dev, timeout=15)
         torch.cuda.synchronize()
         rows = []
         strategies = [s for s in args["strategies"]

@@ -48,17 +48,8 @@ def _run(rank: int, args: dict, conn, addr_q, out_q) -> None:
     try:
         import torch
 
-        from common.kv_transfer import KvStoreServer
-        from common.kv_transfer.channel import PairChannel
-        dev = torch.device("cuda", rank)
-        torch.cuda.set_device(dev)
-        if rank == 1:
-            server = KvStoreServer("127.0.0.1", 0)
-            addr_q.put(server.address)
-            addr = server.address
-        else:
-            addr = addr_q.get(timeout=60)
-        ch = PairChannel(addr, "reg-p", "reg-d", 1, rank, dev, timeout=20)
+        from bench.common import gpu_pair_channel
+        dev, ch, _store = gpu_pair_channel(rank, addr_q, "reg", timeout=20)
         max_bytes = max(args["sizes"])
         plain = torch.empty(max_bytes, dtype=torch.uint8, device=dev)
         reg, why = _registered_buffer(ch._pg, dev, max_bytes)

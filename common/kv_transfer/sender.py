@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from .blocks import DEFAULT_MAX_MESSAGE_BYTES, BlockIds, check_block_ids, check_pool
+from .blocks import DEFAULT_MAX_MESSAGE_BYTES, BlockIds, bytes_per_block, check_block_ids, check_pool
 from .channel import DEFAULT_TIMEOUT, PairChannel
 from .errors import KvTransferError
 from .transfer import FirstTokenRef, _enqueue_send_on, initial_epoch
@@ -176,8 +176,8 @@ class KvSender:
                 ops = _enqueue_send_on(ch, kv_cache, ids, self.max_message_bytes, deadline,
                                        ready_event, None if kv_cache.is_cuda else pair.staging,
                                        first_token)
-                pending = PendingSend(self, pair, ch, ops, len(ids) * kv_cache[0].numel()
-                                      * kv_cache.element_size(), deadline, t0, label)
+                pending = PendingSend(self, pair, ch, ops, len(ids) * bytes_per_block(kv_cache),
+                                      deadline, t0, label)
                 pair.last = None if kv_cache.is_cuda else pending
                 return pending
             except Exception as e:

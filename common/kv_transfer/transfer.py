@@ -7,10 +7,10 @@ returned and never has two PushKV in flight to the same decode worker. Both side
 the same messages in the same order on the pair channel.
 
 A transfer of ``n`` blocks is cut into ``plan_chunks(n, bytes_per_block, max_message_bytes)``
-messages (one message unless it is larger than ``max_message_bytes``). A run of consecutive block ids
-is sent from / received into the pool directly; other blocks go through a staging buffer
-(``gather_blocks`` / ``scatter_blocks``), double-buffered so that the gather (scatter) of one
-chunk overlaps the transfer of the next (previous) one.
+messages (one message unless it is larger than ``max_message_bytes``). A run of consecutive
+block ids is sent from / received into the pool directly; other blocks go through a staging
+buffer (``gather_blocks`` / ``scatter_blocks``), double-buffered so that the gather (scatter)
+of one chunk overlaps the transfer of the next (previous) one.
 
 The first token may ride along: 8 bytes (``int32`` token id, ``float32`` log-probability)
 appended to the last message, which both sides then stage even when its blocks are
