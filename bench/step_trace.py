@@ -60,6 +60,39 @@ def instrument(llm: LLM) -> list[list]:
     return records
 
 
+def time_host_calls(llm: LLM) -> dict[str, list[float]]:
+    """Wrap the host-side pieces of a step (batch preparation, forward launch, logits, sampler,
+    KV-store hook) with wall-clock timers; returns name -> list of seconds, one per call."""
+    mr = llm.engine.model_runner
+    sink: dict[str, list[float]] = {}
+    targets = [(mr, "prepare_prefill"), (mr, "prepare_decode"), (mr, "_sampling_batch"),
+               (mr.model, "forward"), (mr, "sampler")]
+    for obj, name in targets:
+        original = getattr(obj, name)
+
+        def timed(*args, _original=original, _name=name, **kwargs):
+            t0 = time.perf_counter()
+            try:
+                return _original(*args, **kwargs)
+            finally:
+                sink.setdefault(_name, []).append(time.perf_counter() - t0)
+        setattr(obj, name, timed)
+    return sink
+
+
+def allocator_counts() -> dict[str, int]:
+    """Device and pinned-host allocator events that can stall the host (cudaMalloc / cudaFree /
+    cudaHostAlloc, allocation retries)."""
+    dev = torch.cuda.memory_stats()
+    out = {k: int(dev.get(k, 0)) for k in ("num_alloc_retries", "num_device_alloc", "num_device_free",
+                                            "num_sync_all_streams")}
+    host = getattr(torch.cuda, "host_memory_stats", None)
+    if host is not None:
+        h = host()
+        out.update({f"host_{k}": int(h.get(k, 0)) for k in ("num_host_alloc", "num_host_free")})
+    return out
+
+
 def summarize(records: list[tuple], weight_bytes: int, kv_bytes: int, bandwidth: float) -> dict:
     torch.cuda.synchronize()
     rows: dict[str, dict] = {}
@@ -164,6 +197,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--block-size", type=int, default=256)
     p.add_argument("--profile-prefill", action="store_true", help="also a profiler table of one prefill batch")
     p.add_argument("--profile-decode", default="", help="batch:context of an eager decode step to profile")
+    p.add_argument("--host-calls", action="store_true",
+                   help="also time the host pieces of each step (prepare, forward launch, sampler)")
     p.add_argument("--out", default="bench/results/step_trace.json")
     args = p.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
@@ -172,17 +207,28 @@ def main(argv: list[str] | None = None) -> int:
               max_num_batched_tokens=16384)
     llm.generate([[1, 2, 3, 4] * 8] * 4, SamplingParams(max_tokens=32, ignore_eos=True), use_tqdm=False)
     records = instrument(llm)
+    host_calls = time_host_calls(llm) if args.host_calls else {}
     work = w_nano()
     torch.cuda.synchronize()
+    counts_before = allocator_counts()
     start = time.perf_counter()
     llm.generate(work.prompts, work.params, use_tqdm=False)
     torch.cuda.synchronize()
     elapsed = time.perf_counter() - start
+    counts = {k: v - counts_before.get(k, 0) for k, v in allocator_counts().items()}
     weight_bytes = sum(p.numel() * p.element_size() for p in llm.engine.model_runner.model.parameters())
     kv_bytes = llm.engine.model_runner.block_bytes // llm.engine.config.block_size
     result = {"copy_bandwidth_GBps": bandwidth / 1e9, "config": vars(args), "wall_s": elapsed,
               "output_tok_s": work.num_output_tokens / elapsed,
+              "allocator_events_during_run": counts,
+              "host_calls_ms": {k: {"calls": len(v), "mean": 1e3 * sum(v) / len(v), "max": 1e3 * max(v),
+                                    "first10": [round(1e3 * x, 3) for x in v[:10]]}
+                                for k, v in host_calls.items()},
               **summarize(records, weight_bytes, kv_bytes, bandwidth)}
+    print("allocator events during the run:", counts)
+    for k, v in result["host_calls_ms"].items():
+        print(f"host {k:>16s}: {v['calls']:5d} calls, mean {v['mean']:.3f} ms, max {v['max']:.3f} ms, "
+              f"first {v['first10']}")
     del llm.engine.model_runner.launch        # the profiles below run without the trace's wrapper
     if args.profile_prefill:
         result["prefill_profile"] = profile_prefill(llm)

@@ -28,7 +28,10 @@ group are packed into the rows of one ``tl.dot`` (padded to ``max(16, next_pow2(
 masks, so G = 3 works), so each K/V tile is loaded once per group. The context of a sequence is
 cut into ``num_splits`` equal ranges of whole ``BLOCK_N`` tiles; with more than one split,
 kernel 1 writes each split's running max / sum / unnormalized accumulator to an fp32 workspace
-and kernel 2 combines them; with one split, kernel 1 writes the output directly. The number of
+and kernel 2 combines them; with one split, kernel 1 writes the output directly. The grid is
+``(Hkv, num_splits, B)``: programs start KV head fastest, so the heads of one sequence run
+together (they read interleaved 256-byte pieces of the same token rows) and, with the rows
+sorted longest context first, the longest sequences start first. The number of
 splits is picked on the host from the batch size, ``Hkv``, the SM count and an upper bound of
 the context (``max_context_len`` when given, otherwise ``block_tables.shape[1] * block_size``):
 no device value is read.
@@ -88,9 +91,9 @@ def _decode_split_kernel(
     BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr,
     SINGLE_SPLIT: tl.constexpr, DOT_PRECISION: tl.constexpr,
 ):
-    b = tl.program_id(0)
-    kvh = tl.program_id(1)
-    split = tl.program_id(2)
+    kvh = tl.program_id(0)                  # fastest: a sequence's KV heads start together
+    split = tl.program_id(1)
+    b = tl.program_id(2)
 
     ctx = tl.load(cl_ptr + b)
     n_tiles = tl.cdiv(ctx, BLOCK_N)
@@ -393,7 +396,7 @@ def paged_attention_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
         ws = workspace
         ws_strides = (workspace.stride(0), workspace.stride(1), workspace.stride(2))
     qk_scale = float(scale) * LOG2E
-    _decode_split_kernel[(B, Hkv, num_splits)](
+    _decode_split_kernel[(Hkv, num_splits, B)](
         q, k_cache, v_cache, block_tables, context_lens, out, ws,
         qk_scale, num_splits,
         q.stride(0), q.stride(1),
