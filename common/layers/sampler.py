@@ -236,9 +236,9 @@ class Sampler(nn.Module):
             # Upcasting is exact and monotone: the argmax of the raw dtype is the same token.
             return SamplerOutput(token_ids=logits.argmax(dim=-1), logprobs=None)
         if self._fused_ok(logits, batch):
-            from common.ops.sampling import gumbel_sample
+            from common.ops.sampling import temperature_sample
             seed = int(torch.randint(0, 2**31 - 1, (1,)))   # host RNG: no device sync
-            return SamplerOutput(token_ids=gumbel_sample(logits, batch.temperatures, seed), logprobs=None)
+            return SamplerOutput(token_ids=temperature_sample(logits, batch.temperatures, seed), logprobs=None)
         raw = logits.float()          # may alias ``logits``: never modified in place
         lse = torch.logsumexp(raw, dim=-1) if batch.need_logprobs else None
 
@@ -260,7 +260,7 @@ class Sampler(nn.Module):
 
     @staticmethod
     def _fused_ok(logits: torch.Tensor, batch: SamplingBatch) -> bool:
-        """Temperature-only rows (greedy or sampled, unseeded), on CUDA: one fused Gumbel-max pass."""
+        """Temperature-only rows (greedy or sampled, unseeded), on CUDA: one fused pass (common.ops.sampling)."""
         return (use_fused(logits) and not batch.any_penalty and not batch.need_logprobs
                 and not batch.any_top_k and not batch.any_top_p and not batch.any_min_p
                 and not batch.seeded_rows)

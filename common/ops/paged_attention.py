@@ -318,15 +318,16 @@ def decode_num_splits(batch: int, num_kv_heads: int, max_context_len: int,
                       device: torch.device | str, max_splits: int = DECODE_MAX_SPLITS) -> int:
     """Number of KV splits so that ``batch * num_kv_heads * splits`` programs fill the GPU.
 
-    Host-only arithmetic (safe to call while capturing a CUDA graph). Splits only when fewer
-    than ~2 programs per SM would run (``2 * SMs // programs``, rounded down): measured on
-    H100/H200 (bench/attention_balance.py), one split is as fast or faster from ~2 programs per
-    SM up (batch 32 x 8 KV heads: 0.079 ms with 1 split vs 0.097 with 3), while a batch of 8
-    gains ~1.6x from 4 splits. Never splits a context below ``_MIN_TOKENS_PER_SPLIT`` tokens.
+    Host-only arithmetic (safe to call while capturing a CUDA graph): about four programs per
+    SM (``4 * SMs / programs``, rounded). Measured on an H100 in CUDA graphs with ragged
+    W-nano contexts (bench/attention_balance.py, attention_balance_graph_h100.json): batch 32 x
+    8 KV heads 81 -> 76 us with 2 splits, batch 16 66 -> 45 us with 4, batch 8 65 -> 27 us
+    with 6; from batch 48 up one split is as fast. Never splits a context below
+    ``_MIN_TOKENS_PER_SPLIT`` tokens.
     """
     device = torch.device(device)
     programs = max(1, batch * num_kv_heads)
-    by_occupancy = (2 * _sm_count(device)) // programs
+    by_occupancy = (4 * _sm_count(device) + programs // 2) // programs
     by_length = max(1, max_context_len // _MIN_TOKENS_PER_SPLIT)
     return int(max(1, min(by_occupancy, by_length, max_splits)))
 
@@ -431,8 +432,10 @@ def _prefill_config(dtype: torch.dtype, head_dim: int, max_seqlen_q: int,
         return 16, 64, 4, 3
     if max_seqlen_q <= 64:
         return 64, 64, 4, 3
-    if head_dim <= 64:
-        return 128, 64, 4, 3
+    if head_dim <= 128:
+        # W-nano's prefill step (16k tokens of 100-1024-token prompts, D=128) on an H100:
+        # 225 us vs 302 us for (128, 64, 8, 3), the best of 36 (prefill_sweep_h100.json)
+        return 64, 32, 4, 2
     return 128, 64, 8, 3
 
 

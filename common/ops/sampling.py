@@ -1,11 +1,19 @@
-"""Fused temperature sampling (Gumbel-max) in one pass over the logits, for the common case.
+"""Fused temperature sampling for the common case: one read of the logits, one random number
+per row.
 
-``argmax(logits / T + G)`` with ``G`` i.i.d. standard Gumbel noise draws exactly from
-``softmax(logits / T)``; rows with ``T == 0`` take the plain argmax (ties: lowest index). Each
-element of the logits is read once (no fp32 copy, no softmax, no noise tensor in memory);
-the noise comes from Triton's counter-based RNG keyed by a per-step ``seed`` and the element
-index. Used by the sampler only when no row needs top-k/top-p/min-p, penalties, a per-request
-seed or logprobs.
+A row with temperature ``T > 0`` draws token ``i`` with probability ``softmax(logits / T)_i``
+by inverse-CDF sampling. Kernel 1 cuts each row into chunks of CHUNK columns and keeps, per
+(row, chunk), the chunk's max and its sum of ``exp(logits / T - max)`` (base 2). Kernel 2, one
+program per row, combines the chunks into the row's normaliser, draws one uniform ``u``
+(Triton's counter-based Philox keyed by a per-step ``seed`` and the row), picks the chunk where
+the cumulative mass passes ``u`` and scans that chunk alone for the token. Rows with ``T == 0``
+take the plain argmax (ties: lowest index). The logits are read once in full plus one chunk per
+row; nothing of size ``[B, V]`` is written. Used by the sampler only when no row needs
+top-k/top-p/min-p, penalties, a per-request seed or logprobs.
+
+(A Gumbel-max pass, ``argmax(logits / T + G)``, draws from the same distribution but needs a
+random number and two logarithms per logit: at batch 256 it took ~0.15 ms of a decode step on
+an H100 against ~0.09 ms for this one, bench/NOTES.md run 21.)
 """
 from __future__ import annotations
 
@@ -13,75 +21,81 @@ import torch
 import triton
 import triton.language as tl
 
-
-# Each row is cut into chunks of CHUNK columns, one program per (row, chunk): a decode batch of
-# any size keeps every SM busy (one program per row left most of the GPU idle at small batches
-# and took ~0.2 ms at 256 rows). A second kernel picks each row's best chunk. The noise is the
-# costly part (Philox is ~70 integer ops): one ``rand4x`` call gives four uniforms, used for four
-# quarter-blocks of columns.
-CHUNK = 8192
-BLOCK = 2048
-SUB = BLOCK // 4
+CHUNK = 2048        # columns per (row, chunk) program of kernel 1; kernel 2 scans one chunk
+LOG2E = 1.4426950408889634
 
 
 @triton.jit
-def _best_of(x_ptr, start, lane, V, u, inv_t, greedy, best_val, best_idx):
-    """Fold columns ``start + lane`` (noise ``u``) into the running (best value, best index)."""
-    cols = start + lane
-    mask = cols < V
-    x = tl.load(x_ptr + cols, mask=mask, other=float("-inf")).to(tl.float32)
-    g = -tl.log(-tl.log(tl.maximum(u, 1e-10)))
-    val = tl.where(mask, x * inv_t + tl.where(greedy, 0.0, g), float("-inf"))
-    m = tl.max(val, axis=0)
-    i = tl.argmax(val, axis=0).to(tl.int64) + start
-    better = m > best_val                       # strict: the lowest index wins a tie
-    return tl.where(better, m, best_val), tl.where(better, i, best_idx)
+def _row_scale(temp_ptr, row):
+    """(greedy, scale): base-2 logits are ``x * scale``; greedy rows keep the raw logits."""
+    t = tl.load(temp_ptr + row)
+    greedy = t == 0.0
+    return greedy, tl.where(greedy, 1.0, 1.4426950408889634 / tl.where(greedy, 1.0, t))
+
+
+@triton.jit
+def _chunk_stats_kernel(logits_ptr, temp_ptr, max_ptr, sum_ptr, arg_ptr, V, stride, num_chunks,
+                        CHUNK: tl.constexpr):
+    """Per (row, chunk): max of ``x * scale``, sum of ``exp2(x * scale - max)``, first argmax."""
+    row = tl.program_id(0)
+    chunk = tl.program_id(1)
+    greedy, scale = _row_scale(temp_ptr, row)
+    cols = chunk * CHUNK + tl.arange(0, CHUNK)
+    x_ptr = logits_ptr + row.to(tl.int64) * stride
+    f = tl.load(x_ptr + cols, mask=cols < V, other=float("-inf")).to(tl.float32) * scale
+    m = tl.max(f, axis=0)
+    out = row * num_chunks + chunk
+    tl.store(max_ptr + out, m)
+    tl.store(sum_ptr + out, tl.sum(tl.exp2(f - m), axis=0))
+    tl.store(arg_ptr + out, tl.argmax(f, axis=0).to(tl.int64) + chunk * CHUNK)   # first on a tie
 
 
 @triton.jit(do_not_specialize=["seed"])   # a new seed every step: never a new compile
-def _gumbel_chunk_kernel(logits_ptr, temp_ptr, val_ptr, idx_ptr, V, stride, seed, num_chunks,
-                         CHUNK: tl.constexpr, SUB: tl.constexpr):
+def _pick_kernel(logits_ptr, temp_ptr, max_ptr, sum_ptr, arg_ptr, out_ptr, V, stride, seed,
+                 num_chunks, CHUNK: tl.constexpr, BLOCK_C: tl.constexpr):
     row = tl.program_id(0)
-    chunk = tl.program_id(1)
-    t = tl.load(temp_ptr + row)
-    greedy = t == 0.0
-    inv_t = tl.where(greedy, 1.0, 1.0 / tl.where(greedy, 1.0, t))
-    best_val = tl.full([], float("-inf"), tl.float32)
-    best_idx = tl.full([], 0, tl.int64) + chunk * CHUNK
-    x_ptr = logits_ptr + row * stride
-    blocks_per_row = tl.cdiv(V, 4 * SUB)
-    lane = tl.arange(0, SUB)
-    for off in range(0, tl.minimum(CHUNK, V - chunk * CHUNK), 4 * SUB):
-        base = chunk * CHUNK + off
-        # one counter per (row, block, lane): unique over the whole batch for this seed
-        counter = (row * blocks_per_row + base // (4 * SUB)) * SUB + lane
-        u0, u1, u2, u3 = tl.rand4x(seed, counter)
-        best_val, best_idx = _best_of(x_ptr, base, lane, V, u0, inv_t, greedy, best_val, best_idx)
-        best_val, best_idx = _best_of(x_ptr, base + SUB, lane, V, u1, inv_t, greedy, best_val, best_idx)
-        best_val, best_idx = _best_of(x_ptr, base + 2 * SUB, lane, V, u2, inv_t, greedy, best_val, best_idx)
-        best_val, best_idx = _best_of(x_ptr, base + 3 * SUB, lane, V, u3, inv_t, greedy, best_val, best_idx)
-    tl.store(val_ptr + row * num_chunks + chunk, best_val)
-    tl.store(idx_ptr + row * num_chunks + chunk, best_idx)
-
-
-@triton.jit
-def _best_chunk_kernel(val_ptr, idx_ptr, out_ptr, num_chunks, BLOCK_C: tl.constexpr):
-    row = tl.program_id(0)
+    greedy, scale = _row_scale(temp_ptr, row)
     offs = tl.arange(0, BLOCK_C)
-    v = tl.load(val_ptr + row * num_chunks + offs, mask=offs < num_chunks, other=float("-inf"))
-    j = tl.argmax(v, axis=0)                    # the first (lowest-index) chunk on a tie
-    tl.store(out_ptr + row, tl.load(idx_ptr + row * num_chunks + j))
+    c_mask = offs < num_chunks
+    cm = tl.load(max_ptr + row * num_chunks + offs, mask=c_mask, other=float("-inf"))
+    cs = tl.load(sum_ptr + row * num_chunks + offs, mask=c_mask, other=0.0)
+    top = tl.max(cm, axis=0)
+    # greedy: the chunk with the largest max (the first on a tie) and its argmax
+    greedy_tok = tl.load(arg_ptr + row * num_chunks + tl.argmax(cm, axis=0))
+    # sampled: chunk masses on one scale, then the chunk where the cumulative mass passes u
+    w = tl.where(c_mask, cs * tl.exp2(cm - top), 0.0)
+    cum = tl.cumsum(w, axis=0)
+    u = tl.rand(seed, row) * tl.max(cum, axis=0)                # in [0, total)
+    chunk = tl.minimum(tl.sum((cum <= u).to(tl.int32), axis=0), num_chunks - 1)
+    target = u - tl.sum(tl.where(offs < chunk, w, 0.0), axis=0)
+    # inside that chunk: the first token whose cumulative mass passes what is left of u
+    cols = chunk * CHUNK + tl.arange(0, CHUNK)
+    valid = cols < V
+    x_ptr = logits_ptr + row.to(tl.int64) * stride
+    f = tl.load(x_ptr + cols, mask=valid, other=float("-inf")).to(tl.float32) * scale
+    e = tl.where(valid, tl.exp2(f - top), 0.0)
+    hit = (tl.cumsum(e, axis=0) > target) & valid
+    first = tl.min(tl.where(hit, cols, V), axis=0)
+    last = tl.max(tl.where(e > 0.0, cols, 0), axis=0)          # rounding fallback: last with mass
+    sampled = tl.where(first < V, first, last).to(tl.int64)
+    tl.store(out_ptr + row, tl.where(greedy, greedy_tok, sampled))
 
 
-def gumbel_sample(logits: torch.Tensor, temperatures: torch.Tensor, seed: int) -> torch.Tensor:
-    """logits: [B, V] (any float dtype); temperatures: [B] fp32 (0 = greedy) -> token ids [B] int64."""
+def temperature_sample(logits: torch.Tensor, temperatures: torch.Tensor, seed: int) -> torch.Tensor:
+    """logits: [B, V] (any float dtype, last dim contiguous); temperatures: [B] fp32 (0 = greedy)
+    -> token ids [B] int64."""
     B, V = logits.shape
+    assert logits.stride(1) == 1
     num_chunks = triton.cdiv(V, CHUNK)
-    vals = torch.empty(B, num_chunks, dtype=torch.float32, device=logits.device)
-    idxs = torch.empty(B, num_chunks, dtype=torch.int64, device=logits.device)
+    chunk_max = torch.empty(B, num_chunks, dtype=torch.float32, device=logits.device)
+    chunk_sum = torch.empty(B, num_chunks, dtype=torch.float32, device=logits.device)
+    args = torch.empty(B, num_chunks, dtype=torch.int64, device=logits.device)
     out = torch.empty(B, dtype=torch.int64, device=logits.device)
-    _gumbel_chunk_kernel[(B, num_chunks)](logits, temperatures, vals, idxs, V, logits.stride(0), seed,
-                                          num_chunks, CHUNK=CHUNK, SUB=SUB, num_warps=4)
-    _best_chunk_kernel[(B,)](vals, idxs, out, num_chunks, BLOCK_C=max(2, triton.next_power_of_2(num_chunks)),
-                             num_warps=1)
+    if B == 0:
+        return out
+    _chunk_stats_kernel[(B, num_chunks)](logits, temperatures, chunk_max, chunk_sum, args, V,
+                                         logits.stride(0), num_chunks, CHUNK=CHUNK, num_warps=4)
+    _pick_kernel[(B,)](logits, temperatures, chunk_max, chunk_sum, args, out, V, logits.stride(0), seed,
+                       num_chunks, CHUNK=CHUNK, BLOCK_C=max(2, triton.next_power_of_2(num_chunks)),
+                       num_warps=8)
     return out

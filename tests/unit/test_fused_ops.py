@@ -93,40 +93,58 @@ def test_qk_norm_rope_stores_kv_like_store_kvcache(dtype):
     torch.testing.assert_close(pools[0], pools[1], rtol=0, atol=0, equal_nan=True)
 
 
-def test_gumbel_sample_greedy_rows_and_distribution():
-    from common.ops.sampling import gumbel_sample
+def test_temperature_sample_greedy_rows_and_distribution():
+    from common.ops.sampling import temperature_sample
     torch.manual_seed(3)
     V = 5000
     logits = torch.randn(4, V, device=DEVICE)
     temps = torch.tensor([0.0, 0.0, 1.0, 1.0], device=DEVICE)
-    out = gumbel_sample(logits, temps, seed=123)
+    out = temperature_sample(logits, temps, seed=123)
     assert out[:2].tolist() == logits[:2].argmax(-1).tolist()
     # a 4-token distribution: empirical frequencies match softmax(logits / T)
     small = torch.tensor([[2.0, 1.0, 0.0, -1.0]], device=DEVICE).repeat(2000, 1)
     t = torch.full((2000,), 0.7, device=DEVICE)
-    draws = gumbel_sample(small, t, seed=7)
+    draws = temperature_sample(small, t, seed=7)
     freq = torch.bincount(draws.cpu(), minlength=4).float() / 2000
     expected = torch.softmax(small[0].cpu() / 0.7, -1)
     assert (freq - expected).abs().max() < 0.04
-    assert not torch.equal(gumbel_sample(small[:50], t[:50], 1), gumbel_sample(small[:50], t[:50], 2))
+    assert not torch.equal(temperature_sample(small[:50], t[:50], 1), temperature_sample(small[:50], t[:50], 2))
 
 
-def test_gumbel_sample_across_vocabulary_chunks():
+def test_temperature_sample_across_vocabulary_chunks():
     """Rows longer than one chunk: greedy rows equal torch's argmax, a tie across chunks goes to
     the lowest index, and a sampled row can land in any chunk."""
-    from common.ops.sampling import CHUNK, gumbel_sample
+    from common.ops.sampling import CHUNK, temperature_sample
     torch.manual_seed(5)
     V = 2 * CHUNK + 1234
     logits = torch.randn(3, V, device=DEVICE)
     logits[2] = 0.0
     logits[2, CHUNK + 7] = logits[2, 2 * CHUNK + 5] = 9.0       # a tie in chunks 1 and 2
     greedy = torch.zeros(3, device=DEVICE)
-    out = gumbel_sample(logits, greedy, seed=11)
+    out = temperature_sample(logits, greedy, seed=11)
     assert out[:2].tolist() == logits[:2].argmax(-1).tolist()
     assert out[2].item() == CHUNK + 7
     favour = torch.zeros(3, V, device=DEVICE)
     for chunk in range(3):                                       # row j: all the mass in chunk j
         favour[chunk, :] = -30.0
         favour[chunk, chunk * CHUNK:(chunk + 1) * CHUNK] = 0.0
-    draws = gumbel_sample(favour, torch.ones(3, device=DEVICE), seed=3)
+    draws = temperature_sample(favour, torch.ones(3, device=DEVICE), seed=3)
     assert [int(d) // CHUNK for d in draws] == [0, 1, 2] and int(draws.max()) < V
+
+
+def test_temperature_sample_mass_spread_over_chunks():
+    """One distribution over three chunks (masses 0.2 / 0.5 / 0.3 at T = 0.5, tokens inside a
+    chunk uniform): the chunk and token frequencies of many rows match it."""
+    from common.ops.sampling import CHUNK, temperature_sample
+    V, rows, T = 2 * CHUNK + 1234, 300, 0.5
+    sizes = torch.tensor([CHUNK, CHUNK, V - 2 * CHUNK], dtype=torch.float64)
+    mass = torch.tensor([0.2, 0.5, 0.3], dtype=torch.float64)
+    per_token = T * torch.log(mass / sizes)                      # logits / T = log p
+    logits = torch.cat([per_token[c].repeat(int(sizes[c])) for c in range(3)]).float()
+    draws = temperature_sample(logits.to(DEVICE).repeat(rows, 1), torch.full((rows,), T, device=DEVICE),
+                               seed=17).cpu()
+    assert draws.min() >= 0 and draws.max() < V
+    freq = torch.bincount(draws // CHUNK, minlength=3).double() / rows
+    assert (freq - mass).abs().max() < 0.08, freq          # ~3.4 sigma at 300 rows
+    inside = draws[draws < CHUNK].double() / CHUNK               # uniform inside chunk 0
+    assert abs(inside.mean().item() - 0.5) < 0.1
