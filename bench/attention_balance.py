@@ -20,33 +20,11 @@ import time
 
 import torch
 
+from bench.common import graph_time
 from common.ops.paged_attention import alloc_decode_workspace, decode_num_splits, paged_attention_decode
 from common.ops.reference import paged_attention_decode_ref
 
 HKV, HQ, D, BLOCK = 8, 16, 128, 256
-
-
-def _time_graph(fn, reps: int = 30) -> float:
-    """Seconds per call of ``fn`` replayed from a CUDA graph (no host launch cost in the figure)."""
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        for _ in range(3):
-            fn()
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        fn()
-    for _ in range(3):
-        graph.replay()
-    torch.cuda.synchronize()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(reps):
-        graph.replay()
-    end.record()
-    end.synchronize()
-    return start.elapsed_time(end) / reps * 1e-3
 
 
 def _case(lens: list[int], k_cache, v_cache, splits: int, check: bool) -> dict:
@@ -65,8 +43,8 @@ def _case(lens: list[int], k_cache, v_cache, splits: int, check: bool) -> dict:
         assert err < 2e-2, f"rel err {err}"
     out = torch.empty_like(q)
     ws = alloc_decode_workspace(B, HQ, D, max(splits, 2), dev)
-    secs = _time_graph(lambda: paged_attention_decode(q, k_cache, v_cache, bt, cl, scale, out=out,
-                                                      workspace=ws, num_splits=splits))
+    secs = graph_time(lambda: paged_attention_decode(q, k_cache, v_cache, bt, cl, scale, out=out,
+                                                     workspace=ws, num_splits=splits), replays=30)
     nbytes = sum(lens) * HKV * D * 2 * k_cache.element_size()
     return {"ms": secs * 1e3, "GBps": nbytes / secs / 1e9}
 

@@ -11,33 +11,10 @@ import argparse
 import torch
 import torch.nn.functional as F
 
-from bench.common import copy_bandwidth, write_result
+from bench.common import copy_bandwidth, graph_time, write_result
 
 SHAPES = {"qkv": (4096, 1024), "o_proj": (1024, 2048), "gate_up": (6144, 1024), "down": (1024, 3072)}
 REPEAT = 50
-
-
-def graph_time(fn, iters: int = 5) -> float:
-    """Seconds per call of ``fn`` replayed REPEAT times inside one CUDA graph (median of iters)."""
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        for _ in range(3):
-            fn()
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for _ in range(REPEAT):
-            fn()
-    times = []
-    for _ in range(iters):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        graph.replay()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end) / 1e3 / REPEAT)
-    return sorted(times)[len(times) // 2]
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -57,11 +34,11 @@ def main(argv: list[str] | None = None) -> int:
             row = {"gemm": name, "M": m, "N": n, "K": k, "floor_us": 1e6 * w.numel() * 2 / bandwidth}
             for way, fn in ways.items():
                 torch.testing.assert_close(fn(), ref, rtol=2e-2, atol=2e-2)
-                row[f"{way}_us"] = 1e6 * graph_time(fn)
+                row[f"{way}_us"] = 1e6 * graph_time(fn, calls=REPEAT, replays=5)
             blas_default = torch.backends.cuda.preferred_blas_library()
             for lib in ("cublaslt", "cublas"):
                 torch.backends.cuda.preferred_blas_library(lib)
-                row[f"linear_TN_{lib}_us"] = 1e6 * graph_time(lambda: F.linear(x, w))
+                row[f"linear_TN_{lib}_us"] = 1e6 * graph_time(lambda: F.linear(x, w), calls=REPEAT, replays=5)
             torch.backends.cuda.preferred_blas_library(blas_default)   # the next rows' default
             print(" ".join(f"{k}={v:.2f}" if isinstance(v, float) else f"{k}={v}" for k, v in row.items()))
             rows.append(row)

@@ -13,8 +13,7 @@ import random
 
 import torch
 
-from bench.attention_balance import _time_graph
-from bench.common import write_result
+from bench.common import graph_time, write_result
 from common.ops.paged_attention import paged_attention_prefill
 from common.ops.reference import paged_attention_prefill_ref
 
@@ -65,7 +64,7 @@ def main(argv: list[str] | None = None) -> int:
         try:
             fn()
             err = ((out.float() - ref.float()).abs().max() / ref.float().abs().max()).item()
-            secs = _time_graph(fn, reps=10)
+            secs = graph_time(fn, replays=10)
         except Exception as exc:                      # e.g. out of shared memory
             rows.append({"block_m": bm, "block_n": bn, "num_warps": w, "num_stages": s, "error": repr(exc)[:160]})
             continue

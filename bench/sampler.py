@@ -10,7 +10,7 @@ import argparse
 
 import torch
 
-from bench.common import write_result
+from bench.common import graph_time, write_result
 from common.engine.sampling_params import SamplingParams
 from common.engine.sequence import Sequence
 from common.layers.sampler import Sampler, prepare_sampling
@@ -35,28 +35,15 @@ def time_call(sampler: Sampler, rows: int, vocab: int) -> dict:
     GPU's own time; the graph keeps the seed it was captured with)."""
     logits = torch.randn(rows, vocab, device="cuda", dtype=torch.bfloat16) * 3
     batch = batch_for(rows, vocab, 0.6)
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        for _ in range(3):
-            sampler(logits, batch)
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for _ in range(10):
-            sampler(logits, batch)
-    result = {}
-    for name, fn, calls in (("eager_us", lambda: sampler(logits, batch), 1), ("graph_us", graph.replay, 10)):
-        fn()
-        torch.cuda.synchronize()
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        for _ in range(20):
-            fn()
-        end.record()
-        end.synchronize()
-        result[name] = start.elapsed_time(end) / (20 * calls) * 1e3
-    return result
+    graph_us = 1e6 * graph_time(lambda: sampler(logits, batch), calls=10, replays=20)
+    torch.cuda.synchronize()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(20):
+        sampler(logits, batch)
+    end.record()
+    end.synchronize()
+    return {"eager_us": start.elapsed_time(end) / 20 * 1e3, "graph_us": graph_us}
 
 
 def main(argv: list[str] | None = None) -> int:

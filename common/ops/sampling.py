@@ -22,7 +22,6 @@ import triton
 import triton.language as tl
 
 CHUNK = 2048        # columns per (row, chunk) program of kernel 1; kernel 2 scans one chunk
-LOG2E = 1.4426950408889634
 
 
 @triton.jit
@@ -30,7 +29,7 @@ def _row_scale(temp_ptr, row):
     """(greedy, scale): base-2 logits are ``x * scale``; greedy rows keep the raw logits."""
     t = tl.load(temp_ptr + row)
     greedy = t == 0.0
-    return greedy, tl.where(greedy, 1.0, 1.4426950408889634 / tl.where(greedy, 1.0, t))
+    return greedy, tl.where(greedy, 1.0, 1.4426950408889634 / tl.where(greedy, 1.0, t))   # log2(e) / T
 
 
 @triton.jit
