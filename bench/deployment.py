@@ -23,6 +23,14 @@ class Deployment:
     prefill: list[str]
     services: dict[str, Service] = field(default_factory=dict)
     log_dir: Path | None = None
+    http: str | None = None           # the router's OpenAI HTTP API, e.g. http://127.0.0.1:8000/v1
+    metrics: dict[str, str] = field(default_factory=dict)   # service name -> host:port of its /metrics
+
+    def scrape(self, name: str) -> str:
+        """The text of service ``name``'s /metrics (started with ``metrics=True``)."""
+        import urllib.request
+        with urllib.request.urlopen(f"http://{self.metrics[name]}/metrics", timeout=10) as r:
+            return r.read().decode()
 
     def router_stub(self) -> router_pb2_grpc.GenerationStub:
         return router_pb2_grpc.GenerationStub(grpc.insecure_channel(self.router))
@@ -81,36 +89,56 @@ def _wait(dep: Deployment, timeout: float, num_prefill: int, num_decode: int) ->
         raise
 
 
+def _metrics_port(dep: Deployment, name: str, on: bool) -> list[str]:
+    """``--metrics-port``: a free port recorded in ``dep.metrics`` when ``on``, else 0 (off)."""
+    if not on:
+        return ["--metrics-port", "0"]
+    port = free_port()
+    dep.metrics[name] = f"127.0.0.1:{port}"
+    return ["--metrics-port", str(port)]
+
+
 def start(log_dir: Path, model: str = "default", decode_blocks: int = 0, decode_role: str = "decode",
           num_prefill: int = 1, num_decode: int = 1, timeout: float = 240.0, device: str = "cpu",
           kv_memory_gb: float = 0.25, decode_gpus: list[str] | None = None, prefill_gpus: list[str] | None = None,
-          extra_worker_args: list[str] = ()) -> Deployment:
-    """``num_decode`` decode (or both) workers, ``num_prefill`` prefill workers and a router."""
+          extra_worker_args: list[str] = (), metrics: bool = False, router_args: list[str] = ()) -> Deployment:
+    """``num_decode`` decode (or both) workers, ``num_prefill`` prefill workers and a router
+    (``metrics``: each serves /metrics on a port of its own, see ``Deployment.metrics``;
+    ``router_args``: more router flags, e.g. the prefill-placement policy's)."""
     dep = Deployment(router=f"127.0.0.1:{free_port()}", decode=[], prefill=[], log_dir=log_dir)
     common = ["--host", "127.0.0.1", "--metrics-port", "0", "--model", model, "--device", device, *extra_worker_args]
     for i in range(num_decode):
         addr = f"127.0.0.1:{free_port()}"
         pool = ["--num-kv-blocks", str(decode_blocks)] if decode_blocks else ["--kv-memory-gb", str(kv_memory_gb)]
         _start(dep, f"decode{i}", ["decode", *common, "--port", addr.split(":")[1], "--kv-port", str(free_port()),
-                                   "--role", decode_role, *pool], addr, decode_gpus[i % len(decode_gpus)] if decode_gpus else None)
+                                   "--role", decode_role, *pool, *_metrics_port(dep, f"decode{i}", metrics)], addr,
+               decode_gpus[i % len(decode_gpus)] if decode_gpus else None)
         dep.decode.append(addr)
     for i in range(num_prefill):
         addr = f"127.0.0.1:{free_port()}"
-        _start(dep, f"prefill{i}", ["prefill", *common, "--port", addr.split(":")[1], "--kv-memory-gb", str(kv_memory_gb)],
+        _start(dep, f"prefill{i}", ["prefill", *common, "--port", addr.split(":")[1], "--kv-memory-gb",
+                                    str(kv_memory_gb), *_metrics_port(dep, f"prefill{i}", metrics)],
                addr, prefill_gpus[i % len(prefill_gpus)] if prefill_gpus else None)
         dep.prefill.append(addr)
-    _start(dep, "router", ["router", "--host", "127.0.0.1", "--port", dep.router.split(":")[1], "--metrics-port", "0",
-                           "--model", model, "--decode", ",".join(dep.decode), "--prefill", ",".join(dep.prefill)],
+    _start(dep, "router", ["router", "--host", "127.0.0.1", "--port", dep.router.split(":")[1],
+                           *_metrics_port(dep, "router", metrics), "--model", model, "--decode", ",".join(dep.decode),
+                           "--prefill", ",".join(dep.prefill), *router_args],
            dep.router)
     _wait(dep, timeout, num_prefill, num_decode)
     return dep
 
 
 def start_up(log_dir: Path, up_args: list[str] = (), timeout: float = 240.0) -> Deployment:
-    """``pdserve up`` (router + 1 prefill + 1 decode on the CPU by default) as one process."""
+    """``pdserve up`` (router + 1 prefill + 1 decode on the CPU by default) as one process; its
+    HTTP API on a free port unless ``up_args`` name one."""
     router_port, base = free_port(), free_port_range(4)
     dep = Deployment(router=f"127.0.0.1:{router_port}", decode=[f"127.0.0.1:{base}"],
                      prefill=[f"127.0.0.1:{base + 2}"], log_dir=log_dir)
+    up_args = list(up_args)
+    if "--http-port" not in up_args:
+        up_args += ["--http-port", str(free_port())]
+    http_port = int(up_args[up_args.index("--http-port") + 1])
+    dep.http = f"http://127.0.0.1:{http_port}/v1" if http_port else None
     _start(dep, "up", ["up", "--router-port", str(router_port), "--base-port", str(base), *up_args], dep.router)
     _wait(dep, timeout, 1, 1)
     return dep

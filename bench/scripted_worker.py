@@ -16,8 +16,16 @@ cache (common.hashing), reservations under a lease, PushKV that checks the reser
 a second Subscribe of a router replaces the first; a closed stream cancels that router's
 requests), Cancel (an admitted request ends with FINISH_REASON_CANCELLED on the stream),
 deadlines (FINISH_REASON_DEADLINE), stop_token_ids / EOS / max_tokens / max_model_len,
-GetStats, and StreamKvEvents (snapshot first). Used by the router tests and the router-overhead
-benchmark.
+GetStats, and StreamKvEvents (snapshot first, then numbered messages: ``KvEvents.seq``). Used by
+the router tests and the router-overhead benchmark.
+
+``--sim`` (the scale simulation, bench/sim): the KV pool is the engine's own BlockManager
+(bench.sim.pool: true hits, evictions and events), prefill takes the modelled time of its
+uncached tokens on a FIFO prefill GPU and decode steps the modelled time of their batch
+(bench.sim.cost, stretched by ``--time-scale``); GetStats fills the prefill backlog and context
+tokens; a prefill worker counts the pair channels it would hold (bench.sim.channels). On SIGTERM
+every worker drains: health NOT_SERVING, new requests refused (UNAVAILABLE), those in flight
+finish within the grace period.
 """
 from __future__ import annotations
 
@@ -45,6 +53,9 @@ FR = common_pb2
 ROLES = {"prefill": FR.ROLE_PREFILL, "decode": FR.ROLE_DECODE, "both": FR.ROLE_BOTH}
 # At most this many overdue engine steps are run at once (then the schedule restarts from now).
 MAX_CATCH_UP = 64
+# KV event messages queued for one slow subscriber before further ones are dropped (it sees the
+# gap in KvEvents.seq and re-subscribes for a snapshot).
+KV_QUEUE_MAX = 4096
 
 
 def script_token(prompt_ids, i: int, vocab: int, eos_ids=(2,)) -> int:
@@ -222,7 +233,21 @@ class ScriptedWorker(worker_pb2_grpc.WorkerServicer, common_pb2_grpc.InfoService
         self.worker_id = args.worker_id or f"scripted-{args.role}-{args.port}"
         self.bs = args.block_size
         self.eos = tuple(int(e) for e in args.eos_ids.split(",") if e)
-        self.pool = BlockPool(args.num_blocks, args.block_size)
+        self.cost = self.gpu = None
+        if getattr(args, "sim", False):
+            from bench.sim.channels import ChannelBook
+            from bench.sim.cost import CostModel
+            from bench.sim.pool import ManagedPool
+            from bench.sim.prefill_gpu import PrefillGpu
+            self.pool = ManagedPool(args.num_blocks, args.block_size)
+            self.cost = CostModel(scale=args.time_scale, max_batched_tokens=args.max_batched_tokens)
+            self.gpu = PrefillGpu(self.cost)
+            self.channels = ChannelBook(args.kv_max_channels, args.kv_idle_close_s)
+        else:
+            self.pool = BlockPool(args.num_blocks, args.block_size)
+            self.channels = None
+        self.kv_seq = 0
+        self.draining = False
         self.reqs: dict[str, Req] = {}           # decode side: reserved or active
         self.prefilling: dict[str, Req] = {}     # prefill side
         self.subs: dict[str, Outbox] = {}
@@ -242,6 +267,8 @@ class ScriptedWorker(worker_pb2_grpc.WorkerServicer, common_pb2_grpc.InfoService
         return ms / 1000.0 if ms else None
 
     def _check_new(self, rid: str, router_id: str, deadline: float | None) -> None:
+        if self.draining:
+            raise Unavailable(f"worker {self.worker_id} is draining")
         if self.args.fail_submits:
             self.args.fail_submits -= 1
             raise Unavailable("scripted failure (--fail-submits)")
@@ -255,8 +282,12 @@ class ScriptedWorker(worker_pb2_grpc.WorkerServicer, common_pb2_grpc.InfoService
     def _publish_kv(self) -> None:
         stored, evicted = self.pool.take_events()
         if stored or evicted:
-            ev = worker_pb2.KvEvents(stored=stored, evicted=evicted, worker_id=self.worker_id)
+            self.kv_seq += 1
+            ev = worker_pb2.KvEvents(stored=stored, evicted=evicted, worker_id=self.worker_id, seq=self.kv_seq)
+            drop = self.args.kv_drop_every
             for q in self.kv_subs:
+                if (drop and self.kv_seq % drop == 0) or q.full():
+                    continue                      # lost: the subscriber sees a gap in seq
                 q.put_nowait(ev)
 
     def _end(self, req: Req, reason: int, error: str = "",
@@ -294,6 +325,8 @@ class ScriptedWorker(worker_pb2_grpc.WorkerServicer, common_pb2_grpc.InfoService
                 self.wake.clear()
                 await self.wake.wait()
                 next_at = None
+            if self.cost is not None:
+                step_s = self._modelled_step_s()
             if next_at is None:
                 next_at = loop.time() + step_s
             delay = next_at - loop.time()
@@ -326,6 +359,11 @@ class ScriptedWorker(worker_pb2_grpc.WorkerServicer, common_pb2_grpc.InfoService
             self._publish_kv()
             if not self.args.catch_up:        # the old drifting schedule: step_ms after the work
                 next_at = loop.time() + step_s
+
+    def _modelled_step_s(self) -> float:
+        active = [r for r in self.reqs.values() if r.phase == "active"]
+        ctx = sum(len(r.prompt) + r.generated for r in active)
+        return self.cost.decode_ms(max(1, len(active)), ctx) / 1000.0
 
     def _decode(self, req: Req, n: int, box: Outbox | None) -> None:
         """Up to ``n`` steps of one request (fewer when it finishes), as one output into ``box``."""
@@ -431,6 +469,8 @@ class ScriptedWorker(worker_pb2_grpc.WorkerServicer, common_pb2_grpc.InfoService
         rid, ids, target = request.request_id, list(request.token_ids), request.kv_target
         if not request.HasField("kv_target") or not target.decode_address:
             raise FailedPrecondition("kv_target is required")
+        if self.draining:
+            raise Unavailable(f"worker {self.worker_id} is draining")
         if rid in self.prefilling:
             raise AlreadyExists(f"request {rid} is being prefilled here")
         deadline = self._deadline(request.deadline_unix_ms)
@@ -438,13 +478,7 @@ class ScriptedWorker(worker_pb2_grpc.WorkerServicer, common_pb2_grpc.InfoService
         req = Req(rid, ids, request.params, "", deadline, blocks, chain, cached, "active")
         self.prefilling[rid] = req
         try:
-            wait = self.args.prefill_ms / 1000.0
-            if deadline is not None:
-                wait = min(wait, max(0.0, deadline - time.time()))
-            try:
-                await asyncio.wait_for(req.cancelled.wait(), timeout=wait)
-            except asyncio.TimeoutError:
-                pass
+            await self._prefill_wait(req, deadline)
             if req.cancelled.is_set():
                 await context.abort(grpc.StatusCode.CANCELLED, f"request {rid} cancelled")
             if deadline is not None and time.time() >= deadline:
@@ -461,15 +495,41 @@ class ScriptedWorker(worker_pb2_grpc.WorkerServicer, common_pb2_grpc.InfoService
                 return
             send = list(target.block_ids[target.num_cached_tokens // self.bs:])
             started = time.monotonic()
-            await self._peer(target.decode_address).PushKV(worker_pb2.PushKVRequest(
-                request_id=rid, prefill_worker_id=self.worker_id, channel_epoch=1, first_token_id=tok,
-                first_token_logprob=script_logprob(0) if request.params.logprobs else 0.0,
-                num_blocks=len(send), block_ids=send, num_bytes=0), timeout=5.0, wait_for_ready=False)
+            if self.channels is not None:
+                self.channels.begin(target.decode_address)
+            try:
+                await self._peer(target.decode_address).PushKV(worker_pb2.PushKVRequest(
+                    request_id=rid, prefill_worker_id=self.worker_id, channel_epoch=1, first_token_id=tok,
+                    first_token_logprob=script_logprob(0) if request.params.logprobs else 0.0,
+                    num_blocks=len(send), block_ids=send, num_bytes=0), timeout=5.0, wait_for_ready=False)
+            finally:
+                if self.channels is not None:
+                    self.channels.end(target.decode_address)
             yield worker_pb2.PrefillResponse(transfer_done=worker_pb2.TransferDone(
                 bytes=0, transfer_ms=(time.monotonic() - started) * 1000, num_blocks=len(send)))
         finally:
             self.prefilling.pop(rid, None)
             self.pool.release(req.blocks)
+
+    async def _prefill_wait(self, req: Req, deadline: float | None) -> None:
+        """The prompt's compute time: fixed (--prefill-ms), or modelled on the prefill GPU (--sim)."""
+        wait = self.args.prefill_ms / 1000.0 if self.gpu is None else None
+        if deadline is not None:
+            left = max(0.0, deadline - time.time())
+            wait = left if wait is None else min(wait, left)
+        done = [asyncio.ensure_future(req.cancelled.wait())]
+        if self.gpu is not None:
+            done.append(self.gpu.submit(len(req.prompt) - req.cached))
+        _, pending = await asyncio.wait(done, timeout=wait, return_when=asyncio.FIRST_COMPLETED)
+        for f in pending:
+            f.cancel()
+
+    async def drain(self, grace_s: float) -> None:
+        """SIGTERM: refuse new requests; wait (up to grace_s) for those in flight."""
+        self.draining = True
+        end = time.monotonic() + grace_s
+        while (self.reqs or self.prefilling) and time.monotonic() < end:
+            await asyncio.sleep(0.05)
 
     # ---- all roles --------------------------------------------------------------------
     async def Cancel(self, request, context):
@@ -490,13 +550,19 @@ class ScriptedWorker(worker_pb2_grpc.WorkerServicer, common_pb2_grpc.InfoService
             num_running=sum(1 for r in self.reqs.values() if r.phase == "active") + len(self.prefilling),
             num_reserved=sum(1 for r in self.reqs.values() if r.phase == "reserved"),
             prefix_cache_hit_tokens=self.pool.hit_tokens, prefix_cache_query_tokens=self.pool.query_tokens,
-            num_preemptions=0, role=self.role, worker_id=self.worker_id)
+            num_preemptions=0, role=self.role, worker_id=self.worker_id,
+            num_waiting_prefill_tokens=self.gpu.waiting_tokens() if self.gpu is not None else 0,
+            num_running_context_tokens=sum(len(r.prompt) + r.generated for r in self.reqs.values()
+                                           if r.phase == "active"),
+            num_open_kv_channels=self.channels.num_open if self.channels is not None else 0,
+            num_kv_channels_opened=self.channels.num_opened if self.channels is not None else 0)
 
     async def StreamKvEvents(self, request, context):
-        q: asyncio.Queue = asyncio.Queue()
+        q: asyncio.Queue = asyncio.Queue(maxsize=KV_QUEUE_MAX)
         self.kv_subs.append(q)
         try:
-            yield worker_pb2.KvEvents(stored=list(self.pool.by_hash), snapshot=True, worker_id=self.worker_id)
+            yield worker_pb2.KvEvents(stored=list(self.pool.by_hash), snapshot=True, worker_id=self.worker_id,
+                                      seq=self.kv_seq, num_total_blocks=self.args.num_blocks)
             while True:
                 yield await q.get()
         finally:
@@ -532,6 +598,15 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    default=os.environ.get("PDSERVE_SCRIPTED_CATCH_UP", "1") != "0",
                    help="run the engine steps that came due while the process was late (CPU contention) at once, "
                         "as a GPU engine that kept stepping would (env PDSERVE_SCRIPTED_CATCH_UP=0: off)")
+    p.add_argument("--sim", action="store_true",
+                   help="scale simulation: BlockManager pool, modelled prefill/decode time (bench/sim)")
+    p.add_argument("--time-scale", type=float, default=1.0, help="--sim: every modelled time times this")
+    p.add_argument("--max-batched-tokens", type=int, default=8192, help="--sim: prefill batch budget")
+    p.add_argument("--kv-max-channels", type=int, default=32, help="--sim: pair channels a prefill worker keeps")
+    p.add_argument("--kv-idle-close-s", type=float, default=300.0, help="--sim: idle pair channels close after")
+    p.add_argument("--kv-drop-every", type=int, default=0,
+                   help="drop every Nth KV event message (tests the router's gap repair)")
+    p.add_argument("--drain-grace-s", type=float, default=1.0, help="on SIGTERM: time for requests in flight")
     p.add_argument("--log-level", default="WARNING")
     args = p.parse_args(argv)
     if args.prefill_ms is None:
@@ -546,11 +621,14 @@ async def _main(args: argparse.Namespace) -> None:
         Service(common_pb2.DESCRIPTOR.services_by_name["InfoService"],
                 common_pb2_grpc.add_InfoServiceServicer_to_server, worker),
     ])
-    engine = asyncio.create_task(worker.run_engine())
+    tasks = [asyncio.create_task(worker.run_engine())]
+    if worker.gpu is not None:
+        tasks.append(asyncio.create_task(worker.gpu.run()))
     try:
-        await serve(server, grace_s=1.0)
+        await serve(server, grace_s=args.drain_grace_s, drain=worker.drain)
     finally:
-        engine.cancel()
+        for t in tasks:
+            t.cancel()
 
 
 def main(argv: list[str] | None = None) -> int:

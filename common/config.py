@@ -125,6 +125,9 @@ class EngineConfig:
     enable_prefix_caching: bool = True
     async_scheduling: bool | None = None    # overlap host work with the GPU; None = with CUDA graphs
     warmup: bool = True                     # CUDA: compile every kernel variant before serving
+    enable_chunked_prefill: bool = True     # mixed steps: decode rows + prompt chunks under one budget
+    max_num_partial_prefills: int = 1       # prompts partly prefilled at once (chunked prefill)
+    long_prefill_token_threshold: int = 0   # cap on one prompt's chunk per step; 0 = no cap
     extra: dict = field(default_factory=dict)
 
     def __post_init__(self) -> None:
@@ -136,6 +139,10 @@ class EngineConfig:
             raise ValueError(f"max_num_seqs must be >= 1, got {self.max_num_seqs}")
         if self.max_num_batched_tokens < 1:
             raise ValueError(f"max_num_batched_tokens must be >= 1, got {self.max_num_batched_tokens}")
+        if self.max_num_partial_prefills < 1:
+            raise ValueError(f"max_num_partial_prefills must be >= 1, got {self.max_num_partial_prefills}")
+        if self.long_prefill_token_threshold < 0:
+            raise ValueError(f"long_prefill_token_threshold must be >= 0, got {self.long_prefill_token_threshold}")
         if self.num_kv_blocks is not None and self.num_kv_blocks < 1:
             raise ValueError(f"num_kv_blocks must be >= 1, got {self.num_kv_blocks}")
         if not 0.0 < self.gpu_memory_utilization <= 1.0:

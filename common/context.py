@@ -2,6 +2,10 @@
 
 Set for exactly one forward by ``forward_context(...)``, a context manager that always resets,
 so no stale batch metadata survives an exception.
+
+A step with ``is_prefill`` may mix rows: its first ``num_decode_tokens`` sequences decode one
+token each (decode attention), the rest compute prompt chunks (varlen prefill attention over
+``cu_seqlens_q``). ``context_lens`` and ``block_tables`` cover all rows, decode rows first.
 """
 from __future__ import annotations
 
@@ -18,7 +22,10 @@ class ForwardContext:
     slot_mapping: torch.Tensor            # [num_tokens] int32: where each new token's KV goes
     context_lens: torch.Tensor            # [B] int32: tokens of context incl. the new ones
     block_tables: torch.Tensor            # [B, max_blocks] int32, padded with -1
-    cu_seqlens_q: torch.Tensor | None = None   # [B+1] int32 (prefill)
+    cu_seqlens_q: torch.Tensor | None = None   # [Bp+1] int32 (prefill): the prompt-chunk rows only
+    num_decode_tokens: int = 0                 # prefill steps: leading rows that decode one token each
+    chunk_context_lens: torch.Tensor | None = None   # [Bp] int32: context_lens of the chunk rows (mixed)
+    chunk_block_tables: torch.Tensor | None = None   # [Bp, max_blocks] int32: their block tables (mixed)
     max_seqlen_q: int = 1
     max_context_len: int | None = None         # host-side max of context_lens, when known
     decode_workspace: torch.Tensor | None = None   # preallocated split-KV workspace (CUDA graphs)

@@ -55,3 +55,50 @@ def log_level() -> str:
 def fused_ops() -> bool:
     """Fused Triton elementwise kernels on CUDA (``PDSERVE_FUSED_OPS``, default on)."""
     return get_bool("FUSED_OPS", True)
+
+
+def kv_max_channels() -> int:
+    """Most pair channels a worker keeps open (``PDSERVE_KV_MAX_CHANNELS``, default 32; 0 = no cap)."""
+    return get_int("KV_MAX_CHANNELS", 32)
+
+
+def kv_idle_close_s() -> float:
+    """A prefill worker closes a pair channel unused this long (``PDSERVE_KV_IDLE_CLOSE_S``,
+    default 300 s; 0 = never); a decode worker closes its side after twice that."""
+    return get_float("KV_IDLE_CLOSE_S", 300.0)
+
+
+def log_format() -> str:
+    """``text`` (default) or ``json`` (one JSON object per line; ``PDSERVE_LOG_FORMAT``)."""
+    return (get("LOG_FORMAT") or "text").lower()
+
+
+def trace_file() -> str | None:
+    """``PDSERVE_TRACE_FILE``: also write finished spans to this file, one JSON object a line."""
+    return get("TRACE_FILE") or None
+
+
+def otel_trace_exporters() -> list[str]:
+    """The span exporters the standard OpenTelemetry variables ask for (empty: tracing off).
+
+    ``OTEL_TRACES_EXPORTER`` (``otlp``, ``console``; ``none`` = off), or ``otlp`` when only an
+    OTLP endpoint is set (``OTEL_EXPORTER_OTLP_ENDPOINT`` / ``..._TRACES_ENDPOINT``);
+    ``OTEL_SDK_DISABLED=true`` turns tracing off. Read here only to decide whether tracing is on
+    at all: the SDK reads the rest of the ``OTEL_*`` variables (endpoint, headers, sampler,
+    batching, resource attributes) itself.
+    """
+    if os.environ.get("OTEL_SDK_DISABLED", "").strip().lower() == "true":
+        return []
+    names = [n.strip().lower() for n in os.environ.get("OTEL_TRACES_EXPORTER", "").split(",")]
+    names = [n for n in names if n and n != "none"]
+    if not names and not os.environ.get("OTEL_TRACES_EXPORTER") and (
+            os.environ.get("OTEL_EXPORTER_OTLP_ENDPOINT") or os.environ.get("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT")):
+        names = ["otlp"]
+    return names
+
+
+def otel_otlp_protocol() -> str:
+    """``grpc`` (default) or ``http/protobuf``, from ``OTEL_EXPORTER_OTLP_TRACES_PROTOCOL`` or
+    ``OTEL_EXPORTER_OTLP_PROTOCOL``."""
+    return (os.environ.get("OTEL_EXPORTER_OTLP_TRACES_PROTOCOL") or os.environ.get("OTEL_EXPORTER_OTLP_PROTOCOL")
+            or "grpc").strip().lower()

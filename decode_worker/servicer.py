@@ -1,4 +1,7 @@
-"""The decode worker's gRPC servicer: validate -> convert -> call the engine thread -> convert."""
+"""The decode worker's gRPC servicer: validate -> convert -> call the engine thread -> convert.
+
+A worker of role both also serves Prefill for other workers (``export``: prefill_worker.export),
+so it receives KV (Reserve + PushKV), sends it, and prefills locally (Submit)."""
 from __future__ import annotations
 
 import asyncio
@@ -10,28 +13,34 @@ from common.kv_transfer import KvTransferError
 from common.grpc_utils.convert import deadline_from_proto, finish_reason_to_proto, sampling_params_from_proto
 from common.grpc_utils.errors import (AlreadyExists, DeadlineExceeded, FailedPrecondition, InvalidArgument,
                                       NotFound, ResourceExhausted, Unavailable)
+from common import telemetry
 from common.serving.updates import SeqUpdate
 from common.serving.worker_runtime import WorkerRuntime
 from common.serving.worker_servicer import BaseWorkerServicer
 from decode_worker.state import BadTransfer, DecodeState, NoSuchRequest, resolve_receive
 from pdserve.v1 import worker_pb2
+from prefill_worker.export import KvExport
 
 logger = logging.getLogger(__name__)
 
 
 class DecodeServicer(BaseWorkerServicer):
-    def __init__(self, runtime: WorkerRuntime, state: DecodeState, kv_store_address: str, receiver) -> None:
+    def __init__(self, runtime: WorkerRuntime, state: DecodeState, kv_store_address: str, receiver,
+                 export: KvExport | None = None) -> None:
         super().__init__(runtime)
         self.state = state
         self.kv_store_address = kv_store_address
         self.receiver = receiver
+        self.export = export            # role both: Prefill for other workers
         self.draining = False
 
     def num_reserved(self) -> int:
         return self.state.num_reserved()
 
     def transfer_counts(self) -> tuple[int, int]:
-        return self.state.num_transfers, self.state.transfer_bytes
+        """Received, plus sent for a worker of role both."""
+        sent = self.export.transfer_counts() if self.export is not None else (0, 0)
+        return self.state.num_transfers + sent[0], self.state.transfer_bytes + sent[1]
 
     # ---- checks shared by Reserve and Submit ------------------------------------------------
     def _admission_checks(self, request_id: str, router_id: str, token_ids, deadline_unix_ms: int) -> float | None:
@@ -62,6 +71,7 @@ class DecodeServicer(BaseWorkerServicer):
 
     # ---- rpcs -------------------------------------------------------------------------------
     async def Reserve(self, request, context) -> worker_pb2.ReserveResponse:
+        telemetry.bind_request(request.request_id)
         deadline = self._admission_checks(request.request_id, request.router_id, request.token_ids,
                                           request.deadline_unix_ms)
         params = sampling_params_from_proto(request.params)
@@ -73,6 +83,7 @@ class DecodeServicer(BaseWorkerServicer):
                                           lease_expires_unix_ms=int(time.time() * 1000) + lease_ms)
 
     async def PushKV(self, request, context) -> worker_pb2.PushKVResponse:
+        telemetry.bind_request(request.request_id)
         block_ids = list(request.block_ids)
         if request.num_blocks != len(block_ids):
             raise InvalidArgument("num_blocks", f"{request.num_blocks} != len(block_ids) {len(block_ids)}")
@@ -90,14 +101,17 @@ class DecodeServicer(BaseWorkerServicer):
             return worker_pb2.PushKVResponse()
         try:
             future = self.receiver.post(request.prefill_worker_id, request.channel_epoch, block_ids,
-                                        with_first_token=on_channel)
+                                        with_first_token=on_channel, secret=request.pair_secret)
         except KvTransferError as e:   # nothing was posted: the reservation ends here
+            self.runtime.metrics.kv_failures.labels("recv").inc()
             self.runtime.loop.call(lambda eng: self.state.finish_receive(eng, rid, first, lp, None, e))
             raise FailedPrecondition(str(e)) from e
+        future.add_done_callback(self.runtime.metrics.watch_receive(rid))
         future.add_done_callback(lambda f: resolve_receive(self.runtime.loop, self.state, rid, first, lp, f))
         return worker_pb2.PushKVResponse()
 
     async def Submit(self, request, context) -> worker_pb2.SubmitResponse:
+        telemetry.bind_request(request.request_id)
         deadline = self._admission_checks(request.request_id, request.router_id, request.token_ids,
                                           request.deadline_unix_ms)
         params = sampling_params_from_proto(request.params)
@@ -105,8 +119,16 @@ class DecodeServicer(BaseWorkerServicer):
                                                      deadline, request.router_id))
         return worker_pb2.SubmitResponse(worker_id=self.runtime.worker_id)
 
+    async def Prefill(self, request, context):
+        if self.export is None:
+            self._refuse("Prefill")
+        async for msg in self.export.prefill(request, context):
+            yield msg
+
     async def Cancel(self, request, context) -> worker_pb2.CancelResponse:
         found = await self.runtime.call(lambda e: self.state.cancel(e, request.request_id))
+        if not found and self.export is not None:
+            found = await self.export.cancel(request.request_id)
         return worker_pb2.CancelResponse(found=found)
 
     async def Subscribe(self, request, context):
@@ -135,6 +157,8 @@ class DecodeServicer(BaseWorkerServicer):
     async def drain(self, grace_s: float) -> None:
         """Stop admitting; let in-flight requests finish for up to ``grace_s``; cancel the rest."""
         self.draining = True
+        if self.export is not None:
+            await self.export.drain(grace_s)
         deadline = time.monotonic() + max(grace_s - 1.0, 0.0)
         while self.state.tracked and time.monotonic() < deadline:
             await asyncio.sleep(0.1)

@@ -15,6 +15,7 @@ from common.engine.sampling_params import SamplingParams
 from common.engine.sequence import FinishReason, Sequence
 from common.serving.broadcast import Broadcast
 from common.serving.engine_loop import EngineLoop
+from common.serving.metrics import KIND_LOCAL, KIND_REMOTE, RequestTracker, WorkerMetrics
 from common.serving.updates import SeqUpdate, finished_update
 
 logger = logging.getLogger(__name__)
@@ -42,8 +43,9 @@ class Tracked:
 
 
 class DecodeState:
-    def __init__(self, outputs: Broadcast, default_lease_ms: int) -> None:
+    def __init__(self, outputs: Broadcast, default_lease_ms: int, tracker: RequestTracker | None = None) -> None:
         self.outputs = outputs
+        self.tracker = tracker or RequestTracker(WorkerMetrics("decode"))   # metrics and spans per request
         self.default_lease_ms = default_lease_ms
         self.tracked: dict[str, Tracked] = {}
         self.loop: EngineLoop | None = None   # set by the service once the loop exists
@@ -56,12 +58,14 @@ class DecodeState:
         seq = engine.reserve(token_ids, params, request_id)
         lease = (lease_ms or self.default_lease_ms) / 1000.0
         self.tracked[request_id] = Tracked(seq, router_id, deadline, time.time() + lease, RESERVED)
+        self.tracker.begin(request_id, KIND_REMOTE, "Reserve")
         return list(seq.block_table), seq.num_cached_tokens
 
     def submit(self, engine: LLMEngine, request_id: str, token_ids: list[int], params: SamplingParams,
                deadline: float | None, router_id: str) -> None:
         seq = engine.add_request(token_ids, params, request_id)
         self.tracked[request_id] = Tracked(seq, router_id, deadline, None, ACTIVE)
+        self.tracker.begin(request_id, KIND_LOCAL, "Submit")
 
     def start_receive(self, engine: LLMEngine, request_id: str, block_ids: list[int]) -> Tracked:
         """Check a PushKV against its reservation and move it to RECEIVING."""
@@ -89,7 +93,9 @@ class DecodeState:
         self.num_transfers += 1
         self.transfer_bytes += num_bytes
         t.phase = ACTIVE
+        self.tracker.ready(request_id)
         if not engine.admit_imported(t.seq, first_token, logprob):
+            self.tracker.end(request_id, t.seq.finish_reason)
             self._emit(t, finished_update(t.seq, t.seq.finish_reason))
             del self.tracked[request_id]
 
@@ -112,6 +118,7 @@ class DecodeState:
 
     def _drop(self, engine: LLMEngine, t: Tracked, reason: FinishReason, error: str = "") -> None:
         engine.abort(t.seq.request_id, reason)
+        self.tracker.end(t.seq.request_id, reason)
         self.tracked.pop(t.seq.request_id, None)
         self._emit(t, finished_update(t.seq, reason, error))
 
@@ -121,6 +128,7 @@ class DecodeState:
         for t in list(self.tracked.values()):
             if t.phase == RESERVED and t.lease_expires is not None and now > t.lease_expires:
                 logger.warning("reservation %s expired before its KV arrived", t.seq.request_id)
+                self.tracker.reservation_expired()
                 self._drop(engine, t, FinishReason.ERROR, "reservation lease expired")
             elif t.deadline is not None and now > t.deadline:
                 self.cancel(engine, t.seq.request_id, FinishReason.DEADLINE)

@@ -26,6 +26,8 @@ SUBCOMMANDS = {
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="pdserve", description="Disaggregated prefill/decode LLM serving.")
     parser.add_argument("--log-level", default=env.log_level(), help="logging level (env PDSERVE_LOG_LEVEL)")
+    parser.add_argument("--log-format", choices=("text", "json"), default=env.log_format(),
+                        help="json: one JSON object per line, with request and trace ids (env PDSERVE_LOG_FORMAT)")
     sub = parser.add_subparsers(dest="command", required=True)
     for name, (module, help_text) in SUBCOMMANDS.items():
         p = sub.add_parser(name, help=help_text, description=help_text)
@@ -39,8 +41,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    logging.basicConfig(level=args.log_level.upper(), stream=sys.stderr,
-                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    from common.telemetry import configure_logging
+    configure_logging(args.log_level, args.log_format)
     if getattr(args, "_missing", None):
         logging.error("%s is not available: %s", args.command, args._missing)
         return 2

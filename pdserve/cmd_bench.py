@@ -2,6 +2,7 @@
 
     pdserve bench serve --router localhost:50051 --dataset random --request-rate 1,2,4,inf
     pdserve bench compare --launch --gpus 0,1 --dataset prefill-heavy --slo ttft_ms=500,tpot_ms=50
+    pdserve bench compare --launch --gpus 0,1 --capacity --capacity-range 4:40 --slo ttft_ms=1000,tpot_ms=12,itl_p99_ms=30
     pdserve bench router-overhead
 
 Only argparse is imported here; the benchmark modules load when a subcommand runs.
@@ -12,7 +13,7 @@ import argparse
 
 from common import env
 
-DATASETS = ("random", "w-nano", "shared-prefix", "prefill-heavy", "decode-heavy", "jsonl")
+DATASETS = ("random", "w-nano", "shared-prefix", "multi-turn", "prefill-heavy", "decode-heavy", "jsonl")
 
 
 def add_workload_arguments(p: argparse.ArgumentParser) -> None:
@@ -27,6 +28,7 @@ def add_workload_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--output-len", default=None, help="max_tokens N or range LO:HI")
     g.add_argument("--num-prefixes", type=int, default=8, help="shared-prefix: number of system prompts")
     g.add_argument("--prefix-len", type=int, default=1024, help="shared-prefix: tokens per system prompt")
+    g.add_argument("--num-turns", type=int, default=4, help="multi-turn: turns per conversation")
     g.add_argument("--prompt-format", choices=("ids", "text"), default="ids",
                    help="synthetic prompts as token ids (exact lengths) or as text of common words")
     g.add_argument("--vocab-size", type=int, default=0, help="token ids drawn below this (default: the model's)")
@@ -44,7 +46,8 @@ def add_workload_arguments(p: argparse.ArgumentParser) -> None:
                    help="rescale arrival times so the last request goes at (n-1)/rate exactly")
     m = p.add_argument_group("metrics")
     m.add_argument("--slo", action="append", default=[],
-                   help="goodput SLOs, e.g. ttft_ms=500,tpot_ms=50,e2e_ms=20000 (repeatable)")
+                   help="goodput SLOs, e.g. ttft_ms=500,tpot_ms=50,e2e_ms=20000 (repeatable); itl_p99_ms=30 "
+                        "bounds a run's ITL p99 (SLO capacity)")
     m.add_argument("--goodput", nargs="*", default=[], help="vLLM-style SLOs: ttft:500 tpot:50 e2el:20000")
     m.add_argument("--percentiles", default="50,90,99", help="percentiles reported per metric")
     m.add_argument("--itl-mode", choices=("chunk", "split"), default="chunk",
@@ -71,6 +74,16 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                        description="Load-test a running router with streamed Generate calls.")
     s.add_argument("--router", default=env.get("ROUTER", "localhost:50051"),
                    help="router address (env PDSERVE_ROUTER)")
+    h = s.add_argument_group("front door")
+    h.add_argument("--backend", choices=("grpc", "openai"), default="grpc",
+                   help="grpc: streamed Generate calls to --router; openai: streamed requests to the OpenAI HTTP "
+                        "API at --base-url (the same requests and metrics)")
+    h.add_argument("--base-url", default=env.get("OPENAI_BASE_URL", "http://localhost:8000/v1"),
+                   help="openai: the API's base URL (env PDSERVE_OPENAI_BASE_URL)")
+    h.add_argument("--endpoint", choices=("completions", "chat"), default="completions",
+                   help="openai: /v1/completions (token-id or text prompts) or /v1/chat/completions (text or chat)")
+    h.add_argument("--api-key", default=env.get("API_KEY", ""),
+                   help="openai: bearer token, when the router checks tokens (env PDSERVE_API_KEY)")
     add_workload_arguments(s)
 
     c = sub.add_parser("compare", help="the same workload against two deployments: table + goodput plot",
@@ -91,6 +104,14 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     c.add_argument("--up-args", default="", help="more flags for every `pdserve up`, as one string")
     c.add_argument("--router-port", type=int, default=0, help="router port of launched configs (0 = a free one)")
     c.add_argument("--startup-timeout", type=float, default=900.0, help="wait this long for a launched config (s)")
+    k = c.add_argument_group("SLO capacity (bench/serve/capacity.py)")
+    k.add_argument("--capacity", action="store_true",
+                   help="per deployment, bisect the highest rate at which >= --slo-attainment of the requests meet "
+                        "every per-request --slo and the run's ITL p99 its itl_p99_ms bound; starts from the "
+                        "--request-rate list, or from --capacity-range")
+    k.add_argument("--capacity-range", default=None, metavar="LO:HI", help="start from this bracket of rates (req/s)")
+    k.add_argument("--capacity-tolerance", type=float, default=1.0, help="bisect until the bracket is this narrow")
+    k.add_argument("--slo-attainment", type=float, default=0.9, help="fraction of requests that must meet the SLOs")
     add_workload_arguments(c)
 
     r = sub.add_parser("router-overhead", help="the router alone on scripted workers: added latency, fan-out",

@@ -31,10 +31,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--prefill-gpus", default="", help="comma list of GPU ids for prefill workers (CUDA_VISIBLE_DEVICES)")
     p.add_argument("--decode-gpus", default="", help="comma list of GPU ids for decode workers")
     p.add_argument("--router-port", type=int, default=50051)
+    p.add_argument("--http-port", type=int, default=8000,
+                   help="the router's OpenAI-compatible HTTP API (http://127.0.0.1:PORT/v1); 0 = off")
     p.add_argument("--base-port", type=int, default=50060, help="first port for workers (gRPC, KV store)")
     p.add_argument("--block-size", type=int, default=16)
     p.add_argument("--num-kv-blocks", type=int, default=0)
     p.add_argument("--extra-worker-args", default="", help="more flags for every worker, as one string")
+    p.add_argument("--extra-router-args", default="", help="more flags for the router, as one string")
     p.add_argument("--demo", action="store_true", help="stream answers to sample prompts, then stop")
     p.add_argument("--startup-timeout", type=float, default=600.0)
 
@@ -71,7 +74,8 @@ def start_processes(args: argparse.Namespace) -> tuple[list[subprocess.Popen], l
     addresses = decode_addrs + prefill_addrs
     router = [sys.executable, "-m", "pdserve.cli", "router", "--host", "127.0.0.1", "--port", str(args.router_port),
               "--metrics-port", "0", "--model", args.model, "--block-size", str(args.block_size),
-              "--decode", ",".join(decode_addrs), "--prefill", ",".join(prefill_addrs)]
+              "--decode", ",".join(decode_addrs), "--prefill", ",".join(prefill_addrs),
+              "--http-port", str(args.http_port), *args.extra_router_args.split()]
     procs.append(subprocess.Popen(router))
     return procs, addresses + [f"127.0.0.1:{args.router_port}"]
 
@@ -122,7 +126,8 @@ def run(args: argparse.Namespace) -> int:
     procs, addresses = start_processes(args)
     try:
         asyncio.run(_wait_all(addresses, args.startup_timeout, args.prefill, args.decode))
-        logger.info("all services are SERVING; router at %s", addresses[-1])
+        logger.info("all services are SERVING; router at %s (gRPC)%s", addresses[-1],
+                    f", http://127.0.0.1:{args.http_port}/v1 (OpenAI API)" if args.http_port else "")
         if args.demo:
             _demo(addresses[-1])
             return 0

@@ -17,6 +17,7 @@ from common.engine.model_runner import LaunchedStep
 from common.engine.sampling_params import SamplingParams
 from common.engine.sequence import FinishReason, Sequence
 from common.kv_transfer import FirstTokenRef
+from common.serving.metrics import KIND_PREFILL, RequestTracker, WorkerMetrics
 
 
 class PrefillAborted(Exception):
@@ -54,14 +55,16 @@ class Pending:
 
 
 class PrefillState:
-    def __init__(self, aio_loop: asyncio.AbstractEventLoop) -> None:
+    def __init__(self, aio_loop: asyncio.AbstractEventLoop, tracker: RequestTracker | None = None) -> None:
         self.aio_loop = aio_loop
+        self.tracker = tracker or RequestTracker(WorkerMetrics("prefill"))   # metrics and spans per request
         self.pending: dict[str, Pending] = {}   # waiting for the first token
 
     def start(self, engine: LLMEngine, request_id: str, token_ids: list[int], params: SamplingParams,
               deadline: float | None, first: asyncio.Future, launched: asyncio.Future) -> None:
         seq = engine.add_request(token_ids, params, request_id, prefill_only=True)
         self.pending[request_id] = Pending(seq, deadline, first, launched)
+        self.tracker.begin(request_id, KIND_PREFILL, "Prefill")
 
     def _set(self, future: asyncio.Future, result=None, error: BaseException | None = None) -> None:
         def set_() -> None:
@@ -89,6 +92,7 @@ class PrefillState:
                 list(seq.block_table), seq.kv_ready,
                 FirstTokenRef(launched.token_ids, launched.logprobs, row)))
             p.is_launched = True
+            self.tracker.launched(seq.request_id)
 
     def on_step(self, out: StepOutput) -> None:
         for seq in out.finished:
@@ -107,6 +111,7 @@ class PrefillState:
         if not p.is_launched:
             engine.abort(request_id, reason)
         self._resolve(p, error=PrefillAborted(reason))
+        self.tracker.end(request_id, reason)
         return True
 
     def release(self, engine: LLMEngine, request_id: str) -> None:

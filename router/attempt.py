@@ -1,12 +1,14 @@
 """One try of one request on chosen workers: the worker-facing half of the request flow.
 
-Disaggregated (a decode-role worker and a prefill worker)::
+Remote prefill (``prefill`` set: a worker of role prefill or both, chosen by router.pd_policy)::
 
     Reserve(decode) -> Prefill(prefill, kv_target) -> FirstToken (a step of its own)
     -> the decode worker's outputs from the Subscribe stream (the first token not repeated)
 
-Co-located (a both-role worker, or no prefill worker up): Submit(decode), then the outputs
-(first token included) from the Subscribe stream.
+Local prefill (``prefill`` None; or the decode worker has no room for the KV: Reserve
+RESOURCE_EXHAUSTED): Submit(decode), then the outputs (first token included) from the
+Subscribe stream. Until its first token a local prompt counts in the decode worker's queued
+prompt tokens (``inflight_prompt_tokens``), as a remote one does on its prefill worker.
 
 ``next()`` returns the next :class:`Step` (several queued outputs are merged into one). Before
 the first token every failure is raised as :class:`Retry` (the flow tries once more on other
@@ -24,6 +26,7 @@ import grpc.aio
 from common.grpc_utils import (DeadlineExceeded, Internal, PdserveError, Unavailable,
                                from_rpc_error)
 from pdserve.v1 import common_pb2, worker_pb2
+from router.pd_policy import PdDecision
 from router.subscription import OutputBuffer
 from router.worker_client import WorkerClient
 
@@ -53,12 +56,13 @@ class Retry(Exception):
 
 class Attempt:
     def __init__(self, flow, job, decode: WorkerClient, prefill: WorkerClient | None,
-                 worker_request_id: str) -> None:
+                 worker_request_id: str, decision: PdDecision | None = None) -> None:
         self.flow = flow
         self.job = job
         self.decode = decode
         self.prefill = prefill
         self.rid = worker_request_id
+        self.decision = decision         # router.pd_policy's placement (its estimates), if any
         self.prompt_len = len(job.prompt.token_ids)
         self.queue: OutputBuffer | asyncio.Queue | None = None
         self.first_seen = False
@@ -72,6 +76,7 @@ class Attempt:
         self._subscription = None
         self._decode_load = 0
         self._prefill_load = False
+        self._local_prompt = False       # the prompt counts in the decode worker's queued prompt tokens
         self.timer: asyncio.TimerHandle | None = None   # the deadline timer (set by the flow)
         self.closed = False
 
@@ -126,6 +131,7 @@ class Attempt:
                 # no room for the prompt's KV on the decode worker right now: let it queue the
                 # request and prefill it locally when its scheduler has room (no transfer)
                 self.prefill = None
+                self.flow.metrics.pd.decisions.labels("local", "reserve-refused").inc()
                 await self._submit()
                 return
             raise self._fail(e, self.decode, "Reserve") from e
@@ -147,7 +153,7 @@ class Attempt:
         target.decode_address = self.decode.address
         target.block_ids.extend(res.block_ids)
         target.num_cached_tokens = res.num_cached_tokens
-        self.prefill.add_load(1, prompt_tokens=self.prompt_len)
+        self.prefill.add_load(1, prompt_tokens=self.prompt_len, computed=self._prefill_tokens(local=False))
         self._prefill_load = True
         self.prefill_call = self.prefill.stub.Prefill(preq, timeout=self.job.remaining(), wait_for_ready=False)
 
@@ -162,8 +168,23 @@ class Attempt:
         return worker_pb2.PrefillRequest(request_id=self.rid, token_ids=job.prompt.wire_ids, params=job.wire_params,
                                          deadline_unix_ms=job.deadline_unix_ms)
 
+    def _prefill_tokens(self, local: bool) -> int:
+        """Prompt tokens the prefilling worker computes: the policy's figure for the place it
+        chose, else the whole prompt."""
+        d = self.decision
+        if d is not None and (d.kind == "local") == local and d.prefill_tokens:
+            return d.prefill_tokens
+        return self.prompt_len
+
+    def _release_local_prompt(self) -> None:
+        if self._local_prompt:
+            self._local_prompt = False
+            self.decode.add_load(prompt_tokens=-self.prompt_len)
+
     async def _submit(self) -> None:
         job = self.job
+        self._local_prompt = True
+        self.decode.add_load(prompt_tokens=self.prompt_len, computed=self._prefill_tokens(local=True))
         req = worker_pb2.SubmitRequest(request_id=self.rid, token_ids=job.prompt.wire_ids,
                                        params=job.wire_params, deadline_unix_ms=job.deadline_unix_ms,
                                        router_id=self.flow.settings.router_id)
@@ -205,6 +226,7 @@ class Attempt:
             self._decode_load += n
             self.decode.add_load(0, n)
             self.first_seen = True
+            self._release_local_prompt()
         return step
 
     def _merge(self, step: Step, out: worker_pb2.SequenceOutput) -> None:
@@ -319,6 +341,7 @@ class Attempt:
         if self._prefill_task is not None and not self._prefill_task.done():
             self._prefill_task.cancel()
         self._release_prefill()
+        self._release_local_prompt()
         if cancel_workers:
             self._cancel(self.decode)
             if self.prefill is not None:

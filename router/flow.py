@@ -20,7 +20,7 @@ import itertools
 import logging
 import time
 from collections.abc import AsyncIterator, Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import grpc
 import grpc.aio
@@ -31,6 +31,7 @@ from pdserve.v1 import common_pb2, router_pb2, worker_pb2
 from router.attempt import Attempt, Retry, Step
 from router.metrics import RouterMetrics
 from router.output import OutputProcessor
+from router.pd_policy import REMOTE, DecodePlace, PdDecision, PrefillPlace, decide, uncached_tokens
 from router.policy import DecodeCandidate, PrefillCandidate, pick_decode, pick_prefill
 from router.prefix_index import hash_chain
 from router.settings import CANCEL_TIMEOUT_S, RouterSettings
@@ -118,7 +119,8 @@ class Flow:
             log.debug("Cancel %s on %s failed: %s", request_id, worker.key, e.code().name)
 
     # ---- placement --------------------------------------------------------------------
-    def _choose(self, job: Job, excluded: set[str]) -> tuple[WorkerClient, WorkerClient | None]:
+    def _choose(self, job: Job, excluded: set[str]) -> tuple[WorkerClient, WorkerClient | None, PdDecision]:
+        """The decode worker (router.policy), then where to prefill (router.pd_policy)."""
         decoders = self.registry.decode_workers(excluded)
         if not decoders:
             known = [c for c in self.registry.clients.values() if c.can_decode or not c.info]
@@ -127,6 +129,7 @@ class Flow:
         bs = self.registry.block_size
         n = len(job.prompt.token_ids)
         index = self.registry.prefix_index
+        turn = next(self._turn)     # one per request: round-robin covers every worker of each pool
         # The prompt's block hashes only matter when there is a choice and some worker holds
         # blocks: one decode worker (or one prefill worker) is picked without them.
         if len(decoders) == 1:
@@ -135,19 +138,39 @@ class Flow:
             matches = index.match(job.chain(bs), [c.key for c in decoders]) if index else {}
             cands = [DecodeCandidate(c.key, matches.get(c.key, 0), c.inflight_tokens, c.inflight,
                                      c.stats.num_used_blocks if c.stats else 0,
-                                     c.stats.num_total_blocks if c.stats else 0) for c in decoders]
-            decode = self.registry.clients[pick_decode(cands, n, bs, self.settings.load_alpha, next(self._turn))]
-        prefill = None
-        if decode.role == common_pb2.ROLE_DECODE:
-            prefillers = self.registry.prefill_workers(excluded)
-            if len(prefillers) == 1:
-                prefill = prefillers[0]
-            elif prefillers:
-                pm = index.match(job.chain(bs), [c.key for c in prefillers]) if index else {}
-                pc = [PrefillCandidate(c.key, pm.get(c.key, 0), c.inflight_prompt_tokens, c.inflight)
-                      for c in prefillers]
-                prefill = self.registry.clients[pick_prefill(pc, n, bs, next(self._turn))]
-        return decode, prefill
+                                     c.stats.num_total_blocks if c.stats else 0, c.other_tokens) for c in decoders]
+            decode = self.registry.clients[pick_decode(cands, n, bs, self.settings.load_alpha, turn,
+                                                       self.settings.routing)]
+        prefillers = [c for c in self.registry.prefill_workers(excluded) if c is not decode]
+        decision = self._place_prefill(job, decode, prefillers, turn)
+        prefill = self.registry.clients[decision.prefill_key] if decision.prefill_key else None
+        return decode, prefill, decision
+
+    def _place_prefill(self, job: Job, decode: WorkerClient, prefillers: list[WorkerClient],
+                       turn: int) -> PdDecision:
+        """Local or remote, from snapshots of the decode worker and the prefill-capable workers;
+        the ``--routing`` baselines keep their own choice of the prefill worker."""
+        cfg, bs, n = self.settings.pd, self.registry.block_size, len(job.prompt.token_ids)
+        index = self.registry.prefix_index
+        everyone = [decode, *prefillers]
+        hashed = index is not None and cfg.mode != "never" and any(c.kv_wanted for c in everyone)
+        matches = index.match(job.chain(bs), [c.key for c in everyone]) if hashed else {}
+
+        def place(c: WorkerClient) -> PrefillPlace:
+            return PrefillPlace(c.key, uncached_tokens(n, matches.get(c.key, 0), bs),
+                                c.inflight_prompt_tokens + c.other_prompt_tokens,
+                                c.stats.prefill_tokens_per_s if c.stats else 0.0)
+
+        s = decode.stats
+        d = DecodePlace(place(decode), decode.role == common_pb2.ROLE_BOTH, s.decode_step_ms if s else 0.0,
+                        s.mixed_step_ms if s else 0.0, s.max_num_batched_tokens if s else 0,
+                        s.chunked_prefill if s else True, decode.prefill_rate())
+        decision = decide(d, [place(c) for c in prefillers] if cfg.mode != "never" else [], cfg)
+        if decision.kind == REMOTE and self.settings.routing != "kv" and len(prefillers) > 1:
+            pc = [PrefillCandidate(c.key, 0, c.inflight_prompt_tokens, c.inflight, c.other_prompt_tokens)
+                  for c in prefillers]
+            decision = replace(decision, prefill_key=pick_prefill(pc, n, bs, turn, self.settings.routing))
+        return decision
 
     async def _start(self, job: Job) -> tuple[Attempt, Step]:
         """Start the request and wait for its first step; one retry on other workers."""
@@ -155,12 +178,15 @@ class Flow:
         last: Retry | None = None
         for attempt_no in range(2):
             try:
-                decode, prefill = self._choose(job, excluded)
+                t0 = time.perf_counter()
+                decode, prefill, decision = self._choose(job, excluded)
+                self.metrics.decision.observe(time.perf_counter() - t0)
+                self.metrics.pd.decided(decision.kind, decision.reason, decision.ttft_ms, decision.tpot_ms)
             except Unavailable:
                 if last is not None:
                     raise last.cause from None
                 raise
-            att = Attempt(self, job, decode, prefill, self.new_request_id())
+            att = Attempt(self, job, decode, prefill, self.new_request_id(), decision)
             try:
                 await att.start()
                 return att, await att.next()

@@ -16,6 +16,7 @@ import uuid
 from typing import Any, Callable, Coroutine
 
 from common import env
+from router.pd_args import add_pd_arguments, pd_config_from_args
 
 log = logging.getLogger(__name__)
 EVENT_LOOPS = ("auto", "uvloop", "asyncio")
@@ -47,6 +48,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--load-alpha", type=float, default=env.get_float("ROUTER_LOAD_ALPHA", 1.0),
                    help="decode placement: score = cached prefix tokens - alpha * load tokens "
                         "(env PDSERVE_ROUTER_LOAD_ALPHA)")
+    p.add_argument("--routing", choices=("kv", "least-loaded", "round-robin"), default=env.get("ROUTER_ROUTING", "kv"),
+                   help="placement policy: kv (cached prefix weighed against load), or the baselines least-loaded "
+                        "and round-robin (env PDSERVE_ROUTER_ROUTING)")
+    add_pd_arguments(p)
     p.add_argument("--router-id", default=env.get("ROUTER_ID", None),
                    help="this router's id on the workers' Subscribe streams (default: random) (env PDSERVE_ROUTER_ID)")
     p.add_argument("--drain-grace-s", type=float, default=env.get_float("ROUTER_DRAIN_GRACE_S", 30.0),
@@ -54,6 +59,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--startup-wait-s", type=float, default=env.get_float("ROUTER_STARTUP_WAIT_S", 5.0),
                    help="at start: how long to wait for the listed workers' first registration before "
                         "reporting SERVING (env PDSERVE_ROUTER_STARTUP_WAIT_S)")
+    from common.security.args import add_internal_arguments, add_public_arguments
+    add_public_arguments(p)
+    add_internal_arguments(p)
+    from router.openai_api.settings import add_arguments as add_http_arguments
+    add_http_arguments(p)
     p.add_argument("--event-loop", choices=EVENT_LOOPS, default=env.get("ROUTER_EVENT_LOOP", "auto"),
                    help="asyncio event loop: uvloop (~0.1 ms less added TTFT per request), asyncio, or auto "
                         "(uvloop where it is installed) (env PDSERVE_ROUTER_EVENT_LOOP)")
@@ -83,6 +93,8 @@ def _loop_runner(choice: str) -> Callable[[Coroutine[Any, Any, None]], None]:
 
 def run(args: argparse.Namespace) -> int:
     from common.grpc_utils import PdserveError
+    from common.telemetry import setup_tracing
+    setup_tracing("router")
     try:
         runner = _loop_runner(getattr(args, "event_loop", "auto"))
     except ImportError as e:
@@ -90,7 +102,7 @@ def run(args: argparse.Namespace) -> int:
         return 2
     try:
         runner(_serve(args))
-    except FileNotFoundError as e:
+    except (FileNotFoundError, ValueError) as e:   # a missing model; bad TLS / token settings
         log.error("%s", e)
         return 2
     except PdserveError as e:   # e.g. the port is taken
@@ -106,59 +118,78 @@ def _listen_address(host: str, port: int) -> str:
 async def _serve(args: argparse.Namespace) -> None:
     from common.grpc_utils import Service, build_server, serve
     from pdserve.v1 import common_pb2, common_pb2_grpc, router_pb2, router_pb2_grpc
-    from router.flow import Flow
+    from router.observed import ObservedFlow
     from router.metrics import RouterMetrics
     from router.servicer import GenerationServicer, InfoServicer
     from router.settings import NO_BDP_OPTIONS, RouterSettings
     from router.tokenization import RouterTokenizer, resolve_spec
     from router.workers import WorkerRegistry
 
+    from common.security import set_default_client_security
+    from common.security.args import internal_client_security, public_server_security
+    security = public_server_security(args)
+    set_default_client_security(internal_client_security(args))
     settings = RouterSettings(
         router_id=args.router_id or f"router-{uuid.uuid4().hex[:8]}", block_size=args.block_size,
         lease_ms=args.lease_ms, worker_timeout_s=args.worker_timeout_s, dns_refresh_s=args.dns_refresh_s,
-        load_alpha=args.load_alpha, drain_grace_s=args.drain_grace_s)
+        load_alpha=args.load_alpha, drain_grace_s=args.drain_grace_s, routing=getattr(args, "routing", "kv"),
+        pd=pd_config_from_args(args))
     spec = resolve_spec(args.model)
     tokenizer = await asyncio.to_thread(RouterTokenizer, spec.tokenizer_dir) if spec.tokenizer_dir else None
     log.info("router %s: model %s (context %d, vocab %d, %s)", settings.router_id, spec.name, spec.max_model_len,
              spec.vocab_size, "with tokenizer" if tokenizer else "no tokenizer: token-id input only")
     metrics = RouterMetrics()
     registry = WorkerRegistry(settings, spec, args.prefill, args.decode)
-    flow = Flow(registry, settings, tokenizer, metrics)
+    flow = ObservedFlow(registry, settings, tokenizer, metrics)
 
     def update_gauges() -> None:
         for role in (common_pb2.ROLE_PREFILL, common_pb2.ROLE_DECODE, common_pb2.ROLE_BOTH):
             metrics.workers_up.labels(common_pb2.Role.Name(role)).set(registry.count_up({role}))
 
     registry.add_listener(update_gauges)
+    generation = GenerationServicer(flow, registry, spec, tokenizer)
+    from router.openai_api.server import from_args as http_server
+    http = http_server(args, generation, flow, security)    # OpenAI HTTP API (same tokens, TLS); None = off
     server = build_server(_listen_address(args.host, args.port), [
         Service(router_pb2.DESCRIPTOR.services_by_name["Generation"], router_pb2_grpc.add_GenerationServicer_to_server,
-                GenerationServicer(flow, registry, spec, tokenizer)),
+                generation),
         Service(common_pb2.DESCRIPTOR.services_by_name["InfoService"], common_pb2_grpc.add_InfoServiceServicer_to_server,
                 InfoServicer(registry, spec, settings.router_id)),
-    ], options=NO_BDP_OPTIONS)
+    ], options=NO_BDP_OPTIONS, security=security, max_message_bytes=generation.bounds.max_request_bytes)
 
     async def startup() -> None:
         metrics.serve(args.metrics_port, args.host)
         await registry.start(initial_wait_s=args.startup_wait_s)
         update_gauges()
+        if http is not None:
+            await http.start()
         # Everything allocated so far (modules, the tokenizer, channels) lives as long as the
         # process: keep it out of the cyclic GC's scans, which then cost per request, not per heap.
         gc.collect()
         gc.freeze()
 
+    async def drain(grace_s: float) -> None:
+        await flow.drain(grace_s)       # both front doors' requests: new ones get UNAVAILABLE / 503
+        if http is not None:
+            await http.stop(1.0)
+
     try:
-        await serve(server, startup=startup, drain=flow.drain, grace_s=args.drain_grace_s)
+        await serve(server, startup=startup, drain=drain, grace_s=args.drain_grace_s)
     finally:
+        if http is not None:
+            await http.stop(0.0)
         await registry.stop()
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="pdserve router", description=__doc__.splitlines()[0])
     parser.add_argument("--log-level", default=env.log_level())
+    parser.add_argument("--log-format", choices=("text", "json"), default=env.log_format(),
+                        help="json: one JSON object per line, with request and trace ids (env PDSERVE_LOG_FORMAT)")
     add_arguments(parser)
     args = parser.parse_args(argv)
-    logging.basicConfig(level=args.log_level.upper(), stream=sys.stderr,
-                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    from common.telemetry import configure_logging
+    configure_logging(args.log_level, args.log_format)
     return run(args)
 
 

@@ -10,10 +10,11 @@ import logging
 from typing import Any
 
 import pdserve
+from common import telemetry
 from pdserve.v1 import common_pb2, common_pb2_grpc, router_pb2, router_pb2_grpc
 from router.flow import Flow, Job
 from router.tokenization import ModelSpec, RouterTokenizer, build_prompt, check_context
-from router.validation import ParamsCache
+from router.validation import DEFAULT_MAX_TOKEN_CHARS, ParamsCache, PromptBounds, max_token_chars
 from router.workers import DECODE_ROLES, PROTOCOL_VERSION, WorkerRegistry
 
 PREFILL_CAPABLE = {common_pb2.ROLE_PREFILL, common_pb2.ROLE_BOTH}
@@ -70,16 +71,26 @@ class GenerationServicer(router_pb2_grpc.GenerationServicer):
         self.spec = spec
         self.tokenizer = tokenizer
         self.params = ParamsCache(spec.vocab_size, tokenizer is not None)
+        # Prompts that can never fit are refused before tokenization (router.validation).
+        self.bounds = PromptBounds(spec.max_model_len, max_token_chars(tokenizer.hf) if tokenizer
+                                   else DEFAULT_MAX_TOKEN_CHARS)
 
     def _job(self, request: router_pb2.GenerateRequest, context: Any) -> Job:
+        return self.job(request, context.time_remaining())
+
+    def job(self, request: router_pb2.GenerateRequest, time_remaining: float | None) -> Job:
+        """Validate, tokenize and size ``request``: the one request path of both front doors
+        (gRPC Generate and the OpenAI HTTP API, router.openai_api)."""
         key, params = self.params.validate(request.params)
-        prompt = build_prompt(request, self.tokenizer, self.spec, self.spec.vocab_size)
+        self.bounds.check(request)
+        with telemetry.span("tokenize", request.request_id):
+            prompt = build_prompt(request, self.tokenizer, self.spec, self.spec.vocab_size)
         max_tokens = check_context(prompt, params.max_tokens, self.registry.max_model_len())
         sampling, wire = self.params.resolve(key, params, max_tokens)
         return self.flow.make_job(
             request.request_id or self.flow.new_request_id(), prompt, sampling, wire,
             params.stop, request.include_stop_str_in_output, not request.keep_special_tokens,
-            context.time_remaining())
+            time_remaining)
 
     async def Generate(self, request: router_pb2.GenerateRequest, context: Any):
         job = self._job(request, context)
@@ -112,6 +123,7 @@ class GenerationServicer(router_pb2_grpc.GenerationServicer):
         return result
 
     async def Tokenize(self, request: router_pb2.TokenizeRequest, context: Any) -> router_pb2.TokenizeResponse:
+        self.bounds.check(request)
         prompt = build_prompt(request, self.tokenizer, self.spec, self.spec.vocab_size)
         return router_pb2.TokenizeResponse(token_ids=prompt.token_ids, count=len(prompt.token_ids),
                                            rendered_prompt=prompt.rendered)

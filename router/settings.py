@@ -3,6 +3,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from router.pd_policy import PdConfig
+
 # How often GetStats is polled per worker (load figure and liveness check).
 STATS_INTERVAL_S = 0.5
 # A worker whose GetStats times out this many times in a row is marked down (its in-flight
@@ -31,6 +33,9 @@ NO_BDP_OPTIONS = (
     ("grpc.http2.bdp_probe", 0),
     ("grpc.http2.lookahead_bytes", RECEIVE_WINDOW_BYTES),
 )
+# A KV event stream found inconsistent (a gap in its sequence numbers) is re-opened after this
+# pause (its snapshot repairs the router's prefix index; the worker is not matched meanwhile).
+KV_RESUBSCRIBE_S = 0.1
 # Cancel rpcs are fire-and-forget with this timeout.
 CANCEL_TIMEOUT_S = 2.0
 
@@ -44,3 +49,5 @@ class RouterSettings:
     dns_refresh_s: float = 10.0    # re-resolution period of dns:/// worker addresses
     load_alpha: float = 1.0        # policy weight of a decode worker's load (see router.policy)
     drain_grace_s: float = 30.0
+    routing: str = "kv"            # placement: kv | least-loaded | round-robin (see router.policy)
+    pd: PdConfig = PdConfig()      # local vs remote prefill, SLOs (see router.pd_policy)

@@ -124,3 +124,78 @@ class ParamsCache:
                 self._resolved.clear()
             self._resolved[(key, max_tokens)] = out
         return out
+
+
+# ---------------------------------------------------------------- prompt size at the door
+# UTF-8 encodes a character in at most 4 bytes.
+MAX_UTF8_BYTES_PER_CHAR = 4
+# Without a tokenizer only token ids are accepted; this bound is not used then.
+DEFAULT_MAX_TOKEN_CHARS = 64
+
+
+def max_token_chars(hf_tokenizer: object) -> int:
+    """The longest vocabulary entry in characters: no token covers more characters of the
+    input, so a text of ``n`` characters needs at least ``n / max_token_chars`` tokens."""
+    get_vocab = getattr(hf_tokenizer, "get_vocab", None)
+    vocab = get_vocab() if get_vocab is not None else {}
+    return max((len(piece) for piece in vocab), default=DEFAULT_MAX_TOKEN_CHARS) or 1
+
+
+@dataclass(frozen=True)
+class PromptBounds:
+    """What a prompt may be at most, derived from the model's context, checked before any
+    tokenization: a larger prompt can never fit, however it tokenizes. Characters: the context
+    times the longest token (in characters); bytes (UTF-8): 4 times that; token ids: the
+    context."""
+
+    max_model_len: int
+    max_token_chars: int
+
+    def __post_init__(self) -> None:
+        if self.max_model_len <= 0 or self.max_token_chars <= 0:
+            raise ValueError(f"bad prompt bounds {self}")
+
+    @property
+    def max_chars(self) -> int:
+        return self.max_model_len * self.max_token_chars
+
+    @property
+    def max_bytes(self) -> int:
+        return self.max_chars * MAX_UTF8_BYTES_PER_CHAR
+
+    @property
+    def max_request_bytes(self) -> int:
+        """The public port's message-size limit: the largest prompt that can fit plus 1 MiB for
+        the rest of a request (at least 4 MiB). grpc refuses a larger message
+        (RESOURCE_EXHAUSTED) as soon as its length prefix arrives, before reading it."""
+        return max(4 << 20, self.max_bytes + (1 << 20))
+
+    def _too_long(self, field: str, chars: int, what: str = "characters") -> InvalidArgument:
+        return InvalidArgument(field, f"prompt of {chars} {what} cannot fit the model's context of "
+                                      f"{self.max_model_len} tokens (at most {self.max_chars} characters, "
+                                      f"{self.max_bytes} bytes); it was not tokenized")
+
+    def _check_text(self, field: str, chars: int, texts: list[str]) -> None:
+        if chars > self.max_chars:
+            raise self._too_long(field, chars)
+        if chars * MAX_UTF8_BYTES_PER_CHAR > self.max_bytes:   # only then can the bytes be over
+            nbytes = sum(len(t.encode("utf-8", "surrogatepass")) for t in texts)
+            if nbytes > self.max_bytes:
+                raise self._too_long(field, nbytes, "bytes")
+
+    def check(self, request: object) -> None:
+        """INVALID_ARGUMENT when a GenerateRequest / TokenizeRequest's input is over the bounds
+        (O(1) for text and token ids; O(messages) for chat)."""
+        kind = request.WhichOneof("input")  # type: ignore[attr-defined]
+        if kind == "text":
+            text = request.text  # type: ignore[attr-defined]
+            self._check_text("text", len(text), [text])
+        elif kind == "chat":
+            contents = [m.content for m in request.chat.messages]  # type: ignore[attr-defined]
+            roles = [m.role for m in request.chat.messages]  # type: ignore[attr-defined]
+            self._check_text("chat.messages", sum(map(len, contents)) + sum(map(len, roles)), contents + roles)
+        elif kind == "token_ids":
+            n = len(request.token_ids.ids)  # type: ignore[attr-defined]
+            if n >= self.max_model_len:
+                raise InvalidArgument("token_ids.ids", f"prompt has {n} tokens; the model's context is "
+                                                       f"{self.max_model_len} (prompt + at least 1 output token)")

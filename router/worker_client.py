@@ -7,23 +7,35 @@ every STATS_INTERVAL_S (the load figure; a failed poll with UNAVAILABLE or DEADL
 marks it down). The request flow marks it down too on UNAVAILABLE, and a broken Subscribe
 stream does. The ``StreamKvEvents`` consumer (feeds the prefix index) runs while the registry
 says the index needs it (``kv_wanted``: the worker has a peer of its kind; see
-:meth:`router.workers.WorkerRegistry.update_kv_wanted`).
+:meth:`router.workers.WorkerRegistry.update_kv_wanted`); when the index finds a gap in the
+stream's sequence numbers (or a view larger than the worker's pool) the stream is re-opened,
+and its snapshot repairs the view. A worker is marked up only while its health says SERVING
+(a draining worker stays down once a refused request marked it so).
+
+Load of other router replicas: every GetStats answer is kept with this router's own load at
+the time of the poll; :attr:`WorkerClient.other_tokens` / :attr:`other_prompt_tokens` are the
+worker's figure minus that own share (never below 0), stale by at most STATS_INTERVAL_S plus a
+round trip. This router's own load is counted live (``add_load``).
 Every call uses ``wait_for_ready=False`` and a timeout, so a dead worker fails fast.
 """
 from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from collections.abc import Callable
 
 import grpc
 import grpc.aio
 
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
 from common.grpc_utils import Unavailable, client_channel
 from pdserve.v1 import common_pb2, common_pb2_grpc, worker_pb2, worker_pb2_grpc
+from router.pd_policy import decayed_rate
 from router.prefix_index import PrefixIndex
-from router.settings import (NO_BDP_OPTIONS, RECONNECT_MAX_S, RECONNECT_MIN_S, STATS_INTERVAL_S,
-                             STATS_MISSES_DOWN, SUBSCRIBE_WINDOW_BYTES, RouterSettings)
+from router.settings import (KV_RESUBSCRIBE_S, NO_BDP_OPTIONS, RECONNECT_MAX_S, RECONNECT_MIN_S,
+                             STATS_INTERVAL_S, STATS_MISSES_DOWN, SUBSCRIBE_WINDOW_BYTES, RouterSettings)
 from router.subscription import Subscription
 
 log = logging.getLogger(__name__)
@@ -58,6 +70,7 @@ class WorkerClient:
         self.channel = client_channel(address, options=NO_BDP_OPTIONS)
         self.stub = worker_pb2_grpc.WorkerStub(self.channel)
         self.info_stub = common_pb2_grpc.InfoServiceStub(self.channel)
+        self.health_stub = health_pb2_grpc.HealthStub(self.channel)
         self.sub_channel: grpc.aio.Channel | None = None     # the Subscribe stream's own connection
         self.info: common_pb2.ServerInfo | None = None
         self.stats: worker_pb2.WorkerStats | None = None
@@ -70,8 +83,16 @@ class WorkerClient:
         self.inflight = 0
         self.inflight_tokens = 0        # decode: prompt + tokens generated so far
         self.inflight_prompt_tokens = 0 # prefill: prompts being prefilled
+        # Other routers' load, from the last GetStats (see the module docstring).
+        self.other_tokens = 0
+        self.other_prompt_tokens = 0
+        # Prompt tokens this router sent here to compute, as a decayed counter (router.pd_policy).
+        self._prefill_counter = 0.0
+        self._prefill_counter_at = 0.0
+        self.num_kv_resyncs = 0         # KV event streams re-opened after a gap
         self._task: asyncio.Task | None = None
         self._kv_task: asyncio.Task | None = None
+        self._health_task: asyncio.Task | None = None
         self._kv_unimplemented = False
         self.kv_wanted = False          # whether the prefix index needs this worker's KV events
         self.stats_misses = 0           # GetStats timeouts in a row
@@ -137,6 +158,8 @@ class WorkerClient:
         if problem:
             self._note_error(problem, level=logging.ERROR)
             return False
+        if not await self._serving(timeout):
+            return False
         self.info = info
         if self.can_decode:
             if self.sub_channel is None:
@@ -151,6 +174,7 @@ class WorkerClient:
             self.subscription = sub
         self.up = True
         self.last_error = ""
+        self._health_task = asyncio.create_task(self._watch_health(), name=f"health-{self.key}")
         if self.kv_wanted:
             self._start_kv_events()
         log.info("worker %s is up (block_size %d, max_model_len %d, %d KV blocks)", self.describe(),
@@ -158,12 +182,40 @@ class WorkerClient:
         self.on_change()
         return True
 
+    async def _serving(self, timeout: float) -> bool:
+        """Whether the worker's health says SERVING (a draining worker answers NOT_SERVING);
+        a worker without the health service counts as serving."""
+        try:
+            reply = await self.health_stub.Check(health_pb2.HealthCheckRequest(), timeout=timeout,
+                                                 wait_for_ready=False)
+        except grpc.aio.AioRpcError as e:
+            if e.code() == grpc.StatusCode.UNIMPLEMENTED:
+                return True
+            self._note_error(f"health: {e.code().name}: {e.details()}")
+            return False
+        if reply.status != health_pb2.HealthCheckResponse.SERVING:
+            self._note_error(f"health: {health_pb2.HealthCheckResponse.ServingStatus.Name(reply.status)}")
+            return False
+        return True
+
+    async def _watch_health(self) -> None:
+        """While up: the worker's health stream; NOT_SERVING (SIGTERM: draining) marks it down at
+        once, before a request is refused there."""
+        try:
+            async for reply in self.health_stub.Watch(health_pb2.HealthCheckRequest(), wait_for_ready=False):
+                if reply.status != health_pb2.HealthCheckResponse.SERVING and self.up:
+                    self.mark_down("health: NOT_SERVING (draining)")
+                    return
+        except grpc.aio.AioRpcError as e:
+            log.debug("health watch of %s ended: %s", self.key, e.code().name)
+
     def _note_error(self, message: str, level: int = logging.INFO) -> None:
         if message != self.last_error:
             log.log(level, "worker %s: %s", self.key, message)
         self.last_error = message
 
     async def _poll_stats(self) -> None:
+        own_tokens, own_prompt = self.inflight_tokens, self.inflight_prompt_tokens
         try:
             self.stats = await self.stub.GetStats(worker_pb2.GetStatsRequest(),
                                                   timeout=self.settings.worker_timeout_s, wait_for_ready=False)
@@ -178,13 +230,25 @@ class WorkerClient:
                                + (f" ({self.stats_misses} times in a row)" if self.stats_misses > 1 else ""))
             return
         self.stats_misses = 0
+        self._note_others(self.stats, own_tokens, own_prompt)
         if self.kv_wanted and not self._kv_unimplemented and (self._kv_task is None or self._kv_task.done()):
             self._start_kv_events()
+
+    def _note_others(self, stats: worker_pb2.WorkerStats, own_tokens: int, own_prompt: int) -> None:
+        """Other routers' load = the worker's figure minus this router's share at the poll."""
+        bs = self.info.block_size if self.info is not None else 0
+        held = max(stats.num_running_context_tokens + stats.num_waiting_prefill_tokens,
+                   stats.num_used_blocks * bs)
+        self.other_tokens = max(0, held - own_tokens)
+        self.other_prompt_tokens = max(0, stats.num_waiting_prefill_tokens - own_prompt)
 
     def mark_down(self, reason: str, quiet: bool = False) -> None:
         """Stop routing here; requests on its output stream get UNAVAILABLE; reconnect later."""
         was_up, self.up = self.up, False
         self.stats_misses = 0
+        if self._health_task is not None and self._health_task is not asyncio.current_task():
+            self._health_task.cancel()
+        self._health_task = None
         if self.subscription is not None:
             sub, self.subscription = self.subscription, None
             sub.close(reason)
@@ -215,19 +279,45 @@ class WorkerClient:
         self._kv_task = asyncio.create_task(self._kv_events(), name=f"kv-events-{self.key}")
 
     async def _kv_events(self) -> None:
-        try:
-            async for ev in self.stub.StreamKvEvents(worker_pb2.KvEventsRequest(), wait_for_ready=False):
-                self.prefix_index.apply(self.key, ev.stored, ev.evicted, ev.snapshot)
-        except asyncio.CancelledError:
-            raise
-        except grpc.aio.AioRpcError as e:
-            if e.code() == grpc.StatusCode.UNIMPLEMENTED:
-                self._kv_unimplemented = True
-            log.debug("StreamKvEvents of %s ended: %s", self.key, e.code().name)
+        """Feed the index from the worker's stream; re-open the stream (a new snapshot) when
+        the index says the view cannot be trusted, at most every KV_RESUBSCRIBE_S."""
+        capacity = self.info.num_kv_blocks if self.info is not None else 0
+        while True:
+            call = self.stub.StreamKvEvents(worker_pb2.KvEventsRequest(), wait_for_ready=False)
+            try:
+                async for ev in call:
+                    if not self.prefix_index.apply(self.key, ev.stored, ev.evicted, ev.snapshot, ev.seq,
+                                                   ev.num_total_blocks or capacity):
+                        break
+                else:
+                    break                    # the stream ended
+            except asyncio.CancelledError:
+                call.cancel()
+                raise
+            except grpc.aio.AioRpcError as e:
+                if e.code() == grpc.StatusCode.UNIMPLEMENTED:
+                    self._kv_unimplemented = True
+                log.debug("StreamKvEvents of %s ended: %s", self.key, e.code().name)
+                break
+            call.cancel()
+            self.num_kv_resyncs += 1
+            log.info("worker %s: KV events lost or inconsistent; re-subscribing for a snapshot", self.key)
+            await asyncio.sleep(KV_RESUBSCRIBE_S)
         self.prefix_index.remove_worker(self.key)
 
     # ---- load accounting --------------------------------------------------------------
-    def add_load(self, requests: int = 0, tokens: int = 0, prompt_tokens: int = 0) -> None:
+    def add_load(self, requests: int = 0, tokens: int = 0, prompt_tokens: int = 0, computed: int = 0) -> None:
+        """``computed``: prompt tokens this router just gave the worker to compute (its prefill rate)."""
         self.inflight += requests
         self.inflight_tokens += tokens
         self.inflight_prompt_tokens += prompt_tokens
+        if computed:
+            now, window = time.monotonic(), self.settings.pd.rate_window_s
+            self._prefill_counter = decayed_rate(self._prefill_counter, self._prefill_counter_at, now, window) + computed
+            self._prefill_counter_at = now
+
+    def prefill_rate(self) -> float:
+        """Prompt tokens per second this router has had the worker compute lately: an
+        exponentially decayed counter over ``rate_window_s`` (router.pd_policy's lam)."""
+        window = self.settings.pd.rate_window_s
+        return decayed_rate(self._prefill_counter, self._prefill_counter_at, time.monotonic(), window) / window

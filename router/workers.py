@@ -27,6 +27,7 @@ log = logging.getLogger(__name__)
 
 PREFILL_ROLES = {common_pb2.ROLE_PREFILL}
 DECODE_ROLES = {common_pb2.ROLE_DECODE, common_pb2.ROLE_BOTH}
+PREFILL_CAPABLE = {common_pb2.ROLE_PREFILL, common_pb2.ROLE_BOTH}   # may prefill for another worker
 PROTOCOL_VERSION = "v1"
 
 
@@ -103,15 +104,17 @@ class WorkerRegistry:
             fn()
 
     def update_kv_wanted(self) -> None:
-        """Consume KV events only from workers that have a usable peer of their kind (decode
-        or both / prefill): the prefix index only ranks two or more candidates, and the events
-        of a lone worker would cost the router a message per request for nothing."""
-        peers = {True: 0, False: 0}
+        """Consume KV events only from workers with a usable peer in a pool they belong to:
+        the decode pool (decode, both) or the prefill pool (prefill, both; a both worker is a
+        place to prefill for itself and for others, see router.pd_policy). The prefix index
+        only ranks two or more candidates, and the events of a lone worker would cost the
+        router a message per request for nothing."""
+        up = [c for c in self.clients.values() if c.usable and c.info is not None]
+        decoders = sum(1 for c in up if c.can_decode)
+        prefillers = sum(1 for c in up if c.role in PREFILL_CAPABLE)
         for c in self.clients.values():
-            if c.usable and c.info is not None:
-                peers[c.can_decode] += 1
-        for c in self.clients.values():
-            c.set_kv_wanted(c.usable and c.info is not None and peers[c.can_decode] > 1)
+            ok = c.usable and c.info is not None
+            c.set_kv_wanted(ok and ((c.can_decode and decoders > 1) or (c.role in PREFILL_CAPABLE and prefillers > 1)))
 
     def _add(self, address: str, roles: set[int]) -> None:
         client = self.clients.get(address)
@@ -175,9 +178,9 @@ class WorkerRegistry:
         return [c for c in self.clients.values() if c.usable and c.can_decode and c.key not in ex]
 
     def prefill_workers(self, exclude: Iterable[str] = ()) -> list[WorkerClient]:
+        """Workers that can prefill a request for another one: roles prefill and both."""
         ex = set(exclude)
-        return [c for c in self.clients.values()
-                if c.usable and c.role == common_pb2.ROLE_PREFILL and c.key not in ex]
+        return [c for c in self.clients.values() if c.usable and c.role in PREFILL_CAPABLE and c.key not in ex]
 
     def count_up(self, roles: set[int]) -> int:
         return sum(1 for c in self.clients.values() if c.usable and c.role in roles)

@@ -117,8 +117,10 @@ async def _run_proc(address: str, items: Sequence[tuple[int, BenchRequest, float
     import grpc
 
     from pdserve.v1 import router_pb2_grpc
-    channels = [grpc.aio.insecure_channel(address, options=list(CHANNEL_OPTIONS) + [("pdserve.bench.channel", i)])
-                for i in range(max(1, num_channels))]
+    addrs = [a for a in address.split(",") if a]     # several router replicas: channels alternate
+    channels = [grpc.aio.insecure_channel(addrs[i % len(addrs)],
+                                          options=list(CHANNEL_OPTIONS) + [("pdserve.bench.channel", i)])
+                for i in range(max(len(addrs), num_channels))]
     try:
         await asyncio.wait_for(asyncio.gather(*(c.channel_ready() for c in channels)), READY_TIMEOUT_S)
         stubs = [router_pb2_grpc.GenerationStub(c) for c in channels]

@@ -7,6 +7,10 @@ both``, on the GPUs of ``--gpus``). Every deployment gets the very same requests
 times. Output: a markdown table (printed and saved), ``compare-<label>-<time>.json`` with each
 deployment's sweep, and ``..._goodput.png`` (goodput and output throughput against the rate,
 one line per deployment).
+
+With ``--capacity`` each deployment's rates are chosen by a bisection instead of the sweep
+(bench.serve.capacity): its SLO capacity goes into a second table (``capacity_markdown``), the
+JSON (``deployments[].capacity``) and ``..._capacity.png``.
 """
 from __future__ import annotations
 
@@ -20,10 +24,10 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import Any, Sequence
 
-from bench.serve import arrivals, datasets, metrics, procs
+from bench.serve import arrivals, capacity, datasets, metrics, procs
 from bench.serve.runner import (build_requests, git_commit, host_info, model_info, opts_from_args,
-                                parse_concurrency, result_stem, run_config, run_sweep, sweep_points, warmup,
-                                write_json)
+                                parse_concurrency, result_stem, run_config, run_point, run_sweep, sweep_points,
+                                warmup, write_json)
 
 log = logging.getLogger(__name__)
 
@@ -96,11 +100,38 @@ def markdown_table(series: Sequence[tuple[str, Sequence[dict[str, Any]]]], p_hi:
     return "\n".join(lines)
 
 
+CAPACITY_KEYS = ("slo_attainment", "itl_p99_ms", "itl_p99_ok", "request_throughput", "request_goodput",
+                 "p90_ttft_ms", "p90_tpot_ms")
+
+
+def run_capacity(address: str, requests: Sequence[datasets.BenchRequest], opts, search: capacity.CapacitySearch,
+                 name: str, on_point) -> tuple[capacity.Capacity, list[dict]]:
+    """The bisection of one deployment's SLO capacity; every run's result, by rate."""
+    results: list[dict] = []
+
+    def run(rate: float) -> tuple[bool, dict[str, Any]]:
+        res, _ = run_point(address, requests, rate, None, opts, desc=f"{name} rate {rate:g}")
+        results.append(res)
+        results.sort(key=lambda r: r["request_rate"])
+        on_point(results, None)
+        return capacity.holds(res, search.min_attainment), {k: res[k] for k in CAPACITY_KEYS if k in res}
+
+    cap = capacity.find_capacity(search, run)
+    print(f"[{name}] SLO capacity {cap.capacity:g} req/s" + ("" if cap.bounded else " (lower bound)"), flush=True)
+    return cap, results
+
+
 def run_compare(args: argparse.Namespace) -> int:
     """``pdserve bench compare``."""
     if bool(args.targets) == bool(args.launch):
         raise SystemExit("pdserve bench compare: give either --targets or --launch")
     opts = opts_from_args(args)
+    try:
+        search = capacity.search_from_args(args) if getattr(args, "capacity", False) else None
+    except ValueError as e:
+        raise SystemExit(f"--capacity: {e}") from None
+    if search is not None and not [k for k in opts.slo if k not in metrics.RUN_SLOS]:
+        raise SystemExit("--capacity needs per-request SLOs: --slo ttft_ms=..,tpot_ms=..[,itl_p99_ms=..]")
     points = sweep_points(arrivals.parse_rates(args.request_rate), parse_concurrency(args.max_concurrency))
     if args.targets:
         configs: list[tuple[str, str | None, str | None]] = [(n, a, None) for n, a in parse_targets(args.targets)]
@@ -119,6 +150,7 @@ def run_compare(args: argparse.Namespace) -> int:
         "deployments": []}
     requests: list[datasets.BenchRequest] | None = None
     series: list[tuple[str, list[dict]]] = []
+    capacities: list[tuple[str, capacity.Capacity]] = []
     for name, address, up_args in configs:
         svc = None
         try:
@@ -153,7 +185,12 @@ def run_compare(args: argparse.Namespace) -> int:
                 dep["results"] = results
                 write_json(json_path, payload)
 
-            results, _ = run_sweep(address, requests, points, opts, checkpoint, label=name)
+            if search is None:
+                results, _ = run_sweep(address, requests, points, opts, checkpoint, label=name)
+            else:
+                cap, results = run_capacity(address, requests, opts, search, name, checkpoint)
+                dep["capacity"] = cap.as_dict()
+                capacities.append((name, cap))
             series.append((name, results))
         finally:
             if svc is not None:
@@ -161,12 +198,19 @@ def run_compare(args: argparse.Namespace) -> int:
     p_hi = "p" + metrics.percentile_key(max(opts.percentiles, default=99.0))
     table = markdown_table(series, p_hi)
     payload["table_markdown"] = table
+    if capacities:
+        payload["capacity_markdown"] = capacity.markdown(capacities, opts.slo, search.min_attainment)
+        table = payload["capacity_markdown"] + "\n\n" + table
     if not args.no_plots:
         from bench.serve import plots
         metric = "request_goodput" if opts.slo else "request_throughput"
         png = plots.goodput_compare(series, stem.parent / f"{stem.name}_goodput.png",
                                     f"{payload['label']}: " + " vs ".join(n for n, _ in series), metric)
         payload["plots"] = {"goodput": png.name}
+        if capacities:
+            cpng = plots.capacity_compare(capacities, stem.parent / f"{stem.name}_capacity.png",
+                                          f"{payload['label']}: SLO capacity", search.min_attainment)
+            payload["plots"]["capacity"] = cpng.name
     write_json(json_path, payload)
     (stem.parent / f"{stem.name}.md").write_text(table + "\n")
     print(table)

@@ -8,6 +8,8 @@
                    temperature 0.6, ignore_eos (142,827 prompt / 133,966 output tokens)
 ``shared-prefix``  ``num_prefixes`` long system prompts; each request = one of them + a short
                    random suffix (prefix caching and cache-aware routing)
+``multi-turn``     chat conversations: each turn's prompt is the previous turn's prompt + a reply
+                   + a new user message (prefix reuse across turns of one conversation)
 ``prefill-heavy``  long prompts (~2k tokens), short outputs (16..64)
 ``decode-heavy``   short prompts (64..128), long outputs (512)
 ``jsonl``          a file of ``{"prompt": str, "max_tokens": n}``, ``{"messages": [...]}`` or
@@ -27,13 +29,14 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
-DATASETS = ("random", "w-nano", "shared-prefix", "prefill-heavy", "decode-heavy", "jsonl")
+DATASETS = ("random", "w-nano", "shared-prefix", "multi-turn", "prefill-heavy", "decode-heavy", "jsonl")
 PROMPT_FORMATS = ("ids", "text")
 
 # Per-dataset defaults: (input range, output range, number of prompts).
 DEFAULTS: dict[str, dict[str, Any]] = {
     "random": {"input_len": (128, 1024), "output_len": (64, 256), "num_prompts": 200},
     "shared-prefix": {"input_len": (32, 64), "output_len": (64, 128), "num_prompts": 200},
+    "multi-turn": {"input_len": (64, 128), "output_len": (64, 128), "num_prompts": 200},
     "prefill-heavy": {"input_len": (1792, 2304), "output_len": (16, 64), "num_prompts": 200},
     "decode-heavy": {"input_len": (64, 128), "output_len": (512, 512), "num_prompts": 200},
     "w-nano": {"num_prompts": 256},
@@ -135,6 +138,41 @@ def shared_prefix(num_prompts: int, num_prefixes: int, prefix_len: int, suffix_l
     return out
 
 
+def multi_turn(num_prompts: int, num_turns: int, num_prefixes: int, prefix_len: int, user_len: tuple[int, int],
+               output_len: tuple[int, int], vocab: int, seed: int, active: int = 16) -> list[BenchRequest]:
+    """Chat conversations of ``num_turns`` turns (``ceil(num_prompts / num_turns)`` of them, cut
+    to ``num_prompts`` requests). Turn 1 = one of ``num_prefixes`` system prompts of
+    ``prefix_len`` tokens + a user message of ``user_len`` tokens; turn k+1 = turn k's prompt +
+    a reply of turn k's ``max_tokens`` tokens + a new user message. The replies are synthetic
+    (a served reply differs), so what a later turn can find cached is the earlier turns'
+    prompts. Order: conversations go ``active`` at a time; a group's first turns (shuffled),
+    then its second turns, ...: at a rate of R requests/s the turns of one conversation are
+    about ``active / R`` seconds apart. ``extra``: conversation, turn."""
+    if num_turns < 1 or num_prefixes < 1 or active < 1:
+        raise ValueError("num_turns, num_prefixes and active must be >= 1")
+    rng = random.Random(seed)
+    prefixes = [_ids(rng, prefix_len, vocab) for _ in range(num_prefixes)] if prefix_len else [[]]
+    n_conv = -(-num_prompts // num_turns)
+    convs: list[list[BenchRequest]] = []
+    for c in range(n_conv):
+        prompt = list(prefixes[c % len(prefixes)])
+        turns = []
+        for t in range(num_turns):
+            prompt = prompt + _ids(rng, rng.randint(*user_len), vocab)
+            out_len = max(1, rng.randint(*output_len))
+            turns.append(BenchRequest(len(prompt), out_len, token_ids=list(prompt), extra={"conversation": c, "turn": t}))
+            prompt = prompt + _ids(rng, out_len, vocab)
+        convs.append(turns)
+    out: list[BenchRequest] = []
+    for g in range(0, n_conv, active):
+        group = convs[g:g + active]
+        for t in range(num_turns):
+            layer = [turns[t] for turns in group]
+            rng.shuffle(layer)
+            out.extend(layer)
+    return out[:num_prompts]
+
+
 def load_jsonl(path: str | Path, num_prompts: int | None, default_output_len: int, seed: int,
                shuffle: bool = False) -> list[BenchRequest]:
     """A JSONL file: ``prompt`` (text), ``messages`` (chat) or ``token_ids`` per line, with an
@@ -184,7 +222,7 @@ def to_text(requests: list[BenchRequest]) -> list[BenchRequest]:
 def build(name: str, *, num_prompts: int | None = None, input_len=None, output_len=None, vocab: int = 10000,
           seed: int = 0, prompt_format: str = "ids", dataset_path: str | None = None, num_prefixes: int = 8,
           prefix_len: int = 1024, temperature: float | None = None, ignore_eos: bool | None = None,
-          max_model_len: int | None = None) -> list[BenchRequest]:
+          max_model_len: int | None = None, num_turns: int = 4) -> list[BenchRequest]:
     """Build a workload by name (see the module docstring). ``input_len``/``output_len`` are
     ranges (``parse_range``) overriding the dataset's defaults; for ``shared-prefix``
     ``input_len`` is the suffix length. ``temperature``/``ignore_eos`` override the dataset's
@@ -205,6 +243,8 @@ def build(name: str, *, num_prompts: int | None = None, input_len=None, output_l
         reqs = load_jsonl(dataset_path, n, out_r[1], seed)
     elif name == "shared-prefix":
         reqs = shared_prefix(n, num_prefixes, prefix_len, in_r, out_r, vocab, seed)
+    elif name == "multi-turn":
+        reqs = multi_turn(n, num_turns, num_prefixes, prefix_len, in_r, out_r, vocab, seed)
     else:
         reqs = random_lengths(n, in_r, out_r, vocab, seed)
     if temperature is not None:

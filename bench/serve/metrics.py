@@ -19,6 +19,10 @@ The definitions and the JSON key names are those of vLLM's serving benchmark
   Token totals count successful requests only (as vLLM).
 * **Goodput** (``request_goodput``): requests per second that completed and met every SLO given
   (``ttft``, ``tpot``, ``e2el``, in ms; ``value <= slo``); ``None`` without SLOs.
+* **SLO attainment** (``slo_attainment``, with SLOs): the fraction of all requests sent that
+  completed and met every per-request SLO (DistServe's measure; a failed request misses).
+  ``itl_p99`` is a bound on the run, not on a request: ``itl_p99_ms`` (the run's 99th
+  percentile ITL) and ``itl_p99_ok`` are reported when it is given (bench.serve.capacity).
 * Statistics of a metric ``m`` (ms): ``mean_m_ms``, ``median_m_ms``, ``std_m_ms`` (population
   std, ``np.std``) and ``p{P}_m_ms`` for each requested percentile (``np.percentile``, linear;
   ``p99``, ``p99.9``); an empty metric reads 0, as in vLLM.
@@ -40,7 +44,9 @@ METRICS = ("ttft", "tpot", "itl", "e2el")
 ITL_MODES = ("chunk", "split")
 # SLO names accepted on the command line -> vLLM's goodput keys
 SLO_ALIASES = {"ttft": "ttft", "ttft_ms": "ttft", "tpot": "tpot", "tpot_ms": "tpot",
-               "e2el": "e2el", "e2el_ms": "e2el", "e2e": "e2el", "e2e_ms": "e2el"}
+               "e2el": "e2el", "e2el_ms": "e2el", "e2e": "e2el", "e2e_ms": "e2el",
+               "itl_p99": "itl_p99", "itl_p99_ms": "itl_p99"}
+RUN_SLOS = ("itl_p99",)     # bounds on a whole run (the others bound each request)
 
 
 @dataclass
@@ -134,7 +140,7 @@ def parse_slo(spec: str | Sequence[str] | None) -> dict[str, float]:
         key = SLO_ALIASES.get(name.strip().lower())
         if key is None or not value:
             raise ValueError(f"bad SLO {part!r}: expected NAME=MS with NAME one of "
-                             f"ttft_ms, tpot_ms, e2e_ms (or vLLM's ttft:MS, tpot:MS, e2el:MS)")
+                             f"ttft_ms, tpot_ms, e2e_ms, itl_p99_ms (or vLLM's ttft:MS, tpot:MS, e2el:MS)")
         ms = float(value)
         if ms < 0 or math.isnan(ms):
             raise ValueError(f"bad SLO {part!r}: the value must be >= 0 ms")
@@ -143,10 +149,22 @@ def parse_slo(spec: str | Sequence[str] | None) -> dict[str, float]:
 
 
 def meets_slo(rec: RequestRecord, slo: dict[str, float]) -> bool:
+    """Whether ``rec`` completed within every per-request SLO (run bounds such as itl_p99 aside)."""
     if not rec.success:
         return False
     values = {"ttft": rec.ttft, "tpot": rec.tpot, "e2el": rec.e2el}
-    return all(values[k]() * 1000.0 <= ms for k, ms in slo.items())
+    return all(values[k]() * 1000.0 <= ms for k, ms in slo.items() if k not in RUN_SLOS)
+
+
+def slo_figures(records: Sequence[RequestRecord], slo: dict[str, float], itl_mode: str = "chunk") -> dict[str, Any]:
+    """``slo_attainment`` (met / sent) and, with an ``itl_p99`` bound, ``itl_p99_ms`` and ``itl_p99_ok``."""
+    out: dict[str, Any] = {"slo_attainment": (sum(meets_slo(r, slo) for r in records) / len(records))
+                           if records else 0.0}
+    if "itl_p99" in slo:
+        itls = [x for r in records if r.success for x in r.itls(itl_mode)]
+        p99 = float(np.percentile(np.asarray(itls) * 1000.0, 99)) if itls else 0.0
+        out.update(itl_p99_ms=p99, itl_p99_ok=p99 <= slo["itl_p99"])
+    return out
 
 
 def peak_output_rate(records: Sequence[RequestRecord]) -> tuple[float, int]:
@@ -212,6 +230,8 @@ def compute_metrics(records: Sequence[RequestRecord], duration_s: float,
     }
     for name, values in (("ttft", ttfts), ("tpot", tpots), ("itl", itls), ("e2el", e2els)):
         result.update(stats_ms(name, values, percentiles))
+    if slo:
+        result.update(slo_figures(records, slo, itl_mode))
     return result
 
 

@@ -16,6 +16,15 @@ def _plt():
     return plt
 
 
+def _save(plt, fig, path: str | Path, title: str) -> Path:
+    if title:
+        fig.suptitle(title)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return Path(path)
+
+
 def rate_str(rate: Any) -> str:
     return rate if isinstance(rate, str) else f"{rate:g}"
 
@@ -48,12 +57,7 @@ def latency_cdfs(samples: Sequence[tuple[str, dict[str, list[float]]]], path: st
         ax.set_ylim(0, 1.01)
         ax.grid(True, alpha=0.3)
     axes[0].legend(fontsize=8)
-    if title:
-        fig.suptitle(title)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return Path(path)
+    return _save(plt, fig, path, title)
 
 
 def throughput_vs_rate(results: Sequence[dict[str, Any]], path: str | Path, title: str = "",
@@ -78,12 +82,7 @@ def throughput_vs_rate(results: Sequence[dict[str, Any]], path: str | Path, titl
         ax.set_xlabel("max concurrency" if vary_concurrency else "request rate (req/s)")
         ax.grid(True, alpha=0.3)
         ax.legend(fontsize=8)
-    if title:
-        fig.suptitle(title)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return Path(path)
+    return _save(plt, fig, path, title)
 
 
 def goodput_compare(series: Sequence[tuple[str, Sequence[dict[str, Any]]]], path: str | Path, title: str = "",
@@ -104,9 +103,28 @@ def goodput_compare(series: Sequence[tuple[str, Sequence[dict[str, Any]]]], path
         ax.set_xlabel("request rate (req/s)")
         ax.grid(True, alpha=0.3)
         ax.legend(fontsize=8)
-    if title:
-        fig.suptitle(title)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return Path(path)
+    return _save(plt, fig, path, title)
+
+
+def capacity_compare(rows: Sequence[tuple[str, Any]], path: str | Path, title: str = "",
+                     min_attainment: float = 0.9) -> Path:
+    """SLO capacity per deployment (bars; hatched where it is only a lower bound) and each run's
+    SLO attainment against its rate (the bisection's points)."""
+    plt = _plt()
+    fig, (a1, a2) = plt.subplots(1, 2, figsize=(12, 4.2))
+    names = [name for name, _ in rows]
+    for i, (name, cap) in enumerate(rows):
+        a1.bar(i, cap.capacity, hatch="" if cap.bounded else "//", edgecolor="black")
+        a1.annotate(f"{cap.capacity:g}", (i, cap.capacity), ha="center", va="bottom", fontsize=9)
+        pts = sorted(cap.points, key=lambda p: p["rate"])
+        a2.plot([p["rate"] for p in pts], [p.get("slo_attainment", 0.0) for p in pts], "o-", label=name)
+    a1.set_xticks(np.arange(len(names)), names)
+    a1.set_ylabel("SLO capacity (req/s)")
+    a2.axhline(min_attainment, color="gray", linestyle=":", label=f"{min_attainment:.0%}")
+    a2.set_xlabel("request rate (req/s)")
+    a2.set_ylabel("SLO attainment")
+    a2.set_ylim(0, 1.02)
+    a2.legend(fontsize=8)
+    for ax in (a1, a2):
+        ax.grid(True, alpha=0.3)
+    return _save(plt, fig, path, title)

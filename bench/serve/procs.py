@@ -212,7 +212,7 @@ def router(port: int, *, decode: list[str], prefill: list[str] = (), model: str 
 def pdserve_up(router_port: int, base_port: int, args: list[str], log_dir: Path | None = None,
                name: str = "up") -> Service:
     cmd = [sys.executable, "-m", "pdserve.cli", "up", "--router-port", str(router_port),
-           "--base-port", str(base_port), *args]
+           "--base-port", str(base_port), *([] if "--http-port" in args else ["--http-port", "0"]), *args]
     return Service(f"pdserve-up-{name}", cmd, f"127.0.0.1:{router_port}",
                    (log_dir / f"pdserve-up-{name}.log") if log_dir else None)
 

@@ -41,6 +41,7 @@ class RunOptions:
     disable_tqdm: bool = False
     save_detailed: bool = False
     quiet: bool = False
+    http: Any = None    # bench.serve.openai_client.HttpTarget: the OpenAI HTTP API instead of gRPC
 
 
 # ---- environment --------------------------------------------------------------------------
@@ -78,7 +79,7 @@ def model_info(router: str, timeout: float = 60.0) -> dict[str, Any]:
     from pdserve.v1 import router_pb2, router_pb2_grpc
     end = time.monotonic() + timeout
     last: Exception | None = None
-    with grpc.insecure_channel(router) as ch:
+    with grpc.insecure_channel(router.split(",")[0]) as ch:     # the first of several replicas
         stub = router_pb2_grpc.GenerationStub(ch)
         while time.monotonic() < end:
             try:
@@ -99,6 +100,7 @@ def build_requests(args: argparse.Namespace, info: dict[str, Any]) -> list[datas
         args.dataset, num_prompts=args.num_prompts, input_len=args.input_len, output_len=args.output_len,
         vocab=vocab, seed=args.seed, prompt_format=args.prompt_format, dataset_path=args.dataset_path,
         num_prefixes=args.num_prefixes, prefix_len=args.prefix_len, temperature=args.temperature,
+        num_turns=getattr(args, "num_turns", 4),
         ignore_eos=args.ignore_eos, max_model_len=int(info.get("max_model_len") or 0) or None)
 
 
@@ -122,13 +124,23 @@ def parse_concurrency(spec: str | None) -> list[int | None]:
     return out
 
 
-def warmup(router: str, requests: Sequence[datasets.BenchRequest], n: int, timeout: float) -> None:
+def load(router: str, http: Any, requests: Sequence[datasets.BenchRequest], offsets: Sequence[float],
+         **kw: Any):
+    """gRPC Generate streams to ``router`` (run_load), or the OpenAI HTTP API when ``http`` is set."""
+    if http is None:
+        return run_load(router, requests, offsets, **kw)
+    from bench.serve import openai_client
+    return openai_client.run_load(http, requests, offsets, max_concurrency=kw.get("max_concurrency"),
+                                  timeout=kw.get("timeout"), pbar=kw.get("pbar"))
+
+
+def warmup(router: str, requests: Sequence[datasets.BenchRequest], n: int, timeout: float, http: Any = None) -> None:
     """``n`` requests (the first of the workload, at most 16 output tokens) that must succeed."""
     if n <= 0 or not requests:
         return
     from dataclasses import replace
     req = replace(requests[0], output_len=min(requests[0].output_len, 16))
-    res = run_load(router, [req] * n, [0.0] * n, timeout=timeout, channels_per_proc=1)
+    res = load(router, http, [req] * n, [0.0] * n, timeout=timeout, channels_per_proc=1)
     bad = [r for r in res.records if not r.success]
     if bad:
         raise RuntimeError(f"warm-up request failed: {bad[0].status} {bad[0].error}")
@@ -145,27 +157,27 @@ def run_point(router: str, requests: Sequence[datasets.BenchRequest], rate: floa
         pbar = tqdm(total=len(requests), desc=desc or f"rate {arrivals.rate_label(rate)}", unit="req",
                     leave=True, file=sys.stderr)
     try:
-        load = run_load(router, requests, offsets, max_concurrency=concurrency, num_procs=opts.num_procs,
-                        timeout=opts.request_timeout, channels_per_proc=opts.channels_per_proc, pbar=pbar)
+        result = load(router, opts.http, requests, offsets, max_concurrency=concurrency, num_procs=opts.num_procs,
+                      timeout=opts.request_timeout, channels_per_proc=opts.channels_per_proc, pbar=pbar)
     finally:
         if pbar is not None:
             pbar.close()
     res: dict[str, Any] = {"request_rate": arrivals.rate_label(rate) if math.isinf(rate) else rate,
                            "burstiness": opts.burstiness if not math.isinf(opts.burstiness) else "inf",
                            "max_concurrency": concurrency}
-    res.update(metrics.compute_metrics(load.records, load.duration, opts.percentiles, opts.slo or None,
+    res.update(metrics.compute_metrics(result.records, result.duration, opts.percentiles, opts.slo or None,
                                        opts.itl_mode))
-    res["client"] = load.client
-    if load.client["max_cpu_util"] > 0.8:
-        res["client_warning"] = (f"a client process used {load.client['max_cpu_util']:.0%} of a core: "
+    res["client"] = result.client
+    if result.client["max_cpu_util"] > 0.8:
+        res["client_warning"] = (f"a client process used {result.client['max_cpu_util']:.0%} of a core: "
                                  "the client may limit this run (raise --num-client-procs)")
         log.warning("%s", res["client_warning"])
     if opts.save_detailed:
-        res["detailed"] = metrics.detailed_lists(load.records, opts.itl_mode)
+        res["detailed"] = metrics.detailed_lists(result.records, opts.itl_mode)
     if not opts.quiet:
         title = f" rate {arrivals.rate_label(rate)}" + (f", concurrency {concurrency}" if concurrency else "") + " "
         print(metrics.format_table(res, opts.percentiles, title=title), flush=True)
-    return res, metrics.latency_samples(load.records)
+    return res, metrics.latency_samples(result.records)
 
 
 def run_sweep(router: str, requests: Sequence[datasets.BenchRequest], points: Sequence[tuple[float, int | None]],
@@ -182,8 +194,16 @@ def run_sweep(router: str, requests: Sequence[datasets.BenchRequest], points: Se
 
 
 def run_config(args: argparse.Namespace) -> dict[str, Any]:
-    return {k: (v if not isinstance(v, float) or math.isfinite(v) else "inf") for k, v in sorted(vars(args).items())
-            if not k.startswith("_") and not callable(v)}
+    return _redacted({k: (v if not isinstance(v, float) or math.isfinite(v) else "inf")
+                      for k, v in sorted(vars(args).items()) if not k.startswith("_") and not callable(v)})
+
+
+def _redacted(d: dict[str, Any]) -> dict[str, Any]:
+    """``d`` without secrets (an API key is never written into a result file)."""
+    out = {k: (_redacted(v) if isinstance(v, dict) else v) for k, v in d.items()}
+    if out.get("api_key"):
+        out["api_key"] = "<redacted>"
+    return out
 
 
 def write_json(path: Path, payload: dict[str, Any]) -> Path:
@@ -224,16 +244,28 @@ def run_serve(args: argparse.Namespace) -> int:
     opts = opts_from_args(args)
     rates = arrivals.parse_rates(args.request_rate)
     points = sweep_points(rates, parse_concurrency(args.max_concurrency))
-    info = model_info(args.router, args.ready_timeout)
+    target = args.router
+    if getattr(args, "backend", "grpc") == "openai":
+        from dataclasses import replace
+        from bench.serve import openai_client
+        info = openai_client.model_info(args.base_url, args.api_key, args.ready_timeout)
+        opts = replace(opts, http=openai_client.HttpTarget(args.base_url, args.endpoint, info["model"], args.api_key))
+        target = f"{args.base_url} ({args.endpoint})"
+        if args.num_client_procs > 1:
+            log.warning("--backend openai runs one client process; --num-client-procs %d is ignored",
+                        args.num_client_procs)
+    else:
+        info = model_info(args.router, args.ready_timeout)
     requests = build_requests(args, info)
-    warmup(args.router, requests, args.num_warmups, opts.request_timeout)
+    warmup(args.router, requests, args.num_warmups, opts.request_timeout, opts.http)
     stem = result_stem(args)
     json_path = stem.parent / f"{stem.name}.json"
     payload: dict[str, Any] = {
         "benchmark": "pdserve bench serve", "label": args.label or args.dataset,
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(), "command": " ".join(sys.argv),
-        "commit": git_commit(), "host": host_info(), "router": args.router, "model_info": info,
-        "config": run_config(args), "options": asdict(opts), "dataset": datasets.summary(requests), "results": []}
+        "commit": git_commit(), "host": host_info(), "router": target, "model_info": info,
+        "config": run_config(args), "options": _redacted(asdict(opts)), "dataset": datasets.summary(requests),
+        "results": []}
 
     def checkpoint(results, samples) -> None:
         payload["results"] = results
@@ -242,7 +274,7 @@ def run_serve(args: argparse.Namespace) -> int:
     results, samples = run_sweep(args.router, requests, points, opts, checkpoint)
     if not args.no_plots:
         payload["plots"] = write_plots(stem, results, samples,
-                                       f"{payload['label']} via {args.router} ({len(requests)} requests)")
+                                       f"{payload['label']} via {target} ({len(requests)} requests)")
     write_json(json_path, payload)
     print(f"results: {json_path}" + (f" (+ {', '.join(payload['plots'].values())})" if "plots" in payload else ""))
     return 0 if all(r["completed"] for r in results) else 1

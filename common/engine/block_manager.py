@@ -38,7 +38,8 @@ class Block:
 class BlockManager:
     """Owns the block pool of one worker's KV cache.
 
-    Rules: ``allocate`` is called once for a WAITING sequence with an empty block table and
+    Rules: ``allocate`` is called once for a WAITING sequence with an empty block table (for
+    its whole prompt, also when the prompt is then computed in chunks) and
     sets ``num_cached_tokens`` to the prefix it found (always leaving at least the last prompt
     block to compute, so the prefill has a token to produce logits from); ``may_append`` is
     called before every decode step after ``can_append``; ``deallocate`` releases the whole
@@ -142,6 +143,10 @@ class BlockManager:
         hits = self._prefix_hits(seq)
         return seq.num_blocks - len(hits) + sum(self.blocks[b].ref_count == 0 for b in hits)
 
+    def prefix_hit_tokens(self, seq: Sequence) -> int:
+        """Leading tokens of ``seq`` that ``allocate`` would find in the cache."""
+        return len(self._prefix_hits(seq)) * self.block_size
+
     def can_allocate(self, seq: Sequence) -> bool:
         return self.num_blocks_needed(seq) <= self.num_free_blocks
 
@@ -169,10 +174,12 @@ class BlockManager:
         self.num_hit_tokens += seq.num_cached_tokens
         self.num_query_tokens += seq.num_tokens
 
-    def register_blocks(self, seq: Sequence) -> None:
-        """Offer every full block of ``seq`` to the prefix cache (its KV is, or is about to be, there)."""
+    def register_blocks(self, seq: Sequence, num_tokens: int | None = None) -> None:
+        """Offer the full blocks of ``seq``'s first ``num_tokens`` tokens (default: all of them)
+        to the prefix cache: their KV is, or is about to be, there."""
         parent = NO_PARENT
-        for i in range(seq.num_tokens // self.block_size):
+        upto = seq.num_tokens if num_tokens is None else min(num_tokens, seq.num_tokens)
+        for i in range(upto // self.block_size):
             token_ids = seq.block(i)
             parent = block_hash(token_ids, parent)
             block = self.blocks[seq.block_table[i]]

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import logging
+import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -16,6 +17,7 @@ from common.engine.model_runner import LaunchedStep, ModelRunner
 from common.engine.sampling_params import InvalidParameter, SamplingParams
 from common.engine.scheduler import Scheduler, SchedulerConfig
 from common.engine.sequence import FinishReason, Sequence, SequenceStatus
+from common.engine.step_timer import StepTimer
 from common.engine.warmup import scratch_blocks, warm_up
 from common.loader import ModelSource, resolve_model
 
@@ -35,11 +37,16 @@ DEFAULT_MAX_MODEL_LEN = 8192
 class StepOutput:
     """What one step did: each sequence that got a token, and which finished."""
 
-    is_prefill: bool
+    is_prefill: bool               # the step computed prompt tokens (it may also have decode rows)
     seqs: list[Sequence] = field(default_factory=list)
     new_token_ids: list[int] = field(default_factory=list)
     finished: list[Sequence] = field(default_factory=list)
-    num_computed_tokens: int = 0   # prompt tokens computed (prefill) or sequences decoded
+    num_computed_tokens: int = 0   # tokens computed: prompt chunks plus one per decode row
+    num_decode_rows: int = 0       # rows that decoded one token (a step with both is "mixed")
+
+    @property
+    def num_prefill_tokens(self) -> int:
+        return self.num_computed_tokens - self.num_decode_rows
 
 
 class LLMEngine:
@@ -59,12 +66,10 @@ class LLMEngine:
         if self.model_runner.device.type == "cuda" and config.warmup:
             warm_up(self.model_runner, scratch_blocks(self.block_manager), self.max_model_len)
         self.eos_token_ids = self._eos_token_ids()
-        self.scheduler = Scheduler(SchedulerConfig(
-            max_num_seqs=config.max_num_seqs,
-            max_num_batched_tokens=max(config.max_num_batched_tokens, self.max_model_len),
-            max_model_len=self.max_model_len, eos_token_ids=self.eos_token_ids), self.block_manager)
+        self.scheduler = Scheduler(self._scheduler_config(), self.block_manager)
         self.tokenizer = self._load_tokenizer()
         self.pending: overlap.PendingStep | None = None   # a step launched, its tokens not yet read
+        self.step_timer = StepTimer()
         self.overlap_enabled = self._overlap_enabled()
         self.requests: dict[str, Sequence] = {}   # queued, running or reserved
         self.held: dict[str, Sequence] = {}       # prefill-only, first token out, blocks kept
@@ -81,6 +86,17 @@ class LLMEngine:
             raise ValueError(f"max_model_len ({wanted}) exceeds the model's context ({model_max})")
         # one sequence must always fit the pool, or the scheduler could never run it
         return min(wanted, num_blocks * self.config.block_size)
+
+    def _scheduler_config(self) -> SchedulerConfig:
+        c = self.config
+        budget = c.max_num_batched_tokens
+        if not c.enable_chunked_prefill:
+            budget = max(budget, self.max_model_len)      # every prompt must fit one step
+        return SchedulerConfig(
+            max_num_seqs=c.max_num_seqs, max_num_batched_tokens=budget, max_model_len=self.max_model_len,
+            eos_token_ids=self.eos_token_ids, enable_chunked_prefill=c.enable_chunked_prefill,
+            max_num_partial_prefills=c.max_num_partial_prefills,
+            long_prefill_token_threshold=c.long_prefill_token_threshold)
 
     def _overlap_enabled(self) -> bool:
         setting = self.config.async_scheduling
@@ -187,10 +203,17 @@ class LLMEngine:
 
     # ---- the loop -----------------------------------------------------------------------
     def step(self) -> StepOutput:
+        start = time.perf_counter()
+        out = self._step()
+        self.step_timer.record(time.perf_counter() - start, out.num_prefill_tokens, out.num_decode_rows)
+        return out
+
+    def _step(self) -> StepOutput:
         if self.pending is not None:
             prev, self.pending = self.pending, None
             self.pending = overlap.schedule_next(self, prev)
-            out = StepOutput(is_prefill=prev.is_prefill, num_computed_tokens=prev.num_computed_tokens)
+            out = StepOutput(is_prefill=prev.is_prefill, num_computed_tokens=prev.num_computed_tokens,
+                             num_decode_rows=prev.num_decode_rows)
             overlap.resolve(self, prev, out)
             return out
         seqs, is_prefill = self.scheduler.schedule()
@@ -200,18 +223,19 @@ class LLMEngine:
         if self.overlap_enabled and (is_prefill or overlap.can_overlap(self)):
             self.pending = overlap.launch(self, seqs, is_prefill, None)
             return out
-        out.num_computed_tokens = (sum(s.num_tokens - s.num_cached_tokens for s in seqs)
-                                   if is_prefill else len(seqs))
+        out.num_computed_tokens = sum(s.num_scheduled_tokens for s in seqs)
+        out.num_decode_rows = overlap.count_decode_rows(seqs) if is_prefill else len(seqs)
         launched = self.model_runner.launch(seqs, is_prefill)
         if is_prefill:
-            self.prefill_launched(seqs, launched)
+            self.prefill_launched(launched.seqs, launched)
         token_ids, logprobs = launched.result()
         for seq in seqs:
-            seq.num_cached_tokens = seq.num_tokens
-        want = [s.sampling_params.logprobs for s in seqs]
+            seq.num_cached_tokens += seq.num_scheduled_tokens
+        sampled = launched.seqs
+        want = [s.sampling_params.logprobs for s in sampled]
         lp = [l if w else None for l, w in zip(logprobs, want)] if logprobs is not None else None
-        out.finished = self._postprocess(seqs, token_ids, lp)
-        out.seqs, out.new_token_ids = seqs, token_ids
+        out.finished = self._postprocess(sampled, token_ids, lp)
+        out.seqs, out.new_token_ids = sampled, token_ids
         return out
 
     def prefill_launched(self, seqs: list[Sequence], launched: LaunchedStep) -> None:
@@ -247,10 +271,15 @@ class LLMEngine:
         self.model_runner.release(seq)
         self.held[seq.request_id] = seq
 
-    def stats(self) -> dict[str, int]:
+    def stats(self) -> dict[str, int | float | bool]:
         bm = self.block_manager
         return {"num_total_blocks": bm.num_blocks, "num_free_blocks": bm.num_free_blocks,
                 "num_used_blocks": bm.num_used_blocks, "num_cached_blocks": bm.num_cached_blocks,
                 "num_waiting": len(self.scheduler.waiting), "num_running": len(self.scheduler.running),
                 "prefix_cache_hit_tokens": bm.num_hit_tokens, "prefix_cache_query_tokens": bm.num_query_tokens,
-                "num_preemptions": self.scheduler.num_preemptions}
+                "num_preemptions": self.scheduler.num_preemptions,
+                "num_waiting_prefill_tokens": self.scheduler.num_waiting_prefill_tokens(),
+                "num_running_context_tokens": sum(s.num_tokens for s in self.scheduler.running),
+                "max_num_batched_tokens": self.scheduler.config.max_num_batched_tokens,
+                "chunked_prefill": self.scheduler.config.enable_chunked_prefill,
+                **self.step_timer.stats()}

@@ -44,7 +44,9 @@ def resolve_dtype(name: str, model_cfg: ModelConfig, device: torch.device) -> to
 class LaunchedStep:
     """A step's sampled tokens on their way to the host (pinned copy + event on CUDA)."""
 
-    def __init__(self, token_ids: torch.Tensor, logprobs: torch.Tensor | None, device: torch.device) -> None:
+    def __init__(self, token_ids: torch.Tensor, logprobs: torch.Tensor | None, device: torch.device,
+                 seqs: list[Sequence] | None = None) -> None:
+        self.seqs = seqs if seqs is not None else []   # row i of the tokens belongs to seqs[i]
         self.token_ids = token_ids          # [B] int64, on the device (feeds the next step)
         self.logprobs = logprobs
         self.event = None
@@ -80,6 +82,7 @@ class ModelRunner:
         self.kv_cache = torch.empty(0)
         self.num_kv_blocks = 0
         self.graph_runner = None
+        self.mixed_graph_runner = None
         self._sampling_key: tuple[int, ...] | None = None
         self._sampling_cache = None
 
@@ -129,7 +132,8 @@ class ModelRunner:
         return num_blocks
 
     def capture_cuda_graphs(self, max_model_len: int) -> None:
-        """Capture decode graphs (CUDA only, unless enforce_eager)."""
+        """Capture decode graphs, and mixed-step graphs with chunked prefill (CUDA only, unless
+        enforce_eager)."""
         if self.device.type != "cuda" or self.config.enforce_eager:
             return
         from common.engine.cuda_graph import DecodeGraphRunner
@@ -137,6 +141,12 @@ class ModelRunner:
             self.model, min(self.config.max_num_seqs, 512), -(-max_model_len // self.block_size), max_model_len,
             self.device, use_workspace=self.backend_name == "triton")
         self.graph_runner.capture()
+        if self.config.enable_chunked_prefill and self.backend_name == "triton":
+            from common.engine.mixed_graph import MixedGraphRunner
+            self.mixed_graph_runner = MixedGraphRunner(
+                self.model, min(self.config.max_num_seqs, 512), self.config.max_num_batched_tokens,
+                -(-max_model_len // self.block_size), max_model_len, self.device)
+            self.mixed_graph_runner.capture()
 
     # ---- batch preparation ----------------------------------------------------------------
     def _to_device(self, data: list, dtype: torch.dtype) -> torch.Tensor:
@@ -158,19 +168,29 @@ class ModelRunner:
         return [seq.block_table[p // bs] * bs + p % bs for p in range(start, end)]
 
     def prepare_prefill(self, seqs: list[Sequence]) -> tuple[torch.Tensor, torch.Tensor, ForwardContext]:
+        """A step that computes prompt tokens: each sequence's tokens ``[num_cached_tokens,
+        num_cached_tokens + num_scheduled_tokens)``. Leading one-token rows whose earlier KV is all
+        cached (decode rows; the scheduler puts them first) go through decode attention."""
+        nd = _num_decode_rows(seqs)
         input_ids, positions, slots, cu_q, context_lens = [], [], [], [0], []
-        for seq in seqs:
-            start, end = seq.num_cached_tokens, seq.num_tokens
+        for i, seq in enumerate(seqs):
+            start = seq.num_cached_tokens
+            end = start + seq.num_scheduled_tokens
             input_ids.extend(seq.token_ids[start:end])
             positions.extend(range(start, end))
             slots.extend(self._slots(seq, start, end))
-            cu_q.append(cu_q[-1] + end - start)
+            if i >= nd:
+                cu_q.append(cu_q[-1] + end - start)
             context_lens.append(end)
         ctx = ForwardContext(
             is_prefill=True, slot_mapping=self._to_device(slots, torch.int32),
             context_lens=self._to_device(context_lens, torch.int32),
             block_tables=self._block_tables(seqs), cu_seqlens_q=self._to_device(cu_q, torch.int32),
-            max_seqlen_q=max(b - a for a, b in zip(cu_q, cu_q[1:])))
+            max_seqlen_q=max((b - a for a, b in zip(cu_q, cu_q[1:])), default=0),
+            num_decode_tokens=nd, max_context_len=max(context_lens[:nd], default=None))
+        if 0 < nd < len(seqs):
+            ctx.chunk_context_lens = self._to_device(context_lens[nd:], torch.int32)
+            ctx.chunk_block_tables = self._block_tables(seqs[nd:])
         return self._to_device(input_ids, torch.int64), self._to_device(positions, torch.int64), ctx
 
     def prepare_decode(self, seqs: list[Sequence]) -> tuple[torch.Tensor, torch.Tensor, ForwardContext]:
@@ -196,30 +216,52 @@ class ModelRunner:
                prev_tokens: torch.Tensor | None = None) -> "LaunchedStep":
         """Enqueue forward + sampling for one step without waiting for the tokens.
 
-        Decode only: row ``i`` whose ``src_rows[i] >= 0`` takes its input token from
-        ``prev_tokens[src_rows[i]]`` (the previous step's sampled tokens, still on the device),
-        so a step can start before the host has seen the previous one's tokens.
+        Each sequence computes its ``num_scheduled_tokens`` tokens (decode steps: one); a token
+        is sampled for the sequences that reach their last token (``LaunchedStep.seqs``, in
+        step order; a prompt chunk that is not the last samples nothing). Decode rows: row ``i``
+        whose ``src_rows[i] >= 0`` takes its input token from ``prev_tokens[src_rows[i]]`` (the
+        previous step's sampled tokens, still on the device), so a step can start before the
+        host has seen the previous one's tokens.
         """
-        prepare = self.prepare_prefill if is_prefill else self.prepare_decode
-        input_ids, positions, ctx = prepare(seqs)
-        if src_rows is not None and prev_tokens is not None:
-            src = self._to_device(src_rows, torch.int64)
-            input_ids = torch.where(src >= 0, prev_tokens[src.clamp(min=0)], input_ids)
-        batch = self._sampling_batch(seqs)
-        if not is_prefill and self.graph_runner is not None and self.graph_runner.can_run(len(seqs)):
+        if is_prefill:
+            input_ids, positions, ctx = self.prepare_prefill(seqs)
+        else:
+            input_ids, positions, ctx = self.prepare_decode(seqs)
+        nd = ctx.num_decode_tokens if is_prefill else len(seqs)
+        if src_rows is not None and prev_tokens is not None and nd:
+            src = self._to_device(src_rows[:nd], torch.int64)
+            input_ids[:nd] = torch.where(src >= 0, prev_tokens[src.clamp(min=0)], input_ids[:nd])
+        sampled = [s for s in seqs if s.completes_in_step] if is_prefill else list(seqs)
+        if is_prefill:
+            hidden = self._forward_prefill(input_ids, positions, ctx, seqs)   # [len(sampled), H]
+        elif self.graph_runner is not None and self.graph_runner.can_run(len(seqs)):
             hidden = self.graph_runner.run(input_ids, positions, ctx)
         else:
             with forward_context(ctx):
                 hidden = self.model(input_ids, positions)
+
+        if sampled:
+            out = self.sampler(self.model.compute_logits(hidden), self._sampling_batch(sampled))
+            launched = LaunchedStep(out.token_ids, out.logprobs, self.device, sampled)
+        else:
+            launched = LaunchedStep(hidden.new_empty(0, dtype=torch.int64), None, self.device, sampled)
         if is_prefill:
-            hidden = hidden[ctx.cu_seqlens_q[1:].long() - 1]
-        logits = self.model.compute_logits(hidden)
-        out = self.sampler(logits, batch)
-        launched = LaunchedStep(out.token_ids, out.logprobs, self.device)
-        if is_prefill:
-            for seq in seqs:   # a KV sender waits for this step only, not for what is queued after it
+            for seq in sampled:   # a KV sender waits for this step only, not for what is queued after it
                 seq.kv_ready = launched.event
         return launched
+
+    def _forward_prefill(self, input_ids: torch.Tensor, positions: torch.Tensor, ctx: ForwardContext,
+                         seqs: list[Sequence]) -> torch.Tensor:
+        """Hidden states of the rows to sample of a step with prompt tokens: replayed from a
+        mixed-step graph when one fits, else eager."""
+        rows = self._to_device(_last_rows(seqs), torch.int64)
+        nd = ctx.num_decode_tokens
+        mixed = self.mixed_graph_runner
+        if mixed is not None and mixed.can_run(nd, input_ids.shape[0] - nd, len(seqs) - nd):
+            return mixed.run(input_ids, positions, ctx, rows)
+        with forward_context(ctx):
+            hidden = self.model(input_ids, positions)
+        return hidden[rows]
 
     def _sampling_batch(self, seqs: list[Sequence]):
         """The batch's sampling tensors; reused while the same sequences decode together
@@ -234,3 +276,21 @@ class ModelRunner:
     def release(self, seq: Sequence) -> None:
         """Forget per-sequence state (its seeded generator) once it has finished."""
         self.generators.pop(seq.seq_id, None)
+
+
+def _num_decode_rows(seqs: list[Sequence]) -> int:
+    """Leading sequences that compute one token with all earlier KV cached (decode rows)."""
+    n = 0
+    while n < len(seqs) and seqs[n].num_scheduled_tokens == 1 and seqs[n].completes_in_step:
+        n += 1
+    return n
+
+
+def _last_rows(seqs: list[Sequence]) -> list[int]:
+    """Index of each sampling sequence's last computed token in the step's flat token rows."""
+    rows, end = [], 0
+    for seq in seqs:
+        end += seq.num_scheduled_tokens
+        if seq.completes_in_step:
+            rows.append(end - 1)
+    return rows

@@ -7,7 +7,9 @@ step's sampled tokens — and only then are the previous step's tokens read and 
 
 A prefill step is launched the same way: the next step (another prefill of waiting sequences,
 or the first decode) is launched before its sampled tokens are read, so the host prepares the
-next batch while the GPU computes this one.
+next batch while the GPU computes this one. With chunked prefill a step mixes decode rows and
+prompt chunks; a prompt's next chunk needs no token from the step before (only its KV, which
+the GPU orders), and a prompt whose last chunk is pending decodes next with a placeholder.
 
 Rules that keep this exact:
 - each launched sequence gets a PLACEHOLDER token; its value is written in when the step is
@@ -20,7 +22,7 @@ Rules that keep this exact:
   computes its last token's KV has been launched;
 - a sequence waiting for (re)computation never holds a PLACEHOLDER when it is scheduled: one
   preempted while a step was pending is resolved in the same engine step, before any later
-  prefill can pick it;
+  prefill can pick it (a chunked step that preempts admits no waiting sequence);
 - no overlapped decode when a running sequence uses penalties (they need the token history on
   the host).
 """
@@ -34,11 +36,12 @@ from common.engine.sequence import PLACEHOLDER, Sequence, SequenceStatus
 
 @dataclass
 class PendingStep:
-    seqs: list[Sequence]
+    seqs: list[Sequence]      # the sequences that get a token from this step (row order)
     launched: LaunchedStep
     positions: list[int]      # where each sequence's placeholder sits
     is_prefill: bool = False
     num_computed_tokens: int = 0
+    num_decode_rows: int = 0
 
 
 def can_overlap(engine) -> bool:
@@ -51,29 +54,36 @@ def can_overlap(engine) -> bool:
 def launch(engine, seqs: list[Sequence], is_prefill: bool, prev: PendingStep | None) -> PendingStep:
     """Launch a step; decode rows that were in ``prev`` take their input token on the device."""
     src_rows = prev_tokens = None
-    if prev is not None and not is_prefill:
+    if prev is not None and prev.seqs:
         row = {s.seq_id: i for i, s in enumerate(prev.seqs)}
         src_rows = [row.get(s.seq_id, -1) for s in seqs]
         prev_tokens = prev.launched.token_ids
-    computed = sum(s.num_tokens - s.num_cached_tokens for s in seqs) if is_prefill else len(seqs)
+    computed = sum(s.num_scheduled_tokens for s in seqs)
     launched = engine.model_runner.launch(seqs, is_prefill, src_rows, prev_tokens)
     if is_prefill:
-        engine.prefill_launched(seqs, launched)
+        engine.prefill_launched(launched.seqs, launched)
     positions = []
     for s in seqs:
-        s.num_cached_tokens = s.num_tokens
+        s.num_cached_tokens += s.num_scheduled_tokens
+    for s in launched.seqs:
         positions.append(s.num_tokens)
         s.append_token(PLACEHOLDER)
-    return PendingStep(seqs, launched, positions, is_prefill, computed)
+    num_decode = count_decode_rows(seqs) if is_prefill else len(seqs)
+    return PendingStep(launched.seqs, launched, positions, is_prefill, computed, num_decode)
+
+
+def count_decode_rows(seqs: list[Sequence]) -> int:
+    """Rows of a scheduled step that decode one token (the scheduler puts them first)."""
+    return sum(s.num_scheduled_tokens == 1 and s.completes_in_step for s in seqs)
 
 
 def schedule_next(engine, prev: PendingStep) -> PendingStep | None:
-    """Launch the step after ``prev`` (a prefill of waiting sequences first, else a decode) if
-    nothing prevents it."""
+    """Launch the step after ``prev`` if nothing prevents it: without chunking a prefill of
+    waiting sequences first, else a decode; with chunking whatever the scheduler mixes."""
     if not engine.overlap_enabled:
         return None
     sched = engine.scheduler
-    if sched.waiting:
+    if not sched.config.enable_chunked_prefill and sched.waiting:
         seqs = sched._schedule_prefill()
         if seqs:
             return launch(engine, seqs, True, prev)
@@ -82,8 +92,8 @@ def schedule_next(engine, prev: PendingStep) -> PendingStep | None:
     ending = {s.seq_id for s, pos in zip(prev.seqs, prev.positions)
               if s.status == SequenceStatus.RUNNING
               and (s.prefill_only or sched.stop_reason_at(s, None, pos + 1) is not None)}
-    seqs = sched._schedule_decode(ending)
-    return launch(engine, seqs, False, prev) if seqs else None
+    seqs, is_prefill = sched.schedule(ending)
+    return launch(engine, seqs, is_prefill, prev) if seqs else None
 
 
 def resolve(engine, step: PendingStep, out) -> None:

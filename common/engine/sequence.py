@@ -28,8 +28,11 @@ class Sequence:
     """Token ids (prompt + completion) and the KV blocks that hold them.
 
     ``block_table`` lists the block ids holding tokens ``[i*block_size, (i+1)*block_size)``.
-    ``num_cached_tokens`` counts leading tokens whose KV is already in the cache (prefix hits or
-    KV imported from a prefill worker) and need not be computed.
+    ``num_cached_tokens`` counts leading tokens whose KV is already in the cache (prefix hits,
+    KV imported from a prefill worker, or chunks computed by earlier steps) and need not be
+    computed. A step computes tokens ``[num_cached_tokens, num_cached_tokens +
+    num_scheduled_tokens)``; it samples a token for the sequence only when that range ends at
+    ``num_tokens`` (``completes_in_step``): a decode row, or the last chunk of a prompt.
     """
 
     _counter = itertools.count()
@@ -46,6 +49,7 @@ class Sequence:
         self.block_size = block_size
         self.block_table: list[int] = []
         self.num_cached_tokens = 0
+        self.num_scheduled_tokens = 0    # tokens the current step computes (set by the Scheduler)
         self.output_logprobs: list[float] = []
         self.finish_reason: FinishReason | None = None
         self.num_preemptions = 0
@@ -75,6 +79,11 @@ class Sequence:
     @property
     def is_finished(self) -> bool:
         return self.status == SequenceStatus.FINISHED
+
+    @property
+    def completes_in_step(self) -> bool:
+        """Whether the scheduled step computes up to the last token (so a token is sampled)."""
+        return self.num_cached_tokens + self.num_scheduled_tokens == self.num_tokens
 
     @property
     def num_blocks(self) -> int:

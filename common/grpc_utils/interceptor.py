@@ -9,7 +9,9 @@ Every pdserve server is a ``grpc.aio`` server; :class:`ErrorInterceptor` wraps e
 - an uncaught ``grpc.aio.AioRpcError`` of a downstream call keeps its status (logged at
   WARNING);
 - any other exception aborts with INTERNAL and its traceback is logged at ERROR;
-- ``context.abort(...)`` raised by the handler itself and cancellation pass through untouched.
+- ``context.abort(...)`` raised by the handler itself and cancellation pass through untouched;
+- request bytes that do not decode as the method's request message get INVALID_ARGUMENT
+  (grpc's own answer would be UNKNOWN or INTERNAL), before the handler runs.
 """
 from __future__ import annotations
 
@@ -23,6 +25,50 @@ import grpc.aio
 from common.grpc_utils.errors import status_for
 
 log = logging.getLogger(__name__)
+
+
+class Undecodable:
+    """What the wrapped deserializer returns for bytes it cannot parse (grpc would otherwise
+    fail the call with a status that blames the server)."""
+
+    __slots__ = ("error",)
+
+    def __init__(self, error: Exception) -> None:
+        self.error = error
+
+    def details(self) -> str:
+        return f"request is not a valid message of this method: {type(self.error).__name__}: {self.error}"
+
+
+def _safe_deserializer(deserializer: Callable[[bytes], Any] | None) -> Callable[[bytes], Any] | None:
+    if deserializer is None:
+        return None
+
+    def deserialize(data: bytes) -> Any:
+        try:
+            return deserializer(data)
+        except Exception as exc:  # noqa: BLE001 - DecodeError and friends: the caller's bytes
+            return Undecodable(exc)
+
+    return deserialize
+
+
+async def _checked_request(request: Any, context: grpc.aio.ServicerContext, method: str) -> Any:
+    """``request``, or abort INVALID_ARGUMENT when it did not decode; a request stream is
+    wrapped so that each of its messages is checked."""
+    if isinstance(request, Undecodable):
+        log.debug("%s -> INVALID_ARGUMENT: %s", method, request.details())
+        await context.abort(grpc.StatusCode.INVALID_ARGUMENT, request.details())
+    if hasattr(request, "__aiter__"):
+        return _checked_stream(request, context)
+    return request
+
+
+async def _checked_stream(requests: Any, context: grpc.aio.ServicerContext) -> Any:
+    async for item in requests:
+        if isinstance(item, Undecodable):
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, item.details())
+        yield item
 
 
 async def _abort(exc: Exception, context: grpc.aio.ServicerContext, method: str) -> None:
@@ -42,6 +88,7 @@ def _wrap_unary_response(behavior: Callable[..., Any], method: str) -> Callable[
     """Wrap a unary_unary / stream_unary behavior (returns one response)."""
 
     async def wrapper(request_or_iterator: Any, context: grpc.aio.ServicerContext) -> Any:
+        request_or_iterator = await _checked_request(request_or_iterator, context, method)
         try:
             result = behavior(request_or_iterator, context)
             if inspect.isawaitable(result):
@@ -64,6 +111,7 @@ def _wrap_stream_response(behavior: Callable[..., Any], method: str) -> Callable
     if inspect.isasyncgenfunction(behavior) or inspect.isgeneratorfunction(behavior):
 
         async def gen_wrapper(request_or_iterator: Any, context: grpc.aio.ServicerContext) -> Any:
+            request_or_iterator = await _checked_request(request_or_iterator, context, method)
             try:
                 stream = behavior(request_or_iterator, context)
                 if inspect.isasyncgen(stream):
@@ -80,6 +128,7 @@ def _wrap_stream_response(behavior: Callable[..., Any], method: str) -> Callable
         return gen_wrapper
 
     async def write_wrapper(request_or_iterator: Any, context: grpc.aio.ServicerContext) -> Any:
+        request_or_iterator = await _checked_request(request_or_iterator, context, method)
         try:
             result = behavior(request_or_iterator, context)
             if inspect.isawaitable(result):
@@ -105,7 +154,7 @@ class ErrorInterceptor(grpc.aio.ServerInterceptor):
         if handler is None:
             return handler
         method = handler_call_details.method
-        kwargs = dict(request_deserializer=handler.request_deserializer,
+        kwargs = dict(request_deserializer=_safe_deserializer(handler.request_deserializer),
                       response_serializer=handler.response_serializer)
         if handler.unary_unary is not None:
             return grpc.unary_unary_rpc_method_handler(

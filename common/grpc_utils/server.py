@@ -9,7 +9,9 @@ Every server gets: explicit message size limits (64 MiB by default), the error i
 :meth:`GrpcServer.set_serving`), server reflection, and graceful shutdown on SIGTERM/SIGINT
 (health NOT_SERVING -> ``drain(grace_s)`` -> ``server.stop(remaining grace)``; a second signal
 stops at once). Clients use :func:`client_channel` (same limits, keepalive) and
-:func:`wait_ready`.
+:func:`wait_ready`. TLS, mutual TLS and bearer tokens come from :mod:`common.security`
+(``security=`` of :func:`build_server` and :func:`client_channel`); without them a port is
+plaintext and open, and says so in the log.
 """
 from __future__ import annotations
 
@@ -28,6 +30,7 @@ from grpc_reflection.v1alpha import reflection
 
 from common.grpc_utils.errors import Unavailable
 from common.grpc_utils.interceptor import ErrorInterceptor
+from common.security.config import ClientSecurity, ServerSecurity, default_client_security
 
 log = logging.getLogger(__name__)
 
@@ -146,14 +149,18 @@ def build_server(
     max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,
     interceptors: Sequence[grpc.aio.ServerInterceptor] = (),
     options: Sequence[tuple[str, Any]] = (),
+    security: ServerSecurity | None = None,
 ) -> GrpcServer:
     """Create a grpc.aio server bound to ``address`` ("host:port"; port 0 picks a free one).
 
-    Registers ``services``, health and reflection; ``interceptors`` run inside the error
-    interceptor. Raises :class:`Unavailable` when the address cannot be bound.
+    Registers ``services``, health and reflection (unless ``security.reflection`` is off);
+    ``security`` adds TLS and the auth interceptor (health stays open); ``interceptors`` run
+    inside the error and auth interceptors. Raises :class:`Unavailable` when the address
+    cannot be bound.
     """
+    security = security or ServerSecurity()
     server = grpc.aio.server(
-        interceptors=[ErrorInterceptor(), *interceptors],
+        interceptors=[ErrorInterceptor(), *security.interceptors(), *interceptors],
         options=_merge([*_size_options(max_message_bytes), *_SERVER_KEEPALIVE], options),
     )
     names = [s.full_name for s in services]
@@ -161,14 +168,19 @@ def build_server(
         s.add(s.servicer, server)
     health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
-    reflection.enable_server_reflection(
-        [*names, health.SERVICE_NAME, reflection.SERVICE_NAME], server)
+    if security.reflection:
+        reflection.enable_server_reflection(
+            [*names, health.SERVICE_NAME, reflection.SERVICE_NAME], server)
+    credentials = security.credentials()
     try:
-        port = server.add_insecure_port(address)
+        port = (server.add_insecure_port(address) if credentials is None
+                else server.add_secure_port(address, credentials))
     except RuntimeError as e:
         raise Unavailable(f"cannot bind {address}: {e}") from e
     if port == 0:  # older grpc versions return 0 instead of raising
         raise Unavailable(f"cannot bind {address}")
+    log.info("%s %s: %s; max message %d bytes", security.label, address, security.describe(),
+             max_message_bytes)
     return GrpcServer(server, health_servicer, names, address, port)
 
 
@@ -231,24 +243,33 @@ def client_channel(
     max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,
     options: Sequence[tuple[str, Any]] = (),
     interceptors: Sequence[grpc.aio.ClientInterceptor] | None = None,
+    security: ClientSecurity | None = None,
 ) -> grpc.aio.Channel:
-    """An insecure grpc.aio channel to ``address`` with pdserve's size limits and keepalive."""
-    return grpc.aio.insecure_channel(
-        address,
-        options=_merge([*_size_options(max_message_bytes), *_CLIENT_KEEPALIVE], options),
-        interceptors=interceptors,
-    )
+    """A grpc.aio channel to ``address`` with pdserve's size limits and keepalive.
+
+    ``security`` (default: the process's, :func:`common.security.set_default_client_security`;
+    plaintext unless set) adds TLS, a client certificate and the internal token.
+    """
+    security = security if security is not None else default_client_security()
+    all_options = _merge([*_size_options(max_message_bytes), *_CLIENT_KEEPALIVE, *security.options()],
+                         options)
+    all_interceptors = [*security.interceptors(), *(interceptors or ())] or None
+    credentials = security.channel_credentials()
+    if credentials is None:
+        return grpc.aio.insecure_channel(address, options=all_options, interceptors=all_interceptors)
+    return grpc.aio.secure_channel(address, credentials, options=all_options,
+                                   interceptors=all_interceptors)
 
 
 async def wait_ready(address: str, timeout: float, service: str = "",
-                     poll_s: float = 0.1) -> None:
+                     poll_s: float = 0.1, security: ClientSecurity | None = None) -> None:
     """Poll ``grpc.health.v1`` at ``address`` until ``service`` ("" = overall) is SERVING.
 
     Raises :class:`Unavailable` (saying what was last seen) when ``timeout`` seconds pass.
     """
     deadline = time.monotonic() + timeout
     last = "no answer"
-    async with client_channel(address) as channel:
+    async with client_channel(address, security=security) as channel:
         stub = health_pb2_grpc.HealthStub(channel)
         while True:
             remaining = deadline - time.monotonic()

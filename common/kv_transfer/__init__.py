@@ -13,7 +13,7 @@ No gRPC, protobuf or pickle here: tensors cross as raw bytes.
 """
 from .blocks import (DEFAULT_MAX_MESSAGE_BYTES, bytes_per_block, gather_blocks, plan_chunks,
                      scatter_blocks)
-from .channel import DEFAULT_TIMEOUT, PairChannel, channel_prefix
+from .channel import DEFAULT_TIMEOUT, PairChannel, channel_prefix, new_pair_secret
 from .errors import KvTransferError
 from .store import KvStoreServer
 from .receiver import KvReceiver, Received
@@ -23,6 +23,6 @@ from .transfer import FirstTokenRef, initial_epoch
 __all__ = [
     "DEFAULT_MAX_MESSAGE_BYTES", "DEFAULT_TIMEOUT", "FirstTokenRef",
     "KvReceiver", "KvSender", "KvStoreServer", "KvTransferError", "PairChannel", "PendingSend",
-    "Received", "bytes_per_block", "channel_prefix", "gather_blocks",
+    "Received", "bytes_per_block", "channel_prefix", "gather_blocks", "new_pair_secret",
     "initial_epoch", "plan_chunks", "scatter_blocks",
 ]

@@ -6,6 +6,15 @@ the decode worker's store, wrapped in ``PrefixStore(f"pdserve/{prefill_id}/{deco
 then ``ProcessGroupGloo`` (CPU tensors) or ``ProcessGroupNCCL`` (CUDA tensors). Tensors cross
 as raw bytes (a ``uint8`` view): any dtype, no pickle.
 
+Rendezvous authentication: with a ``secret`` (one per channel epoch, chosen by the prefill
+worker with :func:`new_pair_secret` and handed to the decode worker in the authenticated PushKV
+call), the store prefix ends with it, ``pdserve/{prefill_id}/{decode_id}/{epoch}/{secret}``.
+Every rendezvous key (the join key, Gloo's addresses, NCCL's unique id) lives under that
+prefix, and a store client can only read or write keys it can name: a stranger who reaches the
+store cannot find the pair's keys, cannot plant its own address or unique id there, and so
+cannot become the peer of either rank. The secret never appears in logs or error messages
+(``prefix`` is the name without it).
+
 Construction is a rendezvous: it returns once both ranks have joined and exchanged a small
 handshake (which also makes NCCL create its communicator now, outside any CUDA graph and
 outside the first transfer). It raises ``KvTransferError`` after ``timeout`` seconds.
@@ -37,6 +46,8 @@ from __future__ import annotations
 import datetime
 import logging
 import os
+import re
+import secrets
 import threading
 import time
 from collections.abc import Callable, Iterable
@@ -54,12 +65,23 @@ _HANDSHAKE_MAGIC = 0x5044_4B56  # "PDKV"
 _JOIN_KEY = "pdserve_join/0"
 
 
-def channel_prefix(prefill_id: str, decode_id: str, epoch: int) -> str:
-    """The store prefix of one pair channel."""
+_SECRET_RE = re.compile(r"[0-9a-f]{32}")
+
+
+def new_pair_secret() -> str:
+    """A fresh one-time rendezvous secret: 128 random bits as 32 hex characters."""
+    return secrets.token_hex(16)
+
+
+def channel_prefix(prefill_id: str, decode_id: str, epoch: int, secret: str = "") -> str:
+    """The store prefix of one pair channel (with the secret as its last part, when given)."""
     for name, value in (("prefill_id", prefill_id), ("decode_id", decode_id)):
         if not value or "/" in value:
             raise KvTransferError(f"{name} {value!r} must be non-empty and contain no '/'")
-    return f"pdserve/{prefill_id}/{decode_id}/{int(epoch)}"
+    if secret and not _SECRET_RE.fullmatch(secret):
+        raise KvTransferError("pair secret must be 32 lowercase hex characters")
+    name = f"pdserve/{prefill_id}/{decode_id}/{int(epoch)}"
+    return f"{name}/{secret}" if secret else name
 
 
 def _wire(t: torch.Tensor) -> torch.Tensor:
@@ -103,6 +125,8 @@ class PairChannel:
         cancel: rank 1 only: polled while waiting for rank 0 to join; when it returns True
             the construction gives up (a newer epoch superseded this one).
         high_priority: NCCL: run the communication on a high-priority stream.
+        secret: the epoch's one-time rendezvous secret (both ranks must pass the same one;
+            see the module docstring); empty: none.
     """
 
     def __init__(self, store: str | dist.Store, prefill_id: str, decode_id: str, epoch: int,
@@ -110,10 +134,12 @@ class PairChannel:
                  timeout: float = DEFAULT_TIMEOUT,
                  stream: "torch.cuda.Stream | None" = None,
                  cancel: Callable[[], bool] | None = None,
-                 high_priority: bool = False) -> None:
+                 high_priority: bool = False, secret: str = "") -> None:
         if rank not in (0, 1):
             raise KvTransferError(f"rank must be 0 (prefill) or 1 (decode), got {rank}")
-        self.prefix = channel_prefix(prefill_id, decode_id, epoch)
+        self.prefix = channel_prefix(prefill_id, decode_id, epoch)   # for logs: no secret
+        self._store_prefix = channel_prefix(prefill_id, decode_id, epoch, secret)
+        self.secret = secret
         self.prefill_id, self.decode_id = prefill_id, decode_id
         self.epoch = int(epoch)
         self.rank = rank
@@ -162,7 +188,7 @@ class PairChannel:
     def _build(self, store, cancel, high_priority) -> None:
         deadline = time.monotonic() + self.timeout
         client = connect_store(store, self.timeout) if isinstance(store, str) else store
-        prefix_store = dist.PrefixStore(self.prefix, client)
+        prefix_store = dist.PrefixStore(self._store_prefix, client)
         self._store = client
         if self.rank == 0:
             prefix_store.set(_JOIN_KEY, "1")

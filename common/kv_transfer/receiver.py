@@ -33,6 +33,7 @@ class _Post:
     future: Future
     posted_at: float
     with_first_token: bool = False
+    secret: str = ""          # the epoch's rendezvous secret (PushKV.pair_secret)
 
 
 class _RecvPeer:
@@ -50,6 +51,8 @@ class _RecvPeer:
                        if owner.kv_cache.is_cuda else None)
         self.staging: list | None = None if owner.kv_cache.is_cuda else [None, None]
         self.stopping = False
+        self.busy = False                    # a receive is running (under cond)
+        self.last_used = time.monotonic()    # end of the channel's last receive
         self.thread = threading.Thread(target=self._run, name=f"kv-recv-{prefill_id}",
                                        daemon=True)
 
@@ -70,36 +73,13 @@ class _RecvPeer:
                 item = self.queue.popleft()
                 superseded = self._superseded(item.epoch)
                 broken = item.epoch == self.broken_epoch
-            if superseded:
-                _fail(item, KvTransferError(
-                    f"KV receive from {self.prefill_id} epoch {item.epoch} superseded by epoch "
-                    f"{self.epoch}: the sender restarted its channel; nothing was received"))
-                continue
-            if broken:
-                _fail(item, KvTransferError(
-                    f"KV receive from {self.prefill_id}: channel epoch {item.epoch} is broken"))
-                continue
+                self.busy = True
             try:
-                ch = self._channel_for(item.epoch)
-                deadline = time.monotonic() + owner.timeout
-                nbytes, first = _recv_blocks_on(ch, owner.kv_cache, item.ids,
-                                                owner.max_message_bytes, deadline, self.staging,
-                                                item.with_first_token)
-                event = ch.record_event()
-                item.future.set_result(Received(nbytes, event, first))
-            except Exception as e:  # noqa: BLE001 - every failure goes to the future
+                self._receive(item, superseded, broken)
+            finally:
                 with self.cond:
-                    if not self._superseded(item.epoch):
-                        self.broken_epoch = item.epoch
-                    ch, self.channel = self.channel, None
-                if ch is not None:
-                    ch.close()
-                if self.staging is not None:
-                    self.staging = [None, None]  # an aborted receive may still write the old
-                err = e if isinstance(e, KvTransferError) else KvTransferError(str(e))
-                _fail(item, KvTransferError(
-                    f"KV receive of {len(item.ids)} blocks from {self.prefill_id} epoch "
-                    f"{item.epoch} failed: {err}"))
+                    self.busy = False
+                    self.last_used = time.monotonic()
         # stopping: release the channel and fail what is left
         with self.cond:
             ch, self.channel = self.channel, None
@@ -111,9 +91,57 @@ class _RecvPeer:
             _fail(item, KvTransferError(f"KV receiver closed; receive from {self.prefill_id} "
                                         f"epoch {item.epoch} cancelled"))
 
-    def _channel_for(self, epoch: int) -> PairChannel:
+    def close_if_idle(self, now: float, idle_s: float) -> bool:
+        """Close the channel if it has been unused for ``idle_s`` (nothing queued or running);
+        its epoch is then refused (the sender, which closes after half that, uses a new one)."""
+        with self.cond:
+            ch = self.channel
+            if ch is None or self.busy or self.queue or now - self.last_used < idle_s:
+                return False
+            self.channel = None
+            self.broken_epoch = ch.epoch
+        ch.close()
+        return True
+
+    def _receive(self, item: _Post, superseded: bool, broken: bool) -> None:
+        owner = self.owner
+        if superseded:
+            _fail(item, KvTransferError(
+                f"KV receive from {self.prefill_id} epoch {item.epoch} superseded by epoch "
+                f"{self.epoch}: the sender restarted its channel; nothing was received"))
+            return
+        if broken:
+            _fail(item, KvTransferError(
+                f"KV receive from {self.prefill_id}: channel epoch {item.epoch} is broken"))
+            return
+        try:
+            ch = self._channel_for(item.epoch, item.secret)
+            deadline = time.monotonic() + owner.timeout
+            nbytes, first = _recv_blocks_on(ch, owner.kv_cache, item.ids,
+                                            owner.max_message_bytes, deadline, self.staging,
+                                            item.with_first_token)
+            event = ch.record_event()
+            item.future.set_result(Received(nbytes, event, first))
+        except Exception as e:  # noqa: BLE001 - every failure goes to the future
+            with self.cond:
+                if not self._superseded(item.epoch):
+                    self.broken_epoch = item.epoch
+                ch, self.channel = self.channel, None
+            if ch is not None:
+                ch.close()
+            if self.staging is not None:
+                self.staging = [None, None]  # an aborted receive may still write the old
+            err = e if isinstance(e, KvTransferError) else KvTransferError(str(e))
+            _fail(item, KvTransferError(
+                f"KV receive of {len(item.ids)} blocks from {self.prefill_id} epoch "
+                f"{item.epoch} failed: {err}"))
+
+    def _channel_for(self, epoch: int, secret: str = "") -> PairChannel:
         ch = self.channel
         if ch is not None and ch.epoch == epoch and not ch.is_broken:
+            if ch.secret != secret:
+                raise KvTransferError(f"PushKV from {self.prefill_id} epoch {epoch} carries another "
+                                      "pair secret than the one its channel was built with")
             return ch
         if ch is not None:
             ch.close()
@@ -126,7 +154,7 @@ class _RecvPeer:
 
         ch = PairChannel(owner.store_address, self.prefill_id, owner.decode_worker_id, epoch,
                          1, owner.kv_cache.device, timeout=owner.timeout, stream=self.stream,
-                         cancel=cancel)
+                         cancel=cancel, secret=secret)
         with self.cond:
             if self._superseded(epoch):
                 ch.close()
@@ -159,12 +187,20 @@ class KvReceiver:
     ``timeout`` applies to each receive from the moment its thread starts it (after the
     earlier receives from the same prefill worker), and to joining a new channel.
     ``max_message_bytes`` must equal the senders' (both cut a transfer the same way).
+
+    Channels unused for ``idle_close_s`` (default twice ``PDSERVE_KV_IDLE_CLOSE_S``: the
+    sender closes its side first and moves to a new epoch) are closed at the next post, and
+    their epoch is refused from then on; the pair's next transfer builds a new channel.
     """
 
     def __init__(self, kv_cache: torch.Tensor, decode_worker_id: str,
                  store: KvStoreServer | str, *, timeout: float = DEFAULT_TIMEOUT,
-                 max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES) -> None:
+                 max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,
+                 idle_close_s: float | None = None) -> None:
+        from common import env
         check_pool(kv_cache)
+        self.idle_close_s = 2 * env.kv_idle_close_s() if idle_close_s is None else float(idle_close_s)
+        self.num_channels_closed_idle = 0
         self.kv_cache = kv_cache
         self.decode_worker_id = decode_worker_id
         self.store_address = store.local_address if isinstance(store, KvStoreServer) else store
@@ -179,19 +215,37 @@ class KvReceiver:
         """Bytes a transfer of ``num_blocks`` blocks carries (to check PushKV.num_bytes)."""
         return int(num_blocks) * self.block_bytes
 
+    def num_open_channels(self) -> int:
+        with self._lock:
+            peers = list(self._peers.values())
+        return sum(1 for p in peers if p.channel is not None)
+
+    def close_idle(self, now: float | None = None) -> int:
+        """Close the channels unused for ``idle_close_s``; returns how many were closed."""
+        if self.idle_close_s <= 0:
+            return 0
+        now = time.monotonic() if now is None else now
+        with self._lock:
+            peers = list(self._peers.values())
+        n = sum(1 for p in peers if p.close_if_idle(now, self.idle_close_s))
+        self.num_channels_closed_idle += n
+        return n
+
     def epoch_of(self, prefill_worker_id: str) -> int | None:
         """The newest epoch posted by this prefill worker (None if none yet)."""
         peer = self._peers.get(prefill_worker_id)
         return None if peer is None else peer.epoch
 
     def post(self, prefill_worker_id: str, epoch: int, block_ids: BlockIds, *,
-             with_first_token: bool = False) -> Future:
+             with_first_token: bool = False, secret: str = "") -> Future:
         """Post the receive announced by one PushKV (``with_first_token``: the first token's
         8 bytes end the last message). Raises ``KvTransferError`` at once (so PushKV can answer
         an error and nothing is sent) when the epoch is older than one already posted, or is
-        known broken here, or the block ids are bad."""
+        known broken here, or the block ids are bad. ``secret``: the epoch's rendezvous secret
+        (PushKV.pair_secret; see channel.py)."""
         epoch = int(epoch)
         ids = check_block_ids(block_ids, self.kv_cache.shape[0])
+        self.close_idle()
         if with_first_token and not ids:
             raise KvTransferError("a first token travels after at least one block")
         with self._lock:
@@ -221,7 +275,7 @@ class KvReceiver:
             if not ids:
                 future.set_result(Received(0, None, None))
             else:
-                peer.queue.append(_Post(epoch, ids, future, time.monotonic(), with_first_token))
+                peer.queue.append(_Post(epoch, ids, future, time.monotonic(), with_first_token, secret))
                 peer.cond.notify()
         if to_abort is not None:
             to_abort.abort(f"superseded by epoch {epoch}")

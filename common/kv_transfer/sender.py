@@ -9,7 +9,8 @@ from dataclasses import dataclass, field
 import torch
 
 from .blocks import DEFAULT_MAX_MESSAGE_BYTES, BlockIds, bytes_per_block, check_block_ids, check_pool
-from .channel import DEFAULT_TIMEOUT, PairChannel
+from .channel import DEFAULT_TIMEOUT, PairChannel, new_pair_secret
+from .channel_lru import channels_to_close
 from .errors import KvTransferError
 from .transfer import FirstTokenRef, _enqueue_send_on, initial_epoch
 
@@ -39,6 +40,9 @@ class PendingSend:
                 except Exception as e:  # noqa: BLE001 - reported as KvTransferError
                     self._error = self._sender._failed(self._pair, self._channel, e, self._label)
                 self._ops = []
+                if self._channel is not None:
+                    self._pair.inflight -= 1
+                    self._pair.last_used = time.monotonic()
         if self._error is not None:
             raise self._error
         return self._result
@@ -55,6 +59,10 @@ class _SendPair:
     # on CUDA the caching allocator does this job
     staging: list = field(default_factory=lambda: [None, None])
     last: "PendingSend | None" = None   # CPU: the next send waits for it (shared staging)
+    last_used: float = 0.0              # time.monotonic() of the channel's last use
+    inflight: int = 0                   # sends started and not waited yet (the channel is busy)
+    secret: str = ""                    # rendezvous secret of epoch secret_epoch (pair_secrets)
+    secret_epoch: int = -1
 
 
 class KvSender:
@@ -77,12 +85,24 @@ class KvSender:
     leaves it unknown whether the receive was posted (deadline, UNAVAILABLE), call
     ``mark_broken(decode_id)``. Any failure of a send marks the channel broken and bumps the
     pair's epoch itself (the sends queued behind it on that channel fail too).
+
+    Open channels are bounded (:mod:`.channel_lru`): at most ``max_channels`` (LRU-first
+    closing of idle ones when a new one is needed) and none unused for ``idle_close_s``; a
+    closed channel's pair gets a new epoch from ``next_epoch``, so the next transfer re-creates
+    it transparently. Defaults: ``PDSERVE_KV_MAX_CHANNELS`` / ``PDSERVE_KV_IDLE_CLOSE_S``.
     """
 
     def __init__(self, prefill_worker_id: str, *, timeout: float = DEFAULT_TIMEOUT,
                  max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,
-                 first_epoch: int | None = None) -> None:
+                 first_epoch: int | None = None, max_channels: int | None = None,
+                 idle_close_s: float | None = None, pair_secrets: bool = False) -> None:
+        from common import env
         self.prefill_worker_id = prefill_worker_id
+        self.pair_secrets = pair_secrets   # one-time rendezvous secret per epoch (channel.py)
+        self.max_channels = env.kv_max_channels() if max_channels is None else int(max_channels)
+        self.idle_close_s = env.kv_idle_close_s() if idle_close_s is None else float(idle_close_s)
+        self.num_channels_opened = 0
+        self.num_channels_closed_idle = 0
         self.timeout = float(timeout)
         self.max_message_bytes = int(max_message_bytes)
         self._first_epoch = initial_epoch() if first_epoch is None else int(first_epoch)
@@ -105,8 +125,56 @@ class KvSender:
         return self._pair(decode_worker_id).lock
 
     def next_epoch(self, decode_worker_id: str) -> int:
-        """The epoch to put in the next PushKV to this decode worker."""
-        return self._pair(decode_worker_id).epoch
+        """The epoch to put in the next PushKV to this decode worker (a channel idle for
+        ``idle_close_s`` is closed here first: the transfer then builds a fresh one)."""
+        pair = self._pair(decode_worker_id)
+        with pair.lock:
+            now = time.monotonic()
+            if (pair.channel is not None and pair.inflight == 0 and self.idle_close_s > 0
+                    and now - pair.last_used >= self.idle_close_s):
+                self._retire(pair)
+            return pair.epoch
+
+    def pair_secret(self, decode_worker_id: str) -> str:
+        """The current epoch's rendezvous secret, for PushKV.pair_secret ("" unless
+        ``pair_secrets``). Take it after ``next_epoch`` under ``lock()``."""
+        return self._secret_of(self._pair(decode_worker_id))
+
+    def _secret_of(self, pair: _SendPair) -> str:
+        if not self.pair_secrets:
+            return ""
+        with pair.lock:
+            if pair.secret_epoch != pair.epoch:   # a new epoch gets a new secret
+                pair.secret, pair.secret_epoch = new_pair_secret(), pair.epoch
+            return pair.secret
+
+    def num_open_channels(self) -> int:
+        with self._lock:
+            return sum(1 for p in self._pairs.values() if p.channel is not None)
+
+    def _retire(self, pair: _SendPair) -> None:
+        """Close an idle channel (under pair.lock); its next transfer builds one of a new epoch."""
+        ch, pair.channel = pair.channel, None
+        if ch is not None:
+            ch.close()
+            self.num_channels_closed_idle += 1
+        pair.staging = [None, None]
+        pair.epoch += 1
+
+    def _make_room(self, building: _SendPair) -> None:
+        """Before opening a channel: close idle / least recently used ones (see channel_lru)."""
+        with self._lock:
+            open_pairs = {id(p): p for p in self._pairs.values() if p.channel is not None and p is not building}
+        last = {k: p.last_used for k, p in open_pairs.items()}
+        busy = {k for k, p in open_pairs.items() if p.inflight}
+        for k in channels_to_close(last, time.monotonic(), self.max_channels, self.idle_close_s, busy, opening=1):
+            p = open_pairs[k]
+            if p.lock.acquire(blocking=False):     # never wait for another pair's transfer
+                try:
+                    if p.channel is not None and not p.inflight:
+                        self._retire(p)
+                finally:
+                    p.lock.release()
 
     def mark_broken(self, decode_worker_id: str, reason: str = "marked broken") -> int:
         """Abort the pair's channel and bump its epoch; returns the new epoch."""
@@ -176,6 +244,8 @@ class KvSender:
                 ops = _enqueue_send_on(ch, kv_cache, ids, self.max_message_bytes, deadline,
                                        ready_event, None if kv_cache.is_cuda else pair.staging,
                                        first_token)
+                pair.inflight += 1
+                pair.last_used = time.monotonic()
                 pending = PendingSend(self, pair, ch, ops, len(ids) * bytes_per_block(kv_cache),
                                       deadline, t0, label)
                 pair.last = None if kv_cache.is_cuda else pending
@@ -192,12 +262,15 @@ class KvSender:
             if ch is not None:
                 ch.close()
                 pair.channel = None
+            self._make_room(pair)
             if kv_cache.is_cuda and pair.stream is None:
                 pair.stream = torch.cuda.Stream(kv_cache.device)
             ch = PairChannel(store_address, self.prefill_worker_id, decode_worker_id,
                              pair.epoch, 0, kv_cache.device, timeout=self.timeout,
-                             stream=pair.stream)
+                             stream=pair.stream, secret=self._secret_of(pair))
             pair.channel, pair.store_address = ch, store_address
+            pair.last_used = time.monotonic()
+            self.num_channels_opened += 1
         return ch
 
     def _failed(self, pair: _SendPair, ch: PairChannel | None, exc: BaseException,

@@ -34,8 +34,20 @@ class PagedAttention(nn.Module):
             raise RuntimeError("KV cache is not allocated")
         if not kv_stored:
             self.backend.store_kv(k, v, self.k_cache, self.v_cache, ctx.slot_mapping)
-        if ctx.is_prefill:
+        if not ctx.is_prefill:
+            return self.backend.decode(q, self.k_cache, self.v_cache, ctx.block_tables,
+                                       ctx.context_lens, self.scale)
+        nd = ctx.num_decode_tokens
+        if nd == 0:
             return self.backend.prefill(q, self.k_cache, self.v_cache, ctx.cu_seqlens_q,
                                         ctx.context_lens, ctx.block_tables, ctx.max_seqlen_q, self.scale)
-        return self.backend.decode(q, self.k_cache, self.v_cache, ctx.block_tables,
-                                   ctx.context_lens, self.scale)
+        # a mixed step: decode rows first, then prompt chunks, each through its own kernel
+        out = torch.empty_like(q, memory_format=torch.contiguous_format)
+        self.backend.decode(q[:nd], self.k_cache, self.v_cache, ctx.block_tables[:nd],
+                            ctx.context_lens[:nd], self.scale, out=out[:nd])
+        if q.shape[0] > nd:
+            lens = ctx.chunk_context_lens if ctx.chunk_context_lens is not None else ctx.context_lens[nd:]
+            tables = ctx.chunk_block_tables if ctx.chunk_block_tables is not None else ctx.block_tables[nd:]
+            self.backend.prefill(q[nd:], self.k_cache, self.v_cache, ctx.cu_seqlens_q, lens, tables,
+                                 ctx.max_seqlen_q, self.scale, out=out[nd:])
+        return out

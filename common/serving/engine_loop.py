@@ -2,14 +2,19 @@
 
 Services never touch the LLMEngine from their own threads; they ``call(fn)`` and get a
 concurrent.futures.Future with ``fn(engine)``'s result. After each step ``on_step(out)`` is
-called on this thread; ``before_step()`` runs before each step (lease and deadline expiry).
+called on this thread; ``before_step()`` runs before each step (lease and deadline expiry);
+``observe_step(out, seconds)`` after every step, with how long ``engine.step()`` took (metrics).
+A call runs in the caller's context (contextvars): what it logs or traces on this thread
+carries the caller's request id and span.
 ``stats`` is the engine's counters as of the last step or call, refreshed on this thread, so a
 stats reader never waits for the engine (a busy engine must not look like a dead one).
 """
 from __future__ import annotations
 
+import contextvars
 import logging
 import threading
+import time
 from collections import deque
 from collections.abc import Callable
 from concurrent.futures import Future
@@ -24,11 +29,13 @@ IDLE_WAIT_S = 0.05
 
 class EngineLoop:
     def __init__(self, engine: LLMEngine, on_step: Callable[[StepOutput], None],
-                 before_step: Callable[[], None] | None = None) -> None:
+                 before_step: Callable[[], None] | None = None,
+                 observe_step: Callable[[StepOutput, float], None] | None = None) -> None:
         self.engine = engine
         self.on_step = on_step
         self.before_step = before_step
-        self._calls: deque[tuple[Callable[[LLMEngine], Any], Future]] = deque()
+        self.observe_step = observe_step
+        self._calls: deque[tuple[Callable[[LLMEngine], Any], Future, contextvars.Context]] = deque()
         self._wake = threading.Condition()
         self._stopped = False
         self.num_steps = 0
@@ -51,7 +58,7 @@ class EngineLoop:
             if self._stopped:
                 future.set_exception(RuntimeError("engine loop is stopped"))
                 return future
-            self._calls.append((fn, future))
+            self._calls.append((fn, future, contextvars.copy_context()))
             self._wake.notify()
         return future
 
@@ -60,11 +67,11 @@ class EngineLoop:
             with self._wake:
                 if not self._calls:
                     return
-                fn, future = self._calls.popleft()
+                fn, future, context = self._calls.popleft()
             if not future.set_running_or_notify_cancel():
                 continue
             try:
-                future.set_result(fn(self.engine))
+                future.set_result(context.run(fn, self.engine))
             except BaseException as e:  # the caller gets it through the future
                 future.set_exception(e)
 
@@ -81,11 +88,15 @@ class EngineLoop:
             if not self.engine.has_unfinished():
                 self.stats = self.engine.stats()
                 continue
+            started = time.perf_counter()
             try:
                 out = self.engine.step()
             except Exception:
                 logger.exception("engine step failed; failing every request in flight")
                 out = StepOutput(is_prefill=False, finished=self._fail_all())
+            else:
+                if self.observe_step is not None:
+                    self.observe_step(out, time.perf_counter() - started)
             self.num_steps += 1
             if out.seqs or out.finished:
                 self.on_step(out)

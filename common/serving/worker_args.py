@@ -7,6 +7,16 @@ import uuid
 
 from common import env
 from common.config import EngineConfig
+from common.engine.engine_args import add_chunked_prefill_arguments, chunked_prefill_kwargs
+from common.security.args import add_internal_arguments, internal_client_security, internal_server_security
+from common.security.config import ServerSecurity, set_default_client_security
+
+
+# Default token budget per step (--max-num-batched-tokens 0). A prefill worker has no decode rows
+# to stall, so it takes large steps (as the offline engine does); a decode or both worker takes
+# vLLM's online-serving default, so a mixed step stays a few decode steps long
+# (docs/benchmarks.md: on Qwen3-8B, 512 gave the smoothest decoding, 1,024 more throughput).
+DEFAULT_BUDGET = {"prefill": 16384, "decode": 2048}
 
 
 def add_worker_arguments(p: argparse.ArgumentParser, default_port: int, default_metrics_port: int) -> None:
@@ -27,8 +37,12 @@ def add_worker_arguments(p: argparse.ArgumentParser, default_port: int, default_
     p.add_argument("--kv-memory-gb", type=float, default=env.get_float("KV_MEMORY_GB", 0.0),
                    help="memory for the KV pool in GiB; 0 = from free memory (GPU) or 1 GiB (CPU)")
     p.add_argument("--max-num-seqs", type=int, default=env.get_int("MAX_NUM_SEQS", 256))
-    p.add_argument("--max-num-batched-tokens", type=int, default=env.get_int("MAX_NUM_BATCHED_TOKENS", 16384))
+    p.add_argument("--max-num-batched-tokens", type=int, default=env.get_int("MAX_NUM_BATCHED_TOKENS", 0),
+                   help="token budget of one engine step; 0 = by role: "
+                        f"{DEFAULT_BUDGET['prefill']} for prefill, {DEFAULT_BUDGET['decode']} for decode and both "
+                        "(a step that mixes decode rows with prompt chunks takes longer the larger it is)")
     p.add_argument("--max-model-len", type=int, default=env.get_int("MAX_MODEL_LEN", 0), help="0 = model default")
+    add_chunked_prefill_arguments(p)
     p.add_argument("--attention-backend", default=env.get("ATTENTION_BACKEND", "auto"))
     p.add_argument("--enforce-eager", action="store_true", default=env.get_bool("ENFORCE_EAGER", False),
                    help="no CUDA graphs")
@@ -38,15 +52,24 @@ def add_worker_arguments(p: argparse.ArgumentParser, default_port: int, default_
                    help="on SIGTERM: time to finish in-flight requests before cancelling them")
     p.add_argument("--kv-timeout-s", type=float, default=env.get_float("KV_TIMEOUT_S", 30.0),
                    help="timeout of one KV transfer")
+    add_internal_arguments(p)
 
 
-def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
+def worker_security(args: argparse.Namespace) -> "ServerSecurity":
+    """The worker port's security from the flags; also sets this process's channels to other
+    workers (prefill -> decode PushKV) to the same internal credentials."""
+    set_default_client_security(internal_client_security(args))
+    return internal_server_security(args)
+
+
+def engine_config_from_args(args: argparse.Namespace, role: str = "both") -> EngineConfig:
+    budget = args.max_num_batched_tokens or DEFAULT_BUDGET["prefill" if role == "prefill" else "decode"]
     return EngineConfig(
         model=args.model, device=args.device, dtype=args.dtype, block_size=args.block_size,
         num_kv_blocks=args.num_kv_blocks or None, kv_cache_memory_gb=args.kv_memory_gb or None,
-        max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
+        max_num_seqs=args.max_num_seqs, max_num_batched_tokens=budget,
         max_model_len=args.max_model_len or None, attention_backend=args.attention_backend,
-        enforce_eager=args.enforce_eager,
+        enforce_eager=args.enforce_eager, **chunked_prefill_kwargs(args),
         async_scheduling={"auto": None, "on": True, "off": False}[args.async_scheduling])
 
 

@@ -10,6 +10,7 @@ from common.config import EngineConfig
 from common.engine.llm_engine import LLMEngine, StepOutput
 from common.serving.broadcast import Broadcast
 from common.serving.engine_loop import EngineLoop
+from common.serving.metrics import RequestTracker, WorkerMetrics
 
 logger = logging.getLogger(__name__)
 PROTOCOL_VERSION = "v1"
@@ -26,9 +27,12 @@ class WorkerRuntime:
         self.kv_events = Broadcast(self.aio_loop)
         self.outputs = Broadcast(self.aio_loop)
         self._pending_events: list[tuple[str, int]] = []
+        self._kv_seq = 0        # number of the last batch of KV events published (KvEvents.seq)
         self._events_lock = threading.Lock()
         self.engine: LLMEngine | None = None
         self.loop: EngineLoop | None = None
+        self.metrics = WorkerMetrics(role)
+        self.requests = RequestTracker(self.metrics)   # per-request times (engine thread)
 
     async def start(self, on_step: Callable[[StepOutput], None],
                     before_step: Callable[[LLMEngine], None] | None = None,
@@ -40,6 +44,7 @@ class WorkerRuntime:
 
         def step_hook(out: StepOutput) -> None:
             on_step(out)
+            self.requests.on_step(out)
             self.flush_kv_events()
 
         def before() -> None:
@@ -47,7 +52,7 @@ class WorkerRuntime:
                 before_step(self.engine)
             self.flush_kv_events()
 
-        self.loop = EngineLoop(self.engine, step_hook, before)
+        self.loop = EngineLoop(self.engine, step_hook, before, self.metrics.observe_step)
         self.loop.start()
         logger.info("%s worker %s ready: %s, %d KV blocks of %d tokens", self.role, self.worker_id,
                     self.engine.source.config.name, self.engine.block_manager.num_blocks,
@@ -75,10 +80,14 @@ class WorkerRuntime:
         if events:
             stored = [h for k, h in events if k == "stored"]
             evicted = [h for k, h in events if k == "evicted"]
-            self.kv_events.publish_all((stored, evicted, False))
+            self._kv_seq += 1
+            self.kv_events.publish_all((stored, evicted, self._kv_seq))
 
-    async def kv_snapshot(self) -> list[int]:
-        return await self.call(lambda engine: list(engine.block_manager.hash_to_block_id))
+    async def kv_snapshot(self) -> tuple[list[int], int, int]:
+        """(hashes cached now, number of the last event batch they include, pool size), read
+        on the engine thread (where events are flushed, so the number matches the hashes)."""
+        return await self.call(lambda engine: (list(engine.block_manager.hash_to_block_id), self._kv_seq,
+                                               engine.block_manager.num_blocks))
 
     # ---- identity and stats ---------------------------------------------------------------
     def require_ready(self) -> None:

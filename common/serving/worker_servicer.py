@@ -70,14 +70,15 @@ class BaseWorkerServicer(worker_pb2_grpc.WorkerServicer):
         key = f"kv-{id(context)}"
         queue = self.runtime.kv_events.subscribe(key)
         try:
-            snapshot = await self.runtime.kv_snapshot()
-            yield worker_pb2.KvEvents(stored=snapshot, snapshot=True, worker_id=self.runtime.worker_id)
+            snapshot, seq, num_blocks = await self.runtime.kv_snapshot()
+            yield worker_pb2.KvEvents(stored=snapshot, snapshot=True, worker_id=self.runtime.worker_id, seq=seq,
+                                      num_total_blocks=num_blocks)
             while True:
                 item = await queue.get()
                 if item is None:
                     return
-                stored, evicted, _ = item
-                yield worker_pb2.KvEvents(stored=stored, evicted=evicted, worker_id=self.runtime.worker_id)
+                stored, evicted, seq = item
+                yield worker_pb2.KvEvents(stored=stored, evicted=evicted, worker_id=self.runtime.worker_id, seq=seq)
         finally:
             self.runtime.kv_events.unsubscribe(key, queue)
 

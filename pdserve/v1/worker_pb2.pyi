@@ -96,7 +96,7 @@ class PrefillResponse(_message.Message):
     def __init__(self, first_token: _Optional[_Union[FirstToken, _Mapping]] = ..., transfer_done: _Optional[_Union[TransferDone, _Mapping]] = ...) -> None: ...
 
 class PushKVRequest(_message.Message):
-    __slots__ = ("request_id", "prefill_worker_id", "channel_epoch", "first_token_id", "first_token_logprob", "num_blocks", "block_ids", "num_bytes", "first_token_on_channel")
+    __slots__ = ("request_id", "prefill_worker_id", "channel_epoch", "first_token_id", "first_token_logprob", "num_blocks", "block_ids", "num_bytes", "first_token_on_channel", "pair_secret")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     PREFILL_WORKER_ID_FIELD_NUMBER: _ClassVar[int]
     CHANNEL_EPOCH_FIELD_NUMBER: _ClassVar[int]
@@ -106,6 +106,7 @@ class PushKVRequest(_message.Message):
     BLOCK_IDS_FIELD_NUMBER: _ClassVar[int]
     NUM_BYTES_FIELD_NUMBER: _ClassVar[int]
     FIRST_TOKEN_ON_CHANNEL_FIELD_NUMBER: _ClassVar[int]
+    PAIR_SECRET_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     prefill_worker_id: str
     channel_epoch: int
@@ -115,7 +116,8 @@ class PushKVRequest(_message.Message):
     block_ids: _containers.RepeatedScalarFieldContainer[int]
     num_bytes: int
     first_token_on_channel: bool
-    def __init__(self, request_id: _Optional[str] = ..., prefill_worker_id: _Optional[str] = ..., channel_epoch: _Optional[int] = ..., first_token_id: _Optional[int] = ..., first_token_logprob: _Optional[float] = ..., num_blocks: _Optional[int] = ..., block_ids: _Optional[_Iterable[int]] = ..., num_bytes: _Optional[int] = ..., first_token_on_channel: _Optional[bool] = ...) -> None: ...
+    pair_secret: str
+    def __init__(self, request_id: _Optional[str] = ..., prefill_worker_id: _Optional[str] = ..., channel_epoch: _Optional[int] = ..., first_token_id: _Optional[int] = ..., first_token_logprob: _Optional[float] = ..., num_blocks: _Optional[int] = ..., block_ids: _Optional[_Iterable[int]] = ..., num_bytes: _Optional[int] = ..., first_token_on_channel: _Optional[bool] = ..., pair_secret: _Optional[str] = ...) -> None: ...
 
 class PushKVResponse(_message.Message):
     __slots__ = ()
@@ -190,7 +192,7 @@ class GetStatsRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class WorkerStats(_message.Message):
-    __slots__ = ("num_free_blocks", "num_used_blocks", "num_total_blocks", "num_cached_blocks", "num_waiting", "num_running", "num_reserved", "prefix_cache_hit_tokens", "prefix_cache_query_tokens", "num_preemptions", "role", "worker_id", "num_kv_transfers", "kv_transfer_bytes")
+    __slots__ = ("num_free_blocks", "num_used_blocks", "num_total_blocks", "num_cached_blocks", "num_waiting", "num_running", "num_reserved", "prefix_cache_hit_tokens", "prefix_cache_query_tokens", "num_preemptions", "role", "worker_id", "num_kv_transfers", "kv_transfer_bytes", "num_waiting_prefill_tokens", "num_running_context_tokens", "prefill_tokens_per_s", "decode_step_ms", "max_num_batched_tokens", "chunked_prefill", "mixed_step_ms", "num_open_kv_channels", "num_kv_channels_opened")
     NUM_FREE_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     NUM_USED_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     NUM_TOTAL_BLOCKS_FIELD_NUMBER: _ClassVar[int]
@@ -205,6 +207,15 @@ class WorkerStats(_message.Message):
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]
     NUM_KV_TRANSFERS_FIELD_NUMBER: _ClassVar[int]
     KV_TRANSFER_BYTES_FIELD_NUMBER: _ClassVar[int]
+    NUM_WAITING_PREFILL_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    NUM_RUNNING_CONTEXT_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    PREFILL_TOKENS_PER_S_FIELD_NUMBER: _ClassVar[int]
+    DECODE_STEP_MS_FIELD_NUMBER: _ClassVar[int]
+    MAX_NUM_BATCHED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    CHUNKED_PREFILL_FIELD_NUMBER: _ClassVar[int]
+    MIXED_STEP_MS_FIELD_NUMBER: _ClassVar[int]
+    NUM_OPEN_KV_CHANNELS_FIELD_NUMBER: _ClassVar[int]
+    NUM_KV_CHANNELS_OPENED_FIELD_NUMBER: _ClassVar[int]
     num_free_blocks: int
     num_used_blocks: int
     num_total_blocks: int
@@ -219,20 +230,33 @@ class WorkerStats(_message.Message):
     worker_id: str
     num_kv_transfers: int
     kv_transfer_bytes: int
-    def __init__(self, num_free_blocks: _Optional[int] = ..., num_used_blocks: _Optional[int] = ..., num_total_blocks: _Optional[int] = ..., num_cached_blocks: _Optional[int] = ..., num_waiting: _Optional[int] = ..., num_running: _Optional[int] = ..., num_reserved: _Optional[int] = ..., prefix_cache_hit_tokens: _Optional[int] = ..., prefix_cache_query_tokens: _Optional[int] = ..., num_preemptions: _Optional[int] = ..., role: _Optional[_Union[_common_pb2.Role, str]] = ..., worker_id: _Optional[str] = ..., num_kv_transfers: _Optional[int] = ..., kv_transfer_bytes: _Optional[int] = ...) -> None: ...
+    num_waiting_prefill_tokens: int
+    num_running_context_tokens: int
+    prefill_tokens_per_s: float
+    decode_step_ms: float
+    max_num_batched_tokens: int
+    chunked_prefill: bool
+    mixed_step_ms: float
+    num_open_kv_channels: int
+    num_kv_channels_opened: int
+    def __init__(self, num_free_blocks: _Optional[int] = ..., num_used_blocks: _Optional[int] = ..., num_total_blocks: _Optional[int] = ..., num_cached_blocks: _Optional[int] = ..., num_waiting: _Optional[int] = ..., num_running: _Optional[int] = ..., num_reserved: _Optional[int] = ..., prefix_cache_hit_tokens: _Optional[int] = ..., prefix_cache_query_tokens: _Optional[int] = ..., num_preemptions: _Optional[int] = ..., role: _Optional[_Union[_common_pb2.Role, str]] = ..., worker_id: _Optional[str] = ..., num_kv_transfers: _Optional[int] = ..., kv_transfer_bytes: _Optional[int] = ..., num_waiting_prefill_tokens: _Optional[int] = ..., num_running_context_tokens: _Optional[int] = ..., prefill_tokens_per_s: _Optional[float] = ..., decode_step_ms: _Optional[float] = ..., max_num_batched_tokens: _Optional[int] = ..., chunked_prefill: _Optional[bool] = ..., mixed_step_ms: _Optional[float] = ..., num_open_kv_channels: _Optional[int] = ..., num_kv_channels_opened: _Optional[int] = ...) -> None: ...
 
 class KvEventsRequest(_message.Message):
     __slots__ = ()
     def __init__(self) -> None: ...
 
 class KvEvents(_message.Message):
-    __slots__ = ("stored", "evicted", "snapshot", "worker_id")
+    __slots__ = ("stored", "evicted", "snapshot", "worker_id", "seq", "num_total_blocks")
     STORED_FIELD_NUMBER: _ClassVar[int]
     EVICTED_FIELD_NUMBER: _ClassVar[int]
     SNAPSHOT_FIELD_NUMBER: _ClassVar[int]
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]
+    SEQ_FIELD_NUMBER: _ClassVar[int]
+    NUM_TOTAL_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     stored: _containers.RepeatedScalarFieldContainer[int]
     evicted: _containers.RepeatedScalarFieldContainer[int]
     snapshot: bool
     worker_id: str
-    def __init__(self, stored: _Optional[_Iterable[int]] = ..., evicted: _Optional[_Iterable[int]] = ..., snapshot: _Optional[bool] = ..., worker_id: _Optional[str] = ...) -> None: ...
+    seq: int
+    num_total_blocks: int
+    def __init__(self, stored: _Optional[_Iterable[int]] = ..., evicted: _Optional[_Iterable[int]] = ..., snapshot: _Optional[bool] = ..., worker_id: _Optional[str] = ..., seq: _Optional[int] = ..., num_total_blocks: _Optional[int] = ...) -> None: ...

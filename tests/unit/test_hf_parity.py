@@ -67,11 +67,12 @@ def test_greedy_matches_hf_under_preemption(checkpoint, overlap):
 
 
 def test_overlapped_prefill_batches_match_hf(checkpoint):
-    """Prompts spread over several prefill steps (128 tokens each at most): each prefill is launched
-    before the previous step's tokens are read, and the outputs still equal HF's."""
+    """Whole prompts spread over several prefill steps (128 tokens each at most, no chunking): each
+    prefill is launched before the previous step's tokens are read, and the outputs still equal
+    HF's. (Chunked steps: test_chunked_prefill.py.)"""
     path, prompts, expected = checkpoint
     llm, got = _generate(path, prompts, num_kv_blocks=256, async_scheduling=True, max_model_len=128,
-                         max_num_batched_tokens=128)
+                         max_num_batched_tokens=128, enable_chunked_prefill=False)
     assert got == expected
     assert llm.engine.block_manager.is_whole() and llm.engine.pending is None
 

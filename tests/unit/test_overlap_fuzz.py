@@ -1,7 +1,9 @@
 """Overlapped steps change nothing a caller can see: the same random traffic (requests arriving
 while others run, stop tokens, one-token requests, prefill-only requests, cancellations, a pool
 small enough to preempt) gives the same tokens and finish reasons with and without overlap, and
-the pool is whole at the end."""
+the pool is whole at the end. The same holds with chunked prefill under a budget smaller than
+most prompts (mixed steps, partly prefilled sequences preempted), whose tokens also equal the
+unchunked engine's."""
 from __future__ import annotations
 
 import random
@@ -25,9 +27,13 @@ def _traffic(seed: int, stops: dict[str, int]) -> list[tuple[int, str, list[int]
     return out
 
 
-def _run(overlap: bool, seed: int, stops: dict[str, int]) -> tuple[dict, dict, int]:
+CHUNKED = dict(enable_chunked_prefill=True, max_num_batched_tokens=32, max_num_seqs=16)
+UNCHUNKED = dict(enable_chunked_prefill=False, max_num_batched_tokens=128)
+
+
+def _run(overlap: bool, seed: int, stops: dict[str, int], chunking: dict = UNCHUNKED) -> tuple[dict, dict, int]:
     llm = LLM("tiny-qwen3", device="cpu", dtype="float32", block_size=16, num_kv_blocks=24, max_model_len=128,
-              max_num_batched_tokens=128, async_scheduling=overlap)
+              async_scheduling=overlap, **chunking)
     eng = llm.engine
     traffic = sorted(_traffic(seed, stops), key=lambda t: t[0])
     cancel_at = {12: "r3", 25: "r11"}
@@ -69,3 +75,9 @@ def test_overlap_is_invisible(seed):
     assert {rid: r for rid, r in over.items() if rid not in cancelled} == \
         {rid: r for rid, r in plain.items() if rid not in cancelled}
     assert FinishReason.STOP.value in {r for _, r in plain.values()} and preemptions > 0
+    for overlap in (False, True):
+        chunked, chunked_held, chunked_preemptions = _run(overlap, seed, stops, CHUNKED)
+        assert chunked_held == plain_held and chunked_preemptions > 0
+        cancelled_c = cancelled | {rid for rid, (_, reason) in chunked.items() if reason == "cancelled"}
+        assert {rid: r for rid, r in chunked.items() if rid not in cancelled_c} == \
+            {rid: r for rid, r in plain.items() if rid not in cancelled_c}

@@ -58,7 +58,7 @@ def test_decode_prefers_cache_until_load_outweighs_it() -> None:
 
 
 def test_decode_load_uses_worker_stats_too() -> None:
-    a = DecodeCandidate("a", inflight_tokens=0, used_blocks=100, total_blocks=1000)  # other routers' load
+    a = DecodeCandidate("a", inflight_tokens=0, used_blocks=100, total_blocks=1000, other_tokens=400)  # other routers'
     b = DecodeCandidate("b", inflight_tokens=10, used_blocks=2, total_blocks=1000)
     assert pick_decode([a, b], 16, BS) == "b"
 

@@ -140,8 +140,9 @@ def test_stats_timeouts_mark_a_worker_down_only_in_a_row() -> None:
 
 def test_kv_events_only_for_workers_with_a_peer_of_their_kind() -> None:
     """The prefix index only ranks two or more candidates: a lone decode (or prefill) worker's
-    KV events are not consumed; a second one of its kind turns them on for both, and losing it
-    turns them off again (and forgets the index entries)."""
+    KV events are not consumed; a second one of its pool turns them on for both, and losing it
+    turns them off again (and forgets the index entries). A both worker is in both pools: it
+    is also a place to prefill, beside the prefill worker (router.pd_policy)."""
     async def scenario() -> None:
         reg = WorkerRegistry(RouterSettings("r"), SPEC, "p:1", "d:1,d:2")
         for address, roles in reg._targets:
@@ -162,10 +163,11 @@ def test_kv_events_only_for_workers_with_a_peer_of_their_kind() -> None:
         up("d:1")
         assert not any(c.kv_wanted for c in reg.clients.values()) and not started
         up("d:2")
-        assert sorted(started) == ["d:1", "d:2"] and not reg.clients["p:1"].kv_wanted
+        assert sorted(started) == ["d:1", "d:2", "p:1"] and reg.clients["p:1"].kv_wanted
         reg.prefix_index.apply("d:1", stored=[1, 2])
         reg.clients["d:2"].mark_down("test", quiet=True)
         assert not reg.clients["d:1"].kv_wanted and reg.clients["d:1"]._kv_task is None
+        assert not reg.clients["p:1"].kv_wanted
         assert reg.prefix_index.num_blocks("d:1") == 0
         await reg.stop()
 

@@ -1,4 +1,5 @@
-"""Scheduler: admission limits, prefill-first, preemption of the newest, recompute."""
+"""Scheduler without chunked prefill (whole-prompt steps, prefill first): admission limits,
+preemption of the newest, recompute. Chunked steps: test_scheduler_chunked.py."""
 from __future__ import annotations
 
 from common.engine.block_manager import BlockManager
@@ -12,7 +13,7 @@ BS = 4
 def make(num_blocks=16, max_num_seqs=8, max_tokens=64):
     bm = BlockManager(num_blocks, BS)
     cfg = SchedulerConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=max_tokens,
-                          max_model_len=max_tokens, eos_token_ids=(2,))
+                          max_model_len=max_tokens, eos_token_ids=(2,), enable_chunked_prefill=False)
     return Scheduler(cfg, bm), bm
 
 

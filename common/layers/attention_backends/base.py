@@ -10,6 +10,8 @@ Rules every backend follows:
 - K/V caches are ``[num_blocks, block_size, num_kv_heads, head_dim]`` views with an arbitrary
   block stride (see docs/design.md, "KV cache layout"); the inner three dims are contiguous.
 - No backend allocates in ``decode`` beyond its output, so that it can run inside a CUDA graph.
+- ``out`` (optional, q's shape and dtype, last dim contiguous): where to write the result; it is
+  also returned. A mixed step writes its decode rows and its prompt chunks into one tensor.
 """
 from __future__ import annotations
 
@@ -29,10 +31,11 @@ class AttentionBackend(ABC):
     @abstractmethod
     def prefill(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                 cu_seqlens_q: torch.Tensor, context_lens: torch.Tensor, block_tables: torch.Tensor,
-                max_seqlen_q: int, scale: float) -> torch.Tensor:
+                max_seqlen_q: int, scale: float, out: torch.Tensor | None = None) -> torch.Tensor:
         """q: [T, Hq, D] -> out [T, Hq, D]."""
 
     @abstractmethod
     def decode(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-               block_tables: torch.Tensor, context_lens: torch.Tensor, scale: float) -> torch.Tensor:
+               block_tables: torch.Tensor, context_lens: torch.Tensor, scale: float,
+               out: torch.Tensor | None = None) -> torch.Tensor:
         """q: [B, Hq, D] -> out [B, Hq, D]."""

@@ -17,9 +17,16 @@ class TorchBackend(AttentionBackend):
         store_kvcache_ref(key, value, k_cache, v_cache, slot_mapping)
 
     def prefill(self, q, k_cache, v_cache, cu_seqlens_q, context_lens, block_tables,
-                max_seqlen_q, scale) -> torch.Tensor:
-        return paged_attention_prefill_ref(q, k_cache, v_cache, cu_seqlens_q, context_lens,
-                                           block_tables, max_seqlen_q, scale)
+                max_seqlen_q, scale, out=None) -> torch.Tensor:
+        return _into(out, paged_attention_prefill_ref(q, k_cache, v_cache, cu_seqlens_q, context_lens,
+                                                      block_tables, max_seqlen_q, scale))
 
-    def decode(self, q, k_cache, v_cache, block_tables, context_lens, scale) -> torch.Tensor:
-        return paged_attention_decode_ref(q, k_cache, v_cache, block_tables, context_lens, scale)
+    def decode(self, q, k_cache, v_cache, block_tables, context_lens, scale, out=None) -> torch.Tensor:
+        return _into(out, paged_attention_decode_ref(q, k_cache, v_cache, block_tables, context_lens, scale))
+
+
+def _into(out: torch.Tensor | None, result: torch.Tensor) -> torch.Tensor:
+    if out is None:
+        return result
+    out.copy_(result)
+    return out

@@ -25,11 +25,12 @@ class TritonBackend(AttentionBackend):
         self._store(key, value, k_cache, v_cache, slot_mapping)
 
     def prefill(self, q, k_cache, v_cache, cu_seqlens_q, context_lens, block_tables,
-                max_seqlen_q, scale) -> torch.Tensor:
-        return self._prefill(q, k_cache, v_cache, cu_seqlens_q, context_lens, block_tables, max_seqlen_q, scale)
+                max_seqlen_q, scale, out=None) -> torch.Tensor:
+        return self._prefill(q, k_cache, v_cache, cu_seqlens_q, context_lens, block_tables, max_seqlen_q,
+                             scale, out=out)
 
-    def decode(self, q, k_cache, v_cache, block_tables, context_lens, scale) -> torch.Tensor:
+    def decode(self, q, k_cache, v_cache, block_tables, context_lens, scale, out=None) -> torch.Tensor:
         ctx = get_forward_context()
-        return self._decode(q, k_cache, v_cache, block_tables, context_lens, scale,
+        return self._decode(q, k_cache, v_cache, block_tables, context_lens, scale, out=out,
                             workspace=ctx.decode_workspace, num_splits=ctx.decode_num_splits,
                             max_context_len=ctx.max_context_len)

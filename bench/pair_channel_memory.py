@@ -1,0 +1,107 @@
+"""Lab: GPU memory one NCCL pair channel costs (2 GPUs, e.g. nvidia-h200-x2).
+
+    python -m bench.pair_channel_memory --channels 1,2,4,8 --out bench/results/pair_channel_memory.json
+
+Two processes (GPU 0 = the prefill side, rank 0; GPU 1 = the decode side, rank 1) form N pair
+channels (common.kv_transfer.PairChannel: one 2-rank ProcessGroupNCCL each, over one TCPStore)
+and send one small message on each, so every communicator is fully set up. Before and after,
+each process records ``torch.cuda.memory_reserved`` (the caching allocator: NCCL's own buffers
+are not in it) and ``torch.cuda.mem_get_info`` (device-wide used memory, which includes NCCL's
+buffers and CUDA contexts); ``nvidia-smi`` per-GPU used memory is recorded as well. The figure
+per channel is (used after N - used after 0) / N per GPU. Set NCCL env vars (NCCL_BUFFSIZE,
+NCCL_NCHANNELS_PER_NET_PEER, ...) before running to see their effect.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import multiprocessing as mp
+import subprocess
+import sys
+import time
+
+
+def _smi() -> list[int]:
+    try:
+        out = subprocess.check_output(["nvidia-smi", "--query-gpu=memory.used", "--format=csv,noheader,nounits"],
+                                      text=True, timeout=20)
+        return [int(x) for x in out.split()]
+    except (OSError, subprocess.SubprocessError, ValueError):
+        return []
+
+
+def _used(torch) -> int:
+    free, total = torch.cuda.mem_get_info()
+    return total - free
+
+
+def _side(rank: int, store_port: int, counts: list[int], q) -> None:
+    import torch
+
+    from common.kv_transfer import KvStoreServer, PairChannel
+    torch.cuda.set_device(rank)
+    torch.zeros(1, device="cuda")                       # the CUDA context first
+    server = KvStoreServer("127.0.0.1", store_port) if rank == 1 else None
+    time.sleep(0.5)
+    t = torch.ones(1024, device="cuda")
+    rows, chans = [], []
+    for n in counts:
+        while len(chans) < n:
+            ch = PairChannel(f"127.0.0.1:{store_port}", "p", "d", len(chans) + 1, rank, "cuda", timeout=120)
+            (ch.send if rank == 0 else ch.recv)(t)
+            chans.append(ch)
+        torch.cuda.synchronize()
+        time.sleep(1.0)
+        rows.append({"channels": n, "device_used_bytes": _used(torch),
+                     "torch_reserved_bytes": torch.cuda.memory_reserved()})
+        q.put(("step", rank, n))
+    q.put(("rows", rank, rows))
+    for ch in chans:
+        ch.close()
+    if server is not None:
+        server.close()
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--channels", default="1,2,4,8,16")
+    p.add_argument("--store-port", type=int, default=29611)
+    p.add_argument("--out", default="bench/results/pair_channel_memory.json")
+    args = p.parse_args(argv)
+    counts = [0] + [int(x) for x in args.channels.split(",")]
+    smi0 = _smi()
+    ctx = mp.get_context("spawn")
+    q = ctx.Queue()
+    ps = [ctx.Process(target=_side, args=(r, args.store_port, counts, q)) for r in (0, 1)]
+    for pr in ps:
+        pr.start()
+    rows: dict[int, list] = {}
+    smi: dict[int, list[int]] = {}
+    steps: dict[int, int] = {}
+    while len(rows) < 2:
+        kind, rank, payload = q.get(timeout=600)
+        if kind == "rows":
+            rows[rank] = payload
+        else:
+            steps[payload] = steps.get(payload, 0) + 1
+            if steps[payload] == 2:
+                smi[payload] = _smi()
+    for pr in ps:
+        pr.join(60)
+    result = {"counts": counts, "nvidia_smi_before_mib": smi0, "nvidia_smi_mib": smi, "per_rank": rows,
+              "per_channel_bytes": {}}
+    for rank, rr in rows.items():
+        base, last = rr[0], rr[-1]
+        n = last["channels"] or 1
+        result["per_channel_bytes"][f"rank{rank}"] = {
+            "device_used": (last["device_used_bytes"] - base["device_used_bytes"]) / n,
+            "torch_reserved": (last["torch_reserved_bytes"] - base["torch_reserved_bytes"]) / n}
+    print(json.dumps(result["per_channel_bytes"], indent=1))
+    from pathlib import Path
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.out).write_text(json.dumps(result, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

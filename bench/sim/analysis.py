@@ -1,0 +1,87 @@
+"""Figures of a simulation run from the workers' GetStats samples and the routers' /metrics:
+pure functions (hand-checked in tests/unit/test_scale_sim.py)."""
+from __future__ import annotations
+
+import re
+from collections.abc import Sequence
+
+Samples = Sequence[tuple[float, dict]]   # [(t, {address: WorkerStats})]
+
+
+def hit_rate(samples: Samples, addresses: Sequence[str]) -> float:
+    """Prompt tokens found in the prefix caches / prompt tokens looked up, over the run:
+    per worker its last sample minus its first (a worker that died counts up to its death)."""
+    hit = query = 0
+    for a in addresses:
+        seen = [s[a] for _, s in samples if a in s]
+        if len(seen) >= 1:
+            hit += seen[-1].prefix_cache_hit_tokens - (seen[0].prefix_cache_hit_tokens if len(seen) > 1 else 0)
+            query += seen[-1].prefix_cache_query_tokens - (seen[0].prefix_cache_query_tokens if len(seen) > 1 else 0)
+    return hit / query if query else 0.0
+
+
+def imbalance(samples: Samples, addresses: Sequence[str]) -> dict[str, float]:
+    """max / mean of the decode workers' tokens in flight (context tokens of running requests),
+    per sample with any load; mean and p90 over those samples."""
+    ratios = []
+    for _, s in samples:
+        loads = [s[a].num_running_context_tokens for a in addresses if a in s]
+        total = sum(loads)
+        if loads and total > 0:
+            ratios.append(max(loads) / (total / len(loads)))
+    if not ratios:
+        return {"mean": 0.0, "p90": 0.0, "samples": 0}
+    ratios.sort()
+    return {"mean": sum(ratios) / len(ratios), "p90": ratios[min(len(ratios) - 1, int(0.9 * len(ratios)))],
+            "samples": len(ratios)}
+
+
+def hit_rate_timeline(samples: Samples, addresses: Sequence[str]) -> list[tuple[float, float]]:
+    """(t, hit rate of the prompt tokens looked up since the previous sample), over ``addresses``
+    that answered in both samples."""
+    out = []
+    for (_, a), (t, b) in zip(samples, samples[1:]):
+        hit = sum(b[x].prefix_cache_hit_tokens - a[x].prefix_cache_hit_tokens for x in addresses if x in a and x in b)
+        q = sum(b[x].prefix_cache_query_tokens - a[x].prefix_cache_query_tokens for x in addresses if x in a and x in b)
+        if q > 0:
+            out.append((t, hit / q))
+    return out
+
+
+def channel_counts(samples: Samples, addresses: Sequence[str]) -> dict[str, float]:
+    """Open pair channels per (prefill) worker: the most seen, and the mean of the last sample."""
+    most = max((s[a].num_open_kv_channels for _, s in samples for a in addresses if a in s), default=0)
+    last = [samples[-1][1][a].num_open_kv_channels for a in addresses if samples and a in samples[-1][1]]
+    opened = sum(samples[-1][1][a].num_kv_channels_opened for a in addresses if samples and a in samples[-1][1])
+    return {"max_open_per_worker": most, "mean_open_per_worker_at_end": sum(last) / len(last) if last else 0.0,
+            "opened_total": opened}
+
+
+_BUCKET = re.compile(r'^pdserve_router_decision_seconds_bucket\{le="([^"]+)"\} ([0-9.e+]+)$', re.M)
+
+
+def decision_buckets(metrics_text: str) -> list[tuple[float, float]]:
+    """(upper bound s, cumulative count) of the decision-time histogram in a /metrics page."""
+    return [(float("inf") if le == "+Inf" else float(le), float(n)) for le, n in _BUCKET.findall(metrics_text)]
+
+
+def histogram_quantile(buckets: Sequence[tuple[float, float]], q: float) -> float:
+    """Prometheus' histogram_quantile: linear inside the bucket that holds rank q * total."""
+    if not buckets or buckets[-1][1] <= 0:
+        return 0.0
+    rank = q * buckets[-1][1]
+    prev_le, prev_n = 0.0, 0.0
+    for le, n in buckets:
+        if n >= rank:
+            if le == float("inf"):
+                return prev_le
+            return prev_le + (le - prev_le) * ((rank - prev_n) / (n - prev_n) if n > prev_n else 1.0)
+        prev_le, prev_n = le, n
+    return prev_le
+
+
+def merge_buckets(pages: Sequence[list[tuple[float, float]]]) -> list[tuple[float, float]]:
+    """Bucket-wise sum of several routers' histograms (same bounds)."""
+    if not pages:
+        return []
+    return [(le, sum(p[i][1] for p in pages)) for i, (le, _) in enumerate(pages[0])]

@@ -1,0 +1,43 @@
+"""Measured step times of one engine, for the router's estimates (WorkerStats).
+
+Each ``LLMEngine.step`` call that returns work is timed from entry to return. With overlapped
+steps a call launches the next step and waits for the previous one's tokens, so in steady state
+a call lasts one GPU step. The figures are exponential moving averages (weight ``ALPHA`` for the
+newest step), kept per step kind:
+
+- ``decode_step_ms``: steps with decode rows only;
+- ``mixed_step_ms``: steps with decode rows and prompt chunks;
+- ``prefill_tokens_per_s``: prompt tokens computed per second of steps that computed any
+  (mixed steps included: the decode rows ride along in the same forward).
+
+Zero means "not measured yet".
+"""
+from __future__ import annotations
+
+ALPHA = 0.2
+
+
+def _ewma(old: float, new: float) -> float:
+    return new if old == 0.0 else (1 - ALPHA) * old + ALPHA * new
+
+
+class StepTimer:
+    def __init__(self) -> None:
+        self.decode_step_ms = 0.0
+        self.mixed_step_ms = 0.0
+        self.prefill_tokens_per_s = 0.0
+
+    def record(self, seconds: float, num_prefill_tokens: int, num_decode_rows: int) -> None:
+        """One step's wall time and what it computed."""
+        if seconds <= 0.0 or (num_prefill_tokens == 0 and num_decode_rows == 0):
+            return
+        if num_prefill_tokens == 0:
+            self.decode_step_ms = _ewma(self.decode_step_ms, seconds * 1e3)
+            return
+        if num_decode_rows:
+            self.mixed_step_ms = _ewma(self.mixed_step_ms, seconds * 1e3)
+        self.prefill_tokens_per_s = _ewma(self.prefill_tokens_per_s, num_prefill_tokens / seconds)
+
+    def stats(self) -> dict[str, float]:
+        return {"decode_step_ms": self.decode_step_ms, "mixed_step_ms": self.mixed_step_ms,
+                "prefill_tokens_per_s": self.prefill_tokens_per_s}

@@ -1,0 +1,124 @@
+"""Scale-out on the CPU: router + 2 prefill + 3 decode workers (embedded model, Gloo), real
+processes. A shared-prefix run spreads over every decode worker while each system prompt's
+blocks stay on one or two of them, outputs equal the offline engine's and every pool ends
+whole; then one decode worker is killed and one prefill worker drained (SIGTERM) under load,
+and no request fails before its first token (those are retried on other workers)."""
+from __future__ import annotations
+
+import signal
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import grpc
+import pytest
+
+from bench import deployment as services
+from common.engine import LLM, SamplingParams
+from common.hashing import block_hash_chain
+from pdserve.v1 import common_pb2, router_pb2, worker_pb2, worker_pb2_grpc
+
+MAX_TOKENS = 8
+BS = 16
+TOPICS = ["Railway company Nordbahn", "City library of Lyon", "Mountain hotel Alpenblick"]
+QUESTIONS = ["When do you open?", "Is there parking?", "Can I bring a dog?"]
+
+
+def system(topic: str) -> str:
+    return (f"{topic}: you answer for us briefly and precisely, never invent facts, "
+            "quote opening hours and prices exactly, and say so when you are unsure. ") * 4
+
+
+@pytest.fixture(scope="module")
+def offline():
+    return LLM("default", device="cpu", num_kv_blocks=512)
+
+
+@pytest.fixture(scope="module")
+def prompts(offline):
+    return {t: [offline.apply_chat_template([{"role": "system", "content": system(t)},
+                                             {"role": "user", "content": q}]) for q in QUESTIONS] for t in TOPICS}
+
+
+@pytest.fixture(scope="module")
+def expected(offline, prompts):
+    flat = [p for t in TOPICS for p in prompts[t]]
+    outs = offline.generate(flat, SamplingParams(temperature=0, max_tokens=MAX_TOKENS), use_tqdm=False)
+    return {tuple(p): o.token_ids for p, o in zip(flat, outs)}
+
+
+@pytest.fixture(scope="module")
+def dep(tmp_path_factory):
+    d = services.start(tmp_path_factory.mktemp("scale"), num_prefill=2, num_decode=3)
+    yield d
+    d.stop()
+
+
+def stream(d, tokens: list[int], max_tokens: int = MAX_TOKENS) -> tuple[list[int], int | None]:
+    """(token ids, None) on success; (tokens streamed, status code) on failure."""
+    ids: list[int] = []
+    req = router_pb2.GenerateRequest(token_ids=router_pb2.TokenIds(ids=tokens),
+                                     params=common_pb2.SamplingParams(temperature=0, max_tokens=max_tokens))
+    try:
+        for msg in d.router_stub().Generate(req, timeout=180):
+            ids.extend(msg.token_ids)
+    except grpc.RpcError as e:
+        return ids, e.code()
+    return ids, None
+
+
+def cached_hashes(address: str) -> set[int]:
+    with grpc.insecure_channel(address) as ch:
+        call = worker_pb2_grpc.WorkerStub(ch).StreamKvEvents(worker_pb2.KvEventsRequest(), timeout=10)
+        first = next(iter(call))
+        call.cancel()
+    assert first.snapshot and first.seq >= 0
+    return set(first.stored)
+
+
+def test_shared_prefix_spreads_and_concentrates(dep, prompts, expected):
+    # the topics' questions in turn (A1 B1 C1 A2 ...), each decided on idle workers: the first
+    # of each topic spreads (ties rotate), the rest follow its cached prefix
+    runs = [(p, stream(dep, p)) for q in range(len(QUESTIONS)) for p in (prompts[t][q] for t in TOPICS)]
+    held = [cached_hashes(a) for a in dep.decode]
+    for t in TOPICS:
+        head = block_hash_chain(prompts[t][0], BS)[:8]       # blocks of the system prompt
+        holders = sum(1 for h in held if head[-1] in h)
+        assert holders == 1, f"{t}: system prompt cached on {holders} decode workers"
+    assert sum(dep.stats(a).prefix_cache_hit_tokens for a in dep.decode) > 0
+    # then all at once: the load spreads the burst over every decode worker
+    with ThreadPoolExecutor(9) as pool:
+        burst = list(pool.map(lambda p: (p, stream(dep, p)), [p for t in TOPICS for p in prompts[t]]))
+    for p, (ids, err) in runs + burst:
+        assert err is None and ids == expected[tuple(p)]
+    assert all(dep.stats(a).num_kv_transfers > 0 for a in dep.decode), "every decode worker gets traffic"
+    for a in dep.decode + dep.prefill:
+        dep.wait_whole(a)
+
+
+def test_kill_decode_and_drain_prefill_under_load(dep, prompts, expected):
+    flat = [p for t in TOPICS for p in prompts[t]] + [p for t in TOPICS for p in prompts[t][:1]]
+    results: list = [None] * len(flat)
+
+    def run(i: int) -> None:
+        results[i] = stream(dep, flat[i], MAX_TOKENS)
+
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(len(flat))]
+    for i, th in enumerate(threads):
+        th.start()
+        if i == len(flat) // 2:
+            dep.services["prefill1"].proc.send_signal(signal.SIGTERM)    # drain
+        if i == len(flat) // 2 + 4:         # once the drained worker's refusals were retried
+            dep.kill("decode2")                                            # crash
+        time.sleep(0.15)
+    for th in threads:
+        th.join(180)
+    before_first = [i for i, (ids, err) in enumerate(results) if err is not None and not ids]
+    assert not before_first, f"requests failed before their first token: {[results[i][1] for i in before_first]}"
+    ok = [(flat[i], ids) for i, (ids, err) in enumerate(results) if err is None]
+    assert len(ok) >= len(flat) // 2          # only streams cut on the killed worker may fail
+    for p, ids in ok:
+        assert ids == expected[tuple(p)]
+    assert dep.services["prefill1"].proc.wait(60) is not None              # drained and exited
+    for a in (dep.decode[0], dep.decode[1], dep.prefill[0]):
+        dep.wait_whole(a, tries=300)

@@ -1,0 +1,81 @@
+"""OpenAI request bodies -> GenerateRequest messages, and failures -> OpenAI's error shape
+(router.openai_api; pure functions, no server: the served API is in
+tests/integration/test_openai_api.py)."""
+from __future__ import annotations
+
+import pytest
+
+from common.grpc_utils import InvalidArgument, ResourceExhausted, Unavailable
+from router.openai_api.errors import ApiError, from_exception, openai_param
+from router.openai_api.requests import CHAT, COMPLETION, parse_chat, parse_completion
+
+
+def test_chat_body_becomes_one_chat_request_with_openai_defaults():
+    api = parse_chat({"model": "m", "messages": [{"role": "system", "content": "Be brief."},
+                                                 {"role": "user", "content": [{"type": "text", "text": "a"},
+                                                                              {"type": "text", "text": "b"}]}],
+                      "max_completion_tokens": 7, "stop": "END", "seed": 3, "stream": True,
+                      "stream_options": {"include_usage": True}, "ignore_eos": True})
+    (req,) = api.inputs
+    assert api.kind == CHAT and api.id.startswith("chatcmpl-") and req.request_id == api.id
+    assert [(m.role, m.content) for m in req.chat.messages] == [("system", "Be brief."), ("user", "a\nb")]
+    p = req.params
+    assert (p.temperature, p.max_tokens, list(p.stop), p.seed, p.ignore_eos) == (1.0, 7, ["END"], 3, True)
+    assert api.stream and api.include_usage and not api.continuous_usage
+    assert api.max_tokens_field == "max_completion_tokens" and not req.skip_generation_prompt
+
+
+def test_completion_prompts_text_ids_and_batches():
+    assert parse_completion({"prompt": "hi"}).inputs[0].params.max_tokens == 16       # OpenAI's default
+    ids = parse_completion({"prompt": [1, 2, 3], "max_tokens": 4})
+    assert list(ids.inputs[0].token_ids.ids) == [1, 2, 3] and ids.input_fields == ("prompt",)
+    batch = parse_completion({"prompt": ["a", [5, 6]], "logprobs": 0})
+    assert [r.WhichOneof("input") for r in batch.inputs] == ["text", "token_ids"]
+    assert batch.input_fields == ("prompt[0]", "prompt[1]") and batch.logprobs and batch.kind == COMPLETION
+    assert len({r.request_id for r in batch.inputs}) == 2
+
+
+@pytest.mark.parametrize("body, param", [
+    ({"prompt": "x", "n": 3}, "n"),
+    ({"prompt": "x", "max_tokens": 0}, "max_tokens"),
+    ({"prompt": "x", "temperature": True}, "temperature"),
+    ({"prompt": "x", "top_p": 0}, "top_p"),
+    ({"prompt": "x", "logprobs": 2}, "logprobs"),
+    ({"prompt": "x", "echo": True}, "echo"),
+    ({"prompt": "x", "stop": [1]}, "stop"),
+    ({"prompt": []}, "prompt"),
+    ({"prompt": ["a", 1.5]}, "prompt[1]"),
+    ({"prompt": [[1, -2]]}, "prompt[0][1]"),
+])
+def test_bad_completion_bodies_name_the_field(body, param):
+    with pytest.raises(ApiError) as e:
+        parse_completion(body)
+    assert e.value.status == 400 and e.value.param == param
+
+
+@pytest.mark.parametrize("body, param", [
+    ({"messages": "hi"}, "messages"),
+    ({"messages": [{"role": "user", "content": [{"type": "image_url"}]}]}, "messages[0].content[0].type"),
+    ({"messages": [{"content": "hi"}]}, "messages[0].role"),
+    ({"messages": [{"role": "user", "content": "hi"}], "top_logprobs": 2}, "top_logprobs"),
+    ({"messages": [{"role": "user", "content": "hi"}], "tools": [{"type": "function"}]}, "tools"),
+])
+def test_bad_chat_bodies_name_the_field(body, param):
+    with pytest.raises(ApiError) as e:
+        parse_chat(body)
+    assert e.value.status == 400 and e.value.param == param
+
+
+def test_request_path_errors_get_openai_names_and_statuses():
+    assert openai_param("params.top_p") == "top_p"
+    assert openai_param("params.max_tokens", max_tokens_field="max_completion_tokens") == "max_completion_tokens"
+    assert openai_param("chat.messages[2].role") == "messages[2].role"
+    assert openai_param("token_ids.ids[7]", prompt_field="prompt[1]") == "prompt[1][7]"
+    assert openai_param("text") == "prompt" and openai_param("chat") == "messages"
+    bad = from_exception(InvalidArgument("params.presence_penalty", "must be in [-2, 2], got 3.0"))
+    assert (bad.status, bad.param, bad.message) == (400, "presence_penalty", "presence_penalty: must be in [-2, 2], got 3.0")
+    busy, down = from_exception(ResourceExhausted("no room")), from_exception(Unavailable("no decode worker is up"))
+    assert (busy.status, busy.type, busy.headers()) == (429, "rate_limit_error", {"retry-after": "1"})
+    assert (down.status, down.code) == (503, "unavailable")
+    assert down.body() == {"error": {"message": "no decode worker is up", "type": "service_unavailable",
+                                     "param": None, "code": "unavailable"}}

@@ -1,0 +1,256 @@
+"""Transport security and authentication on real grpc.aio servers in this process: real TLS
+certificates (a CA made here), bearer tokens, mutual TLS, certificate reload, undecodable
+requests, and the authenticated KV rendezvous (pair secrets) on a real TCPStore with Gloo."""
+from __future__ import annotations
+
+import asyncio
+import os
+import socket
+import ssl
+import threading
+import time
+from pathlib import Path
+
+import grpc
+import grpc.aio
+import pytest
+import torch
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from common.grpc_utils import Service, build_server, client_channel
+from common.kv_transfer import KvStoreServer, KvTransferError, PairChannel, new_pair_secret
+from common.security import BearerTokens, ClientSecurity, ServerSecurity, TlsFiles
+from pdserve.v1 import common_pb2, common_pb2_grpc
+from tests.security_certs import CA, serial_of
+
+INFO = "/pdserve.v1.InfoService/Info"
+
+
+class _Info(common_pb2_grpc.InfoServiceServicer):
+    async def Info(self, request, context):
+        return common_pb2.ServerInfo(worker_id="w")
+
+
+@pytest.fixture(scope="module")
+def pki(tmp_path_factory):
+    d = tmp_path_factory.mktemp("pki")
+    ca, other = CA.create(d, "deploy"), CA.create(d, "stranger")
+    server = ca.issue(d, "server")
+    client = ca.issue(d, "client", stem="client")
+    foreign = other.issue(d, "client", stem="foreign")
+    tokens = d / "tokens"
+    tokens.write_text("# rotated weekly\nright-token\nsecond-token\n")
+    return dict(dir=d, ca=ca, other=other, server=server, client=client, foreign=foreign, tokens=tokens)
+
+
+def _serve(security: ServerSecurity):
+    server = build_server("127.0.0.1:0", [Service(common_pb2.DESCRIPTOR.services_by_name["InfoService"],
+                                                  common_pb2_grpc.add_InfoServiceServicer_to_server, _Info())],
+                          security=security)
+    return server
+
+
+async def _info(address: str, security: ClientSecurity, metadata=None) -> grpc.StatusCode:
+    async with client_channel(address, security=security) as ch:
+        try:
+            await common_pb2_grpc.InfoServiceStub(ch).Info(common_pb2.InfoRequest(), timeout=5, metadata=metadata)
+            return grpc.StatusCode.OK
+        except grpc.aio.AioRpcError as e:
+            return e.code()
+
+
+async def _health(address: str, security: ClientSecurity) -> grpc.StatusCode:
+    async with client_channel(address, security=security) as ch:
+        try:
+            await health_pb2_grpc.HealthStub(ch).Check(health_pb2.HealthCheckRequest(), timeout=5)
+            return grpc.StatusCode.OK
+        except grpc.aio.AioRpcError as e:
+            return e.code()
+
+
+def test_bearer_tokens(tmp_path):
+    f = tmp_path / "t"
+    f.write_text("alpha\n\n# comment\nbeta\n")
+    t = BearerTokens.from_file(f)
+    assert len(t) == 2 and t.first_token() == "alpha"
+    assert t.check("Bearer alpha") and t.check("bearer beta") and t.check("Bearer  beta ")
+    for bad in (None, "", "alpha", "Bearer", "Bearer alph", "Bearer alphaa", "Basic alpha", "Bearer " + "x" * 5000):
+        assert not t.check(bad), bad
+    time.sleep(0.01)
+    f.write_text("gamma\n")            # rotated: re-read on the next check
+    os.utime(f, ns=(time.time_ns(), time.time_ns() + 10**9))
+    assert t.check("Bearer gamma") and not t.check("Bearer alpha")
+    f.write_text("")                    # an empty file keeps the old tokens
+    os.utime(f, ns=(time.time_ns(), time.time_ns() + 2 * 10**9))
+    assert t.check("Bearer gamma")
+    with pytest.raises(ValueError):
+        BearerTokens.from_file(tmp_path / "missing")
+
+
+def test_public_tls_and_tokens(pki):
+    async def main():
+        cert, key = pki["server"]
+        server = _serve(ServerSecurity(tls=TlsFiles(cert, key), tokens_file=pki["tokens"], reflection=False))
+        await server.start()
+        await server.set_serving(True)
+        addr = f"127.0.0.1:{server.port}"
+        trusting = ClientSecurity(tls=TlsFiles(ca=pki["ca"].path))
+        try:
+            assert await _info(addr, trusting) == grpc.StatusCode.UNAUTHENTICATED
+            assert await _info(addr, trusting, (("authorization", "Bearer wrong"),)) == grpc.StatusCode.UNAUTHENTICATED
+            assert await _info(addr, trusting, (("authorization", "Bearer right-token"),)) == grpc.StatusCode.OK
+            assert await _info(addr, trusting, (("authorization", "Bearer second-token"),)) == grpc.StatusCode.OK
+            assert await _health(addr, trusting) == grpc.StatusCode.OK        # health needs no token
+            # the token file as call credentials of a TLS channel
+            assert await _info(addr, ClientSecurity(tls=TlsFiles(ca=pki["ca"].path),
+                                                    token_file=pki["tokens"])) == grpc.StatusCode.OK
+            # a plaintext client, and a client that trusts another CA, cannot talk to it
+            assert await _health(addr, ClientSecurity()) == grpc.StatusCode.UNAVAILABLE
+            assert await _health(addr, ClientSecurity(tls=TlsFiles(ca=pki["other"].path))) == grpc.StatusCode.UNAVAILABLE
+            # reflection turned off
+            async with client_channel(addr, security=trusting) as ch:
+                call = ch.unary_unary("/grpc.reflection.v1alpha.ServerReflection/ServerReflectionInfo")
+                with pytest.raises(grpc.aio.AioRpcError) as e:
+                    await call(b"", timeout=5, metadata=(("authorization", "Bearer right-token"),))
+                assert e.value.code() == grpc.StatusCode.UNIMPLEMENTED
+        finally:
+            await server.stop_now()
+    asyncio.run(main())
+
+
+def test_internal_mtls_and_token(pki):
+    async def main():
+        cert, key = pki["server"]
+        internal = ServerSecurity(tls=TlsFiles(cert, key, pki["ca"].path), require_client_cert=True,
+                                  accept_peer_cert=True)
+        server = _serve(internal)
+        await server.start()
+        addr = f"127.0.0.1:{server.port}"
+        ca = pki["ca"].path
+        try:
+            assert await _info(addr, ClientSecurity(tls=TlsFiles(*pki["client"], ca))) == grpc.StatusCode.OK
+            assert await _info(addr, ClientSecurity(tls=TlsFiles(ca=ca))) == grpc.StatusCode.UNAVAILABLE
+            assert await _info(addr, ClientSecurity(tls=TlsFiles(*pki["foreign"], ca))) == grpc.StatusCode.UNAVAILABLE
+            assert await _info(addr, ClientSecurity()) == grpc.StatusCode.UNAVAILABLE
+        finally:
+            await server.stop_now()
+        # plaintext internal port guarded by the internal token only
+        server = _serve(ServerSecurity(tokens_file=pki["tokens"]))
+        await server.start()
+        addr = f"127.0.0.1:{server.port}"
+        try:
+            assert await _info(addr, ClientSecurity()) == grpc.StatusCode.UNAUTHENTICATED
+            assert await _info(addr, ClientSecurity(token_file=pki["tokens"])) == grpc.StatusCode.OK
+        finally:
+            await server.stop_now()
+    asyncio.run(main())
+
+
+def _served_serial(port: int, ca: Path, client: tuple[Path, Path]) -> int:
+    ctx = ssl.create_default_context(cafile=str(ca))
+    ctx.load_cert_chain(str(client[0]), str(client[1]))
+    ctx.set_alpn_protocols(["h2"])
+    with socket.create_connection(("127.0.0.1", port), timeout=5) as raw:
+        with ctx.wrap_socket(raw, server_hostname="localhost") as tls:
+            return serial_of(ssl.DER_cert_to_PEM_cert(tls.getpeercert(binary_form=True)).encode())
+
+
+def test_certificate_reload(pki, tmp_path):
+    cert, key = tmp_path / "tls.crt", tmp_path / "tls.key"
+    first = pki["ca"].issue(tmp_path, "server", stem="first")
+    cert.write_bytes(first[0].read_bytes())
+    key.write_bytes(first[1].read_bytes())
+
+    async def main():
+        server = _serve(ServerSecurity(tls=TlsFiles(cert, key, pki["ca"].path), require_client_cert=True,
+                                       accept_peer_cert=True))
+        await server.start()
+        ca, client = pki["ca"].path, pki["client"]
+        try:
+            before = await asyncio.to_thread(_served_serial, server.port, ca, client)
+            assert before == serial_of(first[0].read_bytes())
+            second = pki["ca"].issue(tmp_path, "server", stem="second")
+            # as a Secret update does: the new files replace the old ones
+            tmp_cert, tmp_key = tmp_path / "new.crt", tmp_path / "new.key"
+            tmp_cert.write_bytes(second[0].read_bytes())
+            tmp_key.write_bytes(second[1].read_bytes())
+            os.replace(tmp_key, key)
+            os.replace(tmp_cert, cert)
+            after = await asyncio.to_thread(_served_serial, server.port, ca, client)
+            assert after == serial_of(second[0].read_bytes()) != before
+            # a broken update (key of another certificate) keeps the working certificate
+            cert.write_bytes(first[0].read_bytes())
+            assert await asyncio.to_thread(_served_serial, server.port, ca, client) == after
+            assert await _info(f"127.0.0.1:{server.port}", ClientSecurity(tls=TlsFiles(*client, ca),
+                                                                           server_name="localhost")) == grpc.StatusCode.OK
+        finally:
+            await server.stop_now()
+    asyncio.run(main())
+
+
+def test_undecodable_request_is_invalid_argument():
+    async def main():
+        server = _serve(ServerSecurity())
+        await server.start()
+        try:
+            async with client_channel(f"127.0.0.1:{server.port}") as ch:
+                call = ch.unary_unary(INFO)
+                with pytest.raises(grpc.aio.AioRpcError) as e:
+                    await call(b"\xff\xff\xff\xff\x0f", timeout=5)
+                assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+                assert "not a valid message" in e.value.details()
+                ok = await common_pb2_grpc.InfoServiceStub(ch).Info(common_pb2.InfoRequest(), timeout=5)
+                assert ok.worker_id == "w"
+        finally:
+            await server.stop_now()
+    asyncio.run(main())
+
+
+def test_security_config_errors(pki, tmp_path):
+    cert, key = pki["server"]
+    with pytest.raises(ValueError):
+        TlsFiles(cert, None)
+    with pytest.raises(ValueError):
+        ServerSecurity(tls=TlsFiles(cert, key), require_client_cert=True)   # no CA
+    with pytest.raises(ValueError):
+        TlsFiles(tmp_path / "missing.crt", key)
+    empty = tmp_path / "empty"
+    empty.write_text("\n")
+    with pytest.raises(ValueError):
+        ServerSecurity(tokens_file=empty)
+
+
+def _join(store: str, secret: str, rank: int, out: dict, timeout: float = 2.0) -> None:
+    try:
+        out[rank] = PairChannel(store, "p", "d", 7, rank, "cpu", timeout=timeout, secret=secret)
+    except KvTransferError as e:
+        out[rank] = e
+
+
+def test_pair_rendezvous_needs_the_secret():
+    """A stranger who reaches the decode worker's store and knows the ids and epoch, but not
+    the epoch's secret, cannot become the decode worker's peer; the right sender then can."""
+    secret = new_pair_secret()
+    with KvStoreServer("127.0.0.1", 0, bind_host="127.0.0.1") as server:
+        got: dict = {}
+        decode = threading.Thread(target=_join, args=(server.local_address, secret, 1, got, 8.0))
+        decode.start()
+        stranger: dict = {}
+        for guess in ("", new_pair_secret()):
+            _join(server.address, guess, 0, stranger, timeout=1.0)
+            assert isinstance(stranger[0], KvTransferError)
+        assert decode.is_alive()            # still waiting for its real peer
+        sender: dict = {}
+        _join(server.address, secret, 0, sender, timeout=8.0)
+        decode.join(10)
+        assert isinstance(sender[0], PairChannel) and isinstance(got[1], PairChannel)
+        data = torch.arange(16, dtype=torch.float32)
+        into = torch.zeros(16)
+        t = threading.Thread(target=got[1].recv, args=(into,))
+        t.start()
+        sender[0].send(data)
+        t.join(10)
+        assert torch.equal(into, data)
+        assert secret not in repr(got[1]) and secret not in got[1].prefix
+        sender[0].close()
+        got[1].close()
