@@ -18,7 +18,7 @@ from common.engine.llm_engine import DuplicateRequest
 from common.engine.sequence import FinishReason
 from common.grpc_utils.convert import deadline_from_proto, finish_reason_to_proto, sampling_params_from_proto
 from common.grpc_utils.errors import (AlreadyExists, Cancelled, DeadlineExceeded, InvalidArgument, Unavailable)
-from common.grpc_utils.server import client_channel
+from common.grpc_utils.channels import RenewingChannels
 from common.kv_transfer import KvTransferError
 from common import telemetry
 from common.serving.worker_runtime import WorkerRuntime
@@ -36,7 +36,7 @@ class KvExport:
         self.sender = sender
         self.draining = False
         self.in_flight = 0
-        self._decode_stubs: dict[str, worker_pb2_grpc.WorkerStub] = {}
+        self._decode_channels = RenewingChannels()      # to decode workers, for PushKV
         self._pair_locks: dict[str, asyncio.Lock] = {}
         self.num_transfers = 0
         self.transfer_bytes = 0
@@ -55,10 +55,7 @@ class KvExport:
         return self.num_transfers, self.transfer_bytes
 
     def _decode_stub(self, address: str) -> worker_pb2_grpc.WorkerStub:
-        stub = self._decode_stubs.get(address)
-        if stub is None:
-            stub = self._decode_stubs[address] = worker_pb2_grpc.WorkerStub(client_channel(address))
-        return stub
+        return worker_pb2_grpc.WorkerStub(self._decode_channels.get(address))
 
     def _validate(self, request) -> None:
         if self.draining:

@@ -31,6 +31,7 @@ import grpc.aio
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from common.grpc_utils import Unavailable, client_channel
+from common.grpc_utils.channels import RenewingChannels
 from pdserve.v1 import common_pb2, common_pb2_grpc, worker_pb2, worker_pb2_grpc
 from router.pd_policy import decayed_rate
 from router.prefix_index import PrefixIndex
@@ -67,10 +68,8 @@ class WorkerClient:
         self.prefix_index = prefix_index
         self.check_info = check_info
         self.on_change = on_change
-        self.channel = client_channel(address, options=NO_BDP_OPTIONS)
-        self.stub = worker_pb2_grpc.WorkerStub(self.channel)
-        self.info_stub = common_pb2_grpc.InfoServiceStub(self.channel)
-        self.health_stub = health_pb2_grpc.HealthStub(self.channel)
+        self.channels = RenewingChannels(options=NO_BDP_OPTIONS)   # new ones after a certificate rotation
+        self._bind_stubs()
         self.sub_channel: grpc.aio.Channel | None = None     # the Subscribe stream's own connection
         self.info: common_pb2.ServerInfo | None = None
         self.stats: worker_pb2.WorkerStats | None = None
@@ -119,6 +118,12 @@ class WorkerClient:
         role = common_pb2.Role.Name(self.role) if self.info else "?"
         return f"{self.key} ({self.worker_id or '?'}, {role})"
 
+    def _bind_stubs(self) -> None:
+        self.channel = self.channels.get(self.address)
+        self.stub = worker_pb2_grpc.WorkerStub(self.channel)
+        self.info_stub = common_pb2_grpc.InfoServiceStub(self.channel)
+        self.health_stub = health_pb2_grpc.HealthStub(self.channel)
+
     # ---- lifecycle --------------------------------------------------------------------
     def start(self) -> None:
         self._task = asyncio.create_task(self._supervise(), name=f"worker-{self.key}")
@@ -128,7 +133,7 @@ class WorkerClient:
             if task is not None:
                 task.cancel()
         self.mark_down("closed", quiet=True)
-        await self.channel.close(grace=None)
+        await self.channels.close()
         if self.sub_channel is not None:
             await self.sub_channel.close(grace=None)
 
@@ -144,6 +149,8 @@ class WorkerClient:
                     continue
                 backoff = RECONNECT_MIN_S
             await asyncio.sleep(STATS_INTERVAL_S)
+            if self.channels.renew_if_rotated():
+                self._bind_stubs()
             if self.up:
                 await self._poll_stats()
 

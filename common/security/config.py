@@ -93,11 +93,21 @@ class ClientSecurity:
     _token: str | None = field(default=None, init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
-        if self.token_file is not None:
-            tokens = BearerTokens.from_file(self.token_file)
-            object.__setattr__(self, "_token", tokens.first_token())
+        self._read_token()
         if self.server_name and self.tls is None:
             raise ValueError("a TLS server name needs TLS")
+
+    def _read_token(self) -> None:
+        if self.token_file is not None:
+            object.__setattr__(self, "_token", BearerTokens.from_file(self.token_file).first_token())
+
+    def files_stamp(self) -> tuple:
+        """(path, mtime, size) of every file these credentials come from. Channels read the
+        files when they are made; a holder of long-lived channels compares stamps and makes new
+        channels when it changes (a certificate or token rotated on disk, as cert-manager and
+        Secret updates do), see :class:`RenewingChannels`."""
+        paths = [*(self.tls.paths() if self.tls is not None else ()), *filter(None, [self.token_file])]
+        return tuple(_stamp(p) for p in paths)
 
     @property
     def enabled(self) -> bool:
@@ -109,7 +119,9 @@ class ClientSecurity:
         return []
 
     def channel_credentials(self) -> grpc.ChannelCredentials | None:
-        """TLS credentials (with the token as call credentials), or None for plaintext."""
+        """TLS credentials (with the token as call credentials), or None for plaintext. Reads the
+        files now."""
+        self._read_token()
         if self.tls is None:
             return None
         creds = channel_credentials(self.tls)
@@ -119,13 +131,22 @@ class ClientSecurity:
         return creds
 
     def interceptors(self) -> list[grpc.aio.ClientInterceptor]:
-        """Plaintext with a token: the interceptor that adds it."""
+        """Plaintext with a token: the interceptor that adds it (the token file read now)."""
+        self._read_token()
         if self.tls is None and self._token is not None:
             return [TokenClientInterceptor(self._token)]
         return []
 
 
 _default_client = ClientSecurity()
+
+
+def _stamp(path: Path) -> tuple:
+    try:
+        st = path.stat()
+    except OSError:
+        return (str(path), None, None)
+    return (str(path), st.st_mtime_ns, st.st_size)
 
 
 def set_default_client_security(security: ClientSecurity) -> None:

@@ -118,3 +118,31 @@ def test_offline_generate_with_a_budget_smaller_than_the_context(checkpoint):
     outs = llm.generate(prompts + [long_prompt], _greedy(), use_tqdm=False)
     assert [o.token_ids for o in outs] == expected
     assert llm.engine.block_manager.is_whole()
+
+
+@pytest.mark.parametrize("overlap", [False, True])
+def test_prefill_worker_ships_after_the_last_chunk(checkpoint, overlap):
+    """A prefill worker's prompts (prefill-only) spanning several chunks: the launch hook (where
+    the KV send starts) fires once per request, in the step of its last chunk, with the first
+    token HF gives; the blocks are held for the send until released."""
+    path, prompts, long_prompt, expected = checkpoint
+    llm = _llm(path, 24, num_kv_blocks=128, max_model_len=512, async_scheduling=overlap)
+    eng = llm.engine
+    launched: dict[str, int] = {}
+
+    def on_launch(seqs, step):
+        for i, s in enumerate(seqs):
+            assert s.request_id not in launched and s.num_cached_tokens + s.num_scheduled_tokens == s.num_tokens
+            launched[s.request_id] = int(step.token_ids[i])
+
+    eng.on_prefill_launch = on_launch
+    params = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
+    batch = [prompts[3], long_prompt, prompts[5]]
+    seqs = [eng.add_request(p, params, request_id=f"p{i}", prefill_only=True) for i, p in enumerate(batch)]
+    while eng.has_unfinished():
+        eng.step()
+    assert launched == {f"p{i}": exp[0] for i, exp in enumerate([expected[3], expected[-1], expected[5]])}
+    assert set(eng.held) == {s.request_id for s in seqs} and all(s.block_table for s in seqs)
+    for s in seqs:
+        eng.release_held(s)
+    assert eng.block_manager.is_whole()

@@ -254,3 +254,44 @@ def test_pair_rendezvous_needs_the_secret():
         assert secret not in repr(got[1]) and secret not in got[1].prefix
         sender[0].close()
         got[1].close()
+
+
+def test_client_channels_follow_rotated_credentials(pki, tmp_path):
+    """Long-lived channels to workers (router -> worker, prefill -> decode) are made anew when
+    the client's credential files change on disk: a rotated internal token is used without a
+    restart, and a channel still holding the old one is refused once the server rotated too."""
+    from common.grpc_utils.channels import RenewingChannels
+    from common.security import set_default_client_security
+    server_tokens, client_token = tmp_path / "accepted", tmp_path / "token"
+    server_tokens.write_text("old-token\n")
+    client_token.write_text("old-token\n")
+
+    async def call(channel) -> grpc.StatusCode:
+        try:
+            await common_pb2_grpc.InfoServiceStub(channel).Info(common_pb2.InfoRequest(), timeout=5)
+            return grpc.StatusCode.OK
+        except grpc.aio.AioRpcError as e:
+            return e.code()
+
+    async def main():
+        server = _serve(ServerSecurity(tokens_file=server_tokens))
+        await server.start()
+        addr = f"127.0.0.1:{server.port}"
+        set_default_client_security(ClientSecurity(token_file=client_token))
+        channels = RenewingChannels(grace_s=0.1)
+        try:
+            old = channels.get(addr)
+            assert await call(old) == grpc.StatusCode.OK and channels.get(addr) is old
+            server_tokens.write_text("new-token\n")          # both Secrets updated
+            client_token.write_text("new-token, longer\n")
+            client_token.write_text("new-token\n")
+            os.utime(client_token, ns=(time.time_ns() + 10 ** 9,) * 2)
+            assert await call(old) == grpc.StatusCode.UNAUTHENTICATED
+            new = channels.get(addr)
+            assert new is not old and channels.num_renewals == 1
+            assert await call(new) == grpc.StatusCode.OK
+        finally:
+            set_default_client_security(ClientSecurity())
+            await channels.close()
+            await server.stop_now()
+    asyncio.run(main())
