@@ -57,10 +57,25 @@ def _scrape(port: int) -> str:
         return r.read().decode()
 
 
+def _start_cluster(cfg: SimConfig, log_dir: Path, tries: int = 3) -> Cluster:
+    """A started deployment; a fresh one (new ports) when a process failed to start. The ports
+    come from free_ports() (bind to 0, release), i.e. from the ephemeral range that the
+    deployment's own ~10^3 client connections also draw from, so a port can be taken between its
+    pick and the worker's bind ("Address already in use")."""
+    for i in range(tries):
+        try:
+            return Cluster(cfg, log_dir).start()
+        except RuntimeError as e:
+            if i == tries - 1:
+                raise
+            log.warning("deployment failed to start (%s); again with new ports", str(e).splitlines()[0])
+    raise AssertionError("unreachable")
+
+
 def run_case(cfg: SimConfig, workload: str, num: int, rate: float, log_dir: Path, churn_at: float = 0.0) -> dict:
     """One deployment, one bench serve run; with ``churn_at`` > 0 the standalone workers are
     killed and the late ones started that many seconds into the run."""
-    cluster = Cluster(cfg, log_dir).start()
+    cluster = _start_cluster(cfg, log_dir)
     try:
         sampler = Sampler(cluster.decode + cluster.decode_late + cluster.prefill + cluster.prefill_late, interval=2.0)
         idle0 = [procs.cpu_seconds(r.pid) for r in cluster.routers]

@@ -78,6 +78,13 @@ class Cluster:
         return addrs[:n], addrs[n:]
 
     def start(self, timeout: float = 120.0) -> "Cluster":
+        try:
+            return self._start(timeout)
+        except BaseException:
+            self.stop()          # what did start (fleets, routers) must not outlive the failure
+            raise
+
+    def _start(self, timeout: float) -> "Cluster":
         c = self.cfg
         self.decode, self.decode_late = self._role("decode", c.num_decode, c.standalone_decode, c.late_decode,
                                                    c.decode_blocks)
