@@ -41,13 +41,18 @@ NOT_SERVING = health_pb2.HealthCheckResponse.NOT_SERVING
 # Keepalive: clients ping every 30 s (also without calls, so idle router->worker channels
 # notice a dead peer); servers accept pings down to 10 s apart and ping clients every 60 s
 # (a dead router's Subscribe stream is noticed and its requests cancelled).
+# Reconnects: the first retry after 100 ms (a restarted worker is found fast; a dead one
+# refuses at once). ``min_reconnect_backoff_ms`` is also gRPC's shortest time allowed for one
+# connection attempt: at 100 ms a busy process (its event loop starved by the engine) failed
+# first connections on loopback with "connect() timed out" (a prefill worker's first PushKV to
+# a decode worker, under the CI's load), so an attempt may take up to 5 s.
 _CLIENT_KEEPALIVE = (
     ("grpc.keepalive_time_ms", 30_000),
     ("grpc.keepalive_timeout_ms", 10_000),
     ("grpc.keepalive_permit_without_calls", 1),
     ("grpc.http2.max_pings_without_data", 0),
     ("grpc.initial_reconnect_backoff_ms", 100),
-    ("grpc.min_reconnect_backoff_ms", 100),
+    ("grpc.min_reconnect_backoff_ms", 5_000),
     ("grpc.max_reconnect_backoff_ms", 5_000),
 )
 _SERVER_KEEPALIVE = (
