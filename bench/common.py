@@ -62,6 +62,25 @@ def copy_bandwidth(num_bytes: int = 1 << 30, iters: int = 20) -> float:
     return 2 * num_bytes / times[len(times) // 2]
 
 
+def matmul_throughput(n: int = 8192, iters: int = 20) -> float:
+    """Dense bf16 GEMM throughput in FLOP/s (an n x n x n product, median of ``iters``): the
+    compute ceiling a prefill step can reach on this device, measured like copy_bandwidth."""
+    a = torch.randn(n, n, device="cuda", dtype=torch.bfloat16)
+    b = torch.randn(n, n, device="cuda", dtype=torch.bfloat16)
+    times = []
+    for i in range(iters + 3):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        a @ b
+        end.record()
+        end.synchronize()
+        if i >= 3:
+            times.append(start.elapsed_time(end) / 1000)
+    times.sort()
+    del a, b
+    return 2 * n ** 3 / times[len(times) // 2]
+
+
 def gpu_pair_channel(rank: int, addr_q, name: str, timeout: float):
     """For a two-process GPU probe: bind this process to ``cuda:rank`` and join a pair channel
     named ``name`` (rank 1 hosts the store and hands its address to rank 0 through ``addr_q``).

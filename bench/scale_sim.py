@@ -5,6 +5,7 @@ by ``pdserve bench serve``; results as JSON + PNG (docs/benchmarks.md, "Scale si
     python -m bench.scale_sim compare --out bench/results/scale_sim    # kv / oracle / least-loaded / round-robin
     python -m bench.scale_sim scaling --out bench/results/scale_sim    # router cost at 8..64 decode workers
     python -m bench.scale_sim churn --out bench/results/scale_sim      # 4 killed + 4 added mid-run
+    python -m bench.scale_sim saturated --out bench/results/scale_sim --rate 3 --num-prompts 150   # imbalance, 8 decode
     python -m bench.scale_sim plot --out bench/results/scale_sim
 
 Policies: ``kv`` (the router's default), ``oracle`` (kv with --load-alpha 0: always the worker
@@ -40,6 +41,9 @@ WORKLOADS = {   # bench serve flags; rates are wall-clock requests/s of the time
                       "--input-len", "32:64", "--output-len", "16:32"],
     "multi-turn": ["--dataset", "multi-turn", "--num-turns", "6", "--num-prefixes", "4", "--prefix-len", "256",
                    "--input-len", "64:128", "--output-len", "64:128"],
+    # long outputs: ~10 requests run on each of 8 decode workers (the imbalance target's regime)
+    "shared-prefix-long": ["--dataset", "shared-prefix", "--num-prefixes", "16", "--prefix-len", "1024",
+                           "--input-len", "32:64", "--output-len", "256:512"],
 }
 
 
@@ -161,6 +165,23 @@ def scaling(args: argparse.Namespace) -> None:
         _save(args.out, "scaling", {"commit": _commit(), "results": results})
 
 
+def saturated(args: argparse.Namespace) -> None:
+    """Load imbalance where it can be small: 8 decode + 2 prefill workers, outputs of 256-512
+    tokens, so that many requests run on every decode worker at once (max/mean of a sample with
+    fewer requests than workers is >= 2 whatever the policy: see analysis.imbalance)."""
+    base = SimConfig(num_decode=8, num_prefill=2, time_scale=args.time_scale)
+    results = []
+    for name in args.policies.split(","):
+        routing, alpha = POLICIES[name]
+        log.info("saturated: %s", name)
+        r = run_case(replace(base, routing=routing, load_alpha=alpha), "shared-prefix-long", args.num_prompts,
+                     args.rate, args.log_dir)
+        r["policy"] = name
+        r.pop("hit_rate_timeline", None)
+        results.append(r)
+        _save(args.out, "saturated", {"commit": _commit(), "results": results})
+
+
 def churn(args: argparse.Namespace) -> None:
     cfg = SimConfig(time_scale=args.time_scale, standalone_decode=2, standalone_prefill=2, late_decode=2,
                     late_prefill=2)
@@ -179,7 +200,7 @@ def _exit_on_signal(signum: int, frame) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m bench.scale_sim", description=__doc__.splitlines()[0])
-    p.add_argument("what", choices=("compare", "scaling", "churn", "plot"))
+    p.add_argument("what", choices=("compare", "scaling", "churn", "saturated", "plot"))
     p.add_argument("--out", type=Path, default=Path("bench/results/scale_sim"))
     p.add_argument("--log-dir", type=Path, default=None)
     p.add_argument("--num-prompts", type=int, default=600)
@@ -201,7 +222,7 @@ def main(argv: list[str] | None = None) -> int:
         from bench.sim.report import plot_all
         plot_all(args.out)
     else:
-        {"compare": compare, "scaling": scaling, "churn": churn}[args.what](args)
+        {"compare": compare, "scaling": scaling, "churn": churn, "saturated": saturated}[args.what](args)
     return 0
 
 

@@ -19,13 +19,11 @@ deadlines (FINISH_REASON_DEADLINE), stop_token_ids / EOS / max_tokens / max_mode
 GetStats, and StreamKvEvents (snapshot first, then numbered messages: ``KvEvents.seq``). Used by
 the router tests and the router-overhead benchmark.
 
-``--sim`` (the scale simulation, bench/sim): the KV pool is the engine's own BlockManager
-(bench.sim.pool: true hits, evictions and events), prefill takes the modelled time of its
-uncached tokens on a FIFO prefill GPU and decode steps the modelled time of their batch
-(bench.sim.cost, stretched by ``--time-scale``); GetStats fills the prefill backlog and context
-tokens; a prefill worker counts the pair channels it would hold (bench.sim.channels). On SIGTERM
-every worker drains: health NOT_SERVING, new requests refused (UNAVAILABLE), those in flight
-finish within the grace period.
+``ModelledParts`` replace the fixed timings with a model: a pool with true hits, evictions and
+events, prefill time from the uncached tokens on a FIFO prefill GPU, decode steps timed from
+their batch, pair channels counted. The lab's scale simulation (bench/sim/worker.py) builds
+them. On SIGTERM every worker drains: health NOT_SERVING, new requests refused (UNAVAILABLE),
+those in flight finish within the grace period.
 """
 from __future__ import annotations
 
@@ -38,7 +36,9 @@ import time
 import zlib
 from array import array
 from collections import OrderedDict
+from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Any
 
 import grpc
 
@@ -226,26 +226,29 @@ class Req:
         return t
 
 
+@dataclass
+class ModelledParts:
+    """A modelled backend for ScriptedWorker. ``pool``: BlockPool's interface; ``cost``:
+    ``decode_ms(batch, context_tokens)``; ``gpu``: ``submit(tokens)`` -> awaitable, ``run()``,
+    ``waiting_tokens()``; ``channels``: ``begin(addr)``, ``end(addr)``, ``num_open``."""
+    pool: Any
+    cost: Any
+    gpu: Any
+    channels: Any
+
+
 class ScriptedWorker(worker_pb2_grpc.WorkerServicer, common_pb2_grpc.InfoServiceServicer):
-    def __init__(self, args: argparse.Namespace) -> None:
+    def __init__(self, args: argparse.Namespace, parts: ModelledParts | None = None) -> None:
         self.args = args
         self.role = ROLES[args.role]
         self.worker_id = args.worker_id or f"scripted-{args.role}-{args.port}"
         self.bs = args.block_size
         self.eos = tuple(int(e) for e in args.eos_ids.split(",") if e)
-        self.cost = self.gpu = None
-        if getattr(args, "sim", False):
-            from bench.sim.channels import ChannelBook
-            from bench.sim.cost import CostModel
-            from bench.sim.pool import ManagedPool
-            from bench.sim.prefill_gpu import PrefillGpu
-            self.pool = ManagedPool(args.num_blocks, args.block_size)
-            self.cost = CostModel(scale=args.time_scale, max_batched_tokens=args.max_batched_tokens)
-            self.gpu = PrefillGpu(self.cost)
-            self.channels = ChannelBook(args.kv_max_channels, args.kv_idle_close_s)
+        self.cost = self.gpu = self.channels = None
+        if parts is not None:
+            self.pool, self.cost, self.gpu, self.channels = parts.pool, parts.cost, parts.gpu, parts.channels
         else:
             self.pool = BlockPool(args.num_blocks, args.block_size)
-            self.channels = None
         self.kv_seq = 0
         self.draining = False
         self.reqs: dict[str, Req] = {}           # decode side: reserved or active
@@ -512,7 +515,7 @@ class ScriptedWorker(worker_pb2_grpc.WorkerServicer, common_pb2_grpc.InfoService
             self.pool.release(req.blocks)
 
     async def _prefill_wait(self, req: Req, deadline: float | None) -> None:
-        """The prompt's compute time: fixed (--prefill-ms), or modelled on the prefill GPU (--sim)."""
+        """The prompt's compute time: fixed (--prefill-ms), or modelled on the prefill GPU (ModelledParts)."""
         wait = self.args.prefill_ms / 1000.0 if self.gpu is None else None
         if deadline is not None:
             left = max(0.0, deadline - time.time())
@@ -575,7 +578,9 @@ class ScriptedWorker(worker_pb2_grpc.WorkerServicer, common_pb2_grpc.InfoService
             version="scripted", vocab_size=self.args.vocab)
 
 
-def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+def parse_args(argv: list[str] | None = None,
+               add_arguments: Callable[[argparse.ArgumentParser], None] | None = None) -> argparse.Namespace:
+    """The worker's flags, plus those ``add_arguments`` adds (a modelled backend's)."""
     p = argparse.ArgumentParser(prog="python -m bench.scripted_worker", description=__doc__.splitlines()[0])
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--advertise", default="127.0.0.1", help="host in the kv_store_address it reports")
@@ -598,24 +603,20 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    default=os.environ.get("PDSERVE_SCRIPTED_CATCH_UP", "1") != "0",
                    help="run the engine steps that came due while the process was late (CPU contention) at once, "
                         "as a GPU engine that kept stepping would (env PDSERVE_SCRIPTED_CATCH_UP=0: off)")
-    p.add_argument("--sim", action="store_true",
-                   help="scale simulation: BlockManager pool, modelled prefill/decode time (bench/sim)")
-    p.add_argument("--time-scale", type=float, default=1.0, help="--sim: every modelled time times this")
-    p.add_argument("--max-batched-tokens", type=int, default=8192, help="--sim: prefill batch budget")
-    p.add_argument("--kv-max-channels", type=int, default=32, help="--sim: pair channels a prefill worker keeps")
-    p.add_argument("--kv-idle-close-s", type=float, default=300.0, help="--sim: idle pair channels close after")
     p.add_argument("--kv-drop-every", type=int, default=0,
                    help="drop every Nth KV event message (tests the router's gap repair)")
     p.add_argument("--drain-grace-s", type=float, default=1.0, help="on SIGTERM: time for requests in flight")
     p.add_argument("--log-level", default="WARNING")
+    if add_arguments is not None:
+        add_arguments(p)
     args = p.parse_args(argv)
     if args.prefill_ms is None:
         args.prefill_ms = args.step_ms
     return args
 
 
-async def _main(args: argparse.Namespace) -> None:
-    worker = ScriptedWorker(args)
+async def _main(args: argparse.Namespace, parts: ModelledParts | None) -> None:
+    worker = ScriptedWorker(args, parts)
     server = build_server(f"{args.host}:{args.port}", [
         Service(worker_pb2.DESCRIPTOR.services_by_name["Worker"], worker_pb2_grpc.add_WorkerServicer_to_server, worker),
         Service(common_pb2.DESCRIPTOR.services_by_name["InfoService"],
@@ -631,11 +632,14 @@ async def _main(args: argparse.Namespace) -> None:
             t.cancel()
 
 
-def main(argv: list[str] | None = None) -> int:
-    args = parse_args(argv)
+def main(argv: list[str] | None = None,
+         add_arguments: Callable[[argparse.ArgumentParser], None] | None = None,
+         make_parts: Callable[[argparse.Namespace], ModelledParts] | None = None) -> int:
+    """Run one worker; ``add_arguments`` / ``make_parts`` plug in a modelled backend."""
+    args = parse_args(argv, add_arguments)
     logging.basicConfig(level=args.log_level.upper(), stream=sys.stderr,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    asyncio.run(_main(args))
+    asyncio.run(_main(args, make_parts(args) if make_parts is not None else None))
     return 0
 
 

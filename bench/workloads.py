@@ -56,3 +56,13 @@ def decode_bytes(workload: Workload, kv_bytes_per_token: int, weight_bytes: int)
         kv_tokens += o * p + o * (o - 1) // 2
     steps = max(p.max_tokens for p in workload.params)
     return kv_tokens * kv_bytes_per_token + steps * weight_bytes
+
+
+def prefill_flops(workload: Workload, linear_params: int, num_layers: int, num_heads: int, head_dim: int) -> int:
+    """FLOPs the prompts' prefill must compute at least: every prompt token through every
+    linear layer (2 FLOPs per weight), causal attention (QK^T and PV: 4 * heads * head_dim per
+    (query, key) pair with key <= query) in every layer. The lm_head runs on one row per prompt
+    and is left out (under 0.1% here)."""
+    tokens = workload.num_prompt_tokens
+    pairs = sum(len(p) * (len(p) + 1) // 2 for p in workload.prompts)
+    return 2 * linear_params * tokens + 4 * num_layers * num_heads * head_dim * pairs

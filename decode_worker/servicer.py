@@ -8,12 +8,19 @@ import asyncio
 import logging
 import time
 
-from common.engine.llm_engine import DuplicateRequest, OutOfBlocks
-from common.kv_transfer import KvTransferError
-from common.grpc_utils.convert import deadline_from_proto, finish_reason_to_proto, sampling_params_from_proto
-from common.grpc_utils.errors import (AlreadyExists, DeadlineExceeded, FailedPrecondition, InvalidArgument,
-                                      NotFound, ResourceExhausted, Unavailable)
 from common import telemetry
+from common.engine.llm_engine import DuplicateRequest, OutOfBlocks
+from common.grpc_utils.convert import deadline_from_proto, finish_reason_to_proto, sampling_params_for_prompt
+from common.grpc_utils.errors import (
+    AlreadyExists,
+    DeadlineExceeded,
+    FailedPrecondition,
+    InvalidArgument,
+    NotFound,
+    ResourceExhausted,
+    Unavailable,
+)
+from common.kv_transfer import KvTransferError
 from common.serving.updates import SeqUpdate
 from common.serving.worker_runtime import WorkerRuntime
 from common.serving.worker_servicer import BaseWorkerServicer
@@ -57,6 +64,9 @@ class DecodeServicer(BaseWorkerServicer):
             raise DeadlineExceeded(f"request {request_id!r} is past its deadline")
         return deadline
 
+    def _params(self, request):
+        return sampling_params_for_prompt(request.params, self.runtime.engine.max_model_len, len(request.token_ids))
+
     async def _call(self, fn):
         try:
             return await self.runtime.call(fn)
@@ -74,7 +84,7 @@ class DecodeServicer(BaseWorkerServicer):
         telemetry.bind_request(request.request_id)
         deadline = self._admission_checks(request.request_id, request.router_id, request.token_ids,
                                           request.deadline_unix_ms)
-        params = sampling_params_from_proto(request.params)
+        params = self._params(request)
         block_ids, cached = await self._call(lambda e: self.state.reserve(
             e, request.request_id, list(request.token_ids), params, request.lease_ms, deadline, request.router_id))
         lease_ms = request.lease_ms or self.state.default_lease_ms
@@ -104,7 +114,8 @@ class DecodeServicer(BaseWorkerServicer):
                                         with_first_token=on_channel, secret=request.pair_secret)
         except KvTransferError as e:   # nothing was posted: the reservation ends here
             self.runtime.metrics.kv_failures.labels("recv").inc()
-            self.runtime.loop.call(lambda eng: self.state.finish_receive(eng, rid, first, lp, None, e))
+            # bind the error now: Python unbinds ``e`` when this block ends, before the engine thread runs
+            self.runtime.loop.call(lambda eng, err=e: self.state.finish_receive(eng, rid, first, lp, None, err))
             raise FailedPrecondition(str(e)) from e
         future.add_done_callback(self.runtime.metrics.watch_receive(rid))
         future.add_done_callback(lambda f: resolve_receive(self.runtime.loop, self.state, rid, first, lp, f))
@@ -114,7 +125,7 @@ class DecodeServicer(BaseWorkerServicer):
         telemetry.bind_request(request.request_id)
         deadline = self._admission_checks(request.request_id, request.router_id, request.token_ids,
                                           request.deadline_unix_ms)
-        params = sampling_params_from_proto(request.params)
+        params = self._params(request)
         await self._call(lambda e: self.state.submit(e, request.request_id, list(request.token_ids), params,
                                                      deadline, request.router_id))
         return worker_pb2.SubmitResponse(worker_id=self.runtime.worker_id)

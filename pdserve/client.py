@@ -45,7 +45,7 @@ class GenerateOutput:
 def build_request(prompt: Prompt, params: SamplingParams | None = None, chat: bool = True,
                   stop: Sequence[str] = (), request_id: str = "") -> router_pb2.GenerateRequest:
     req = router_pb2.GenerateRequest(request_id=request_id,
-                                     params=sampling_params_to_proto(params or SamplingParams(), list(stop)))
+                                     params=sampling_params_to_proto(params or SamplingParams(), stop=list(stop)))
     if isinstance(prompt, str):
         if chat:
             req.chat.messages.add(role="user", content=prompt)
@@ -59,7 +59,8 @@ def build_request(prompt: Prompt, params: SamplingParams | None = None, chat: bo
     return req
 
 
-def _reason(value: int) -> str:
+def finish_reason_name(value: int) -> str:
+    """``FINISH_REASON_LENGTH`` -> ``"length"``; 0 (unset) -> ``""``."""
     return common_pb2.FinishReason.Name(value).removeprefix("FINISH_REASON_").lower() if value else ""
 
 
@@ -96,7 +97,7 @@ def generate(address: str, prompt: Prompt, params: SamplingParams | None = None,
         out.token_ids.extend(resp.token_ids)
         out.logprobs.extend(resp.logprobs)
         if resp.finish_reason:
-            out.finish_reason = _reason(resp.finish_reason)
+            out.finish_reason = finish_reason_name(resp.finish_reason)
             out.prompt_tokens = resp.usage.prompt_tokens
             out.completion_tokens = resp.usage.completion_tokens
             out.cached_tokens = resp.usage.cached_tokens

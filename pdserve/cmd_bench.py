@@ -133,8 +133,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     from_ro.add_argument("--model", default="default", help="router --model (default: the embedded SmolLM2)")
     from_ro.add_argument("--output", default="bench/results/router_overhead.json", help="the JSON result")
     from_ro.add_argument("--log-dir", default=None, help="service logs (default: a temp dir)")
-    from_ro.add_argument("--skip-latency", action="store_true")
-    from_ro.add_argument("--skip-fanout", action="store_true")
+    from_ro.add_argument("--skip-latency", action="store_true", help="skip the latency part (one request at a time)")
+    from_ro.add_argument("--skip-fanout", action="store_true", help="skip the fan-out part (concurrent streams)")
 
 
 def run(args: argparse.Namespace) -> int:

@@ -16,7 +16,7 @@ import grpc
 
 from common.engine.llm_engine import DuplicateRequest
 from common.engine.sequence import FinishReason
-from common.grpc_utils.convert import deadline_from_proto, finish_reason_to_proto, sampling_params_from_proto
+from common.grpc_utils.convert import deadline_from_proto, finish_reason_to_proto, sampling_params_for_prompt
 from common.grpc_utils.errors import (AlreadyExists, Cancelled, DeadlineExceeded, InvalidArgument, Unavailable)
 from common.grpc_utils.channels import RenewingChannels
 from common.kv_transfer import KvTransferError
@@ -82,7 +82,8 @@ class KvExport:
         deadline = deadline_from_proto(request.deadline_unix_ms)
         if deadline is not None and deadline <= time.time():
             raise DeadlineExceeded(f"request {request.request_id!r} is past its deadline")
-        params = sampling_params_from_proto(request.params)
+        params = sampling_params_for_prompt(request.params, self.runtime.engine.max_model_len,
+                                            len(request.token_ids))
         rid = request.request_id
         telemetry.bind_request(rid)
         loop = asyncio.get_running_loop()

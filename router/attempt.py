@@ -8,11 +8,14 @@ Remote prefill (``prefill`` set: a worker of role prefill or both, chosen by rou
 Local prefill (``prefill`` None; or the decode worker has no room for the KV: Reserve
 RESOURCE_EXHAUSTED): Submit(decode), then the outputs (first token included) from the
 Subscribe stream. Until its first token a local prompt counts in the decode worker's queued
-prompt tokens (``inflight_prompt_tokens``), as a remote one does on its prefill worker.
+prompt tokens (``inflight_prompt_tokens``), as a remote one does on its prefill worker; what
+counts is the prompt tokens that worker must compute (the placement's figure: the prompt minus
+the prefix it caches), the same measure as the workers' ``num_waiting_prefill_tokens``, so a
+worker holding a conversation's prefix does not look busier than it is.
 
 ``next()`` returns the next :class:`Step` (several queued outputs are merged into one). Before
-the first token every failure is raised as :class:`Retry` (the flow tries once more on other
-workers); after it, as the mapped domain error.
+the first token every failure is raised as :class:`Retry` (the flow tries again on other
+workers, up to ``router.flow.MAX_ATTEMPTS`` tries); after it, as the mapped domain error.
 """
 from __future__ import annotations
 
@@ -76,7 +79,8 @@ class Attempt:
         self._subscription = None
         self._decode_load = 0
         self._prefill_load = False
-        self._local_prompt = False       # the prompt counts in the decode worker's queued prompt tokens
+        self._local_prompt = 0           # prompt tokens counted in the decode worker's queued prompt tokens
+        self._prefill_queued = 0         # prompt tokens counted in the prefill worker's
         self.timer: asyncio.TimerHandle | None = None   # the deadline timer (set by the flow)
         self.closed = False
 
@@ -153,7 +157,8 @@ class Attempt:
         target.decode_address = self.decode.address
         target.block_ids.extend(res.block_ids)
         target.num_cached_tokens = res.num_cached_tokens
-        self.prefill.add_load(1, prompt_tokens=self.prompt_len, computed=self._prefill_tokens(local=False))
+        self._prefill_queued = self._prefill_tokens(local=False)
+        self.prefill.add_load(1, prompt_tokens=self._prefill_queued, computed=self._prefill_queued)
         self._prefill_load = True
         self.prefill_call = self.prefill.stub.Prefill(preq, timeout=self.job.remaining(), wait_for_ready=False)
 
@@ -178,13 +183,13 @@ class Attempt:
 
     def _release_local_prompt(self) -> None:
         if self._local_prompt:
-            self._local_prompt = False
-            self.decode.add_load(prompt_tokens=-self.prompt_len)
+            self.decode.add_load(prompt_tokens=-self._local_prompt)
+            self._local_prompt = 0
 
     async def _submit(self) -> None:
         job = self.job
-        self._local_prompt = True
-        self.decode.add_load(prompt_tokens=self.prompt_len, computed=self._prefill_tokens(local=True))
+        self._local_prompt = self._prefill_tokens(local=True)
+        self.decode.add_load(prompt_tokens=self._local_prompt, computed=self._local_prompt)
         req = worker_pb2.SubmitRequest(request_id=self.rid, token_ids=job.prompt.wire_ids,
                                        params=job.wire_params, deadline_unix_ms=job.deadline_unix_ms,
                                        router_id=self.flow.settings.router_id)
@@ -324,7 +329,7 @@ class Attempt:
     def _release_prefill(self) -> None:
         if self._prefill_load and self.prefill is not None:
             self._prefill_load = False
-            self.prefill.add_load(-1, prompt_tokens=-self.prompt_len)
+            self.prefill.add_load(-1, prompt_tokens=-self._prefill_queued)
 
     def close(self, cancel_workers: bool) -> None:
         """Release everything; with ``cancel_workers`` also Cancel the request on its workers."""

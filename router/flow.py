@@ -1,5 +1,5 @@
 """One request end to end: choose workers, run an :class:`~router.attempt.Attempt` (retrying
-once on other workers when it fails before the first token), turn its steps into
+on other workers when it fails before the first token, up to ``MAX_ATTEMPTS`` tries in all), turn its steps into
 ``GenerateResponse`` messages (incremental detokenization, stop strings), enforce the deadline,
 and make sure the workers hear about every early end (stop string, deadline, client gone).
 
@@ -33,7 +33,7 @@ from router.metrics import RouterMetrics
 from router.output import OutputProcessor
 from router.pd_policy import REMOTE, DecodePlace, PdDecision, PrefillPlace, decide, uncached_tokens
 from router.policy import DecodeCandidate, PrefillCandidate, pick_decode, pick_prefill
-from router.prefix_index import hash_chain
+from router.prefix_index import PrefixIndex
 from router.settings import CANCEL_TIMEOUT_S, RouterSettings
 from router.tokenization import Prompt
 from router.worker_client import WorkerClient
@@ -42,6 +42,10 @@ from router.workers import WorkerRegistry
 log = logging.getLogger(__name__)
 
 UNSPECIFIED = common_pb2.FINISH_REASON_UNSPECIFIED
+# Tries of one request before its first token (each on workers not tried yet, within the
+# request's deadline): a worker killed or drained under load can fail a request's first try and
+# a stalled peer its second; nothing has reached the client yet, so trying again is safe.
+MAX_ATTEMPTS = 4
 GenerateResponse = router_pb2.GenerateResponse
 
 
@@ -59,6 +63,7 @@ class Job:
     deadline: float | None = None    # time.monotonic()
     deadline_unix_ms: int = 0
     hash_chain: list[int] | None = None   # block hashes of the prompt, computed when needed
+    matched: dict[str, int] | None = None  # worker -> leading blocks it holds (one index match per try)
     # Called once the request's first worker rpc is on its way (the servicer sends the client
     # its response headers then, off the path of the first token); may be called again on a retry.
     on_dispatch: Callable[[], None] | None = None
@@ -68,10 +73,17 @@ class Job:
         if self.on_dispatch is not None:
             self.on_dispatch()
 
-    def chain(self, block_size: int) -> list[int]:
+    def chain(self, index: PrefixIndex, block_size: int) -> list[int]:
         if self.hash_chain is None:
-            self.hash_chain = hash_chain(self.prompt.token_ids, block_size) if block_size else []
+            self.hash_chain = index.hasher.chain(self.prompt.token_ids, block_size) if block_size else []
         return self.hash_chain
+
+    def match(self, index: PrefixIndex, block_size: int) -> dict[str, int]:
+        """Every worker's cached prefix of the prompt (``PrefixIndex.match``), once per try: the
+        decode pick and the prefill placement share it."""
+        if self.matched is None:
+            self.matched = index.match(self.chain(index, block_size)) if index else {}
+        return self.matched
 
     def remaining(self) -> float | None:
         return None if self.deadline is None else max(0.0, self.deadline - time.monotonic())
@@ -126,25 +138,28 @@ class Flow:
             known = [c for c in self.registry.clients.values() if c.can_decode or not c.info]
             why = "; ".join(f"{c.key}: {c.last_error or 'down'}" for c in known[:4])
             raise Unavailable("no decode worker is up" + (f" ({why})" if why else ""))
-        bs = self.registry.block_size
-        n = len(job.prompt.token_ids)
-        index = self.registry.prefix_index
         turn = next(self._turn)     # one per request: round-robin covers every worker of each pool
-        # The prompt's block hashes only matter when there is a choice and some worker holds
-        # blocks: one decode worker (or one prefill worker) is picked without them.
-        if len(decoders) == 1:
-            decode = decoders[0]
-        else:
-            matches = index.match(job.chain(bs), [c.key for c in decoders]) if index else {}
-            cands = [DecodeCandidate(c.key, matches.get(c.key, 0), c.inflight_tokens, c.inflight,
-                                     c.stats.num_used_blocks if c.stats else 0,
-                                     c.stats.num_total_blocks if c.stats else 0, c.other_tokens) for c in decoders]
-            decode = self.registry.clients[pick_decode(cands, n, bs, self.settings.load_alpha, turn,
-                                                       self.settings.routing)]
+        decode = self._choose_decode(job, decoders, turn)
         prefillers = [c for c in self.registry.prefill_workers(excluded) if c is not decode]
         decision = self._place_prefill(job, decode, prefillers, turn)
         prefill = self.registry.clients[decision.prefill_key] if decision.prefill_key else None
         return decode, prefill, decision
+
+    def _choose_decode(self, job: Job, decoders: list[WorkerClient], turn: int) -> WorkerClient:
+        """router.policy over snapshots of the decode workers. The prompt's block hashes only
+        matter when there is a choice: one decode worker is picked without them."""
+        if len(decoders) == 1:
+            return decoders[0]
+        bs = self.registry.block_size
+        matched = job.match(self.registry.prefix_index, bs).get
+        cands = []
+        for c in decoders:
+            s = c.stats
+            cands.append(DecodeCandidate(c.key, matched(c.key, 0), c.inflight_tokens, c.inflight,
+                                         s.num_used_blocks if s is not None else 0,
+                                         s.num_total_blocks if s is not None else 0, c.other_tokens))
+        key = pick_decode(cands, len(job.prompt.token_ids), bs, self.settings.load_alpha, turn, self.settings.routing)
+        return self.registry.clients[key]
 
     def _place_prefill(self, job: Job, decode: WorkerClient, prefillers: list[WorkerClient],
                        turn: int) -> PdDecision:
@@ -154,12 +169,13 @@ class Flow:
         index = self.registry.prefix_index
         everyone = [decode, *prefillers]
         hashed = index is not None and cfg.mode != "never" and any(c.kv_wanted for c in everyone)
-        matches = index.match(job.chain(bs), [c.key for c in everyone]) if hashed else {}
+        matches = job.match(index, bs) if hashed else {}
 
         def place(c: WorkerClient) -> PrefillPlace:
+            s = c.stats
             return PrefillPlace(c.key, uncached_tokens(n, matches.get(c.key, 0), bs),
                                 c.inflight_prompt_tokens + c.other_prompt_tokens,
-                                c.stats.prefill_tokens_per_s if c.stats else 0.0)
+                                s.prefill_tokens_per_s if s is not None else 0.0)
 
         s = decode.stats
         d = DecodePlace(place(decode), decode.role == common_pb2.ROLE_BOTH, s.decode_step_ms if s else 0.0,
@@ -169,14 +185,17 @@ class Flow:
         if decision.kind == REMOTE and self.settings.routing != "kv" and len(prefillers) > 1:
             pc = [PrefillCandidate(c.key, 0, c.inflight_prompt_tokens, c.inflight, c.other_prompt_tokens)
                   for c in prefillers]
-            decision = replace(decision, prefill_key=pick_prefill(pc, n, bs, turn, self.settings.routing))
+            key = pick_prefill(pc, n, bs, turn, self.settings.routing)
+            decision = replace(decision, prefill_key=key, prefill_tokens=uncached_tokens(n, matches.get(key, 0), bs))
         return decision
 
     async def _start(self, job: Job) -> tuple[Attempt, Step]:
-        """Start the request and wait for its first step; one retry on other workers."""
+        """Start the request and wait for its first step; retried on other workers (each failed
+        worker excluded) up to MAX_ATTEMPTS tries, while workers remain and the deadline allows."""
         excluded: set[str] = set()
         last: Retry | None = None
-        for attempt_no in range(2):
+        for attempt_no in range(MAX_ATTEMPTS):
+            job.matched = None          # the index may have changed since the last try
             try:
                 t0 = time.perf_counter()
                 decode, prefill, decision = self._choose(job, excluded)
@@ -192,12 +211,14 @@ class Flow:
                 return att, await att.next()
             except Retry as r:
                 att.close(cancel_workers=True)
+                final = attempt_no == MAX_ATTEMPTS - 1 or job.expired()
                 log.info("request %s: %s; %s", job.request_id, r.cause.message,
-                         "retrying on another worker" if attempt_no == 0 else "giving up")
+                         "giving up" if final else "retrying on another worker")
                 excluded.add(r.worker_key)
                 last = r
-                if attempt_no == 0:
-                    self.metrics.retries.inc()
+                if final:
+                    break
+                self.metrics.retries.inc()
             except BaseException:
                 att.close(cancel_workers=True)
                 raise

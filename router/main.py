@@ -121,6 +121,8 @@ async def _serve(args: argparse.Namespace) -> None:
     from router.observed import ObservedFlow
     from router.metrics import RouterMetrics
     from router.servicer import GenerationServicer, InfoServicer
+    from pdserve.kserve import grpc_predict_v2_pb2, grpc_predict_v2_pb2_grpc
+    from router.kserve.servicer import KServeServicer
     from router.settings import NO_BDP_OPTIONS, RouterSettings
     from router.tokenization import RouterTokenizer, resolve_spec
     from router.workers import WorkerRegistry
@@ -150,12 +152,16 @@ async def _serve(args: argparse.Namespace) -> None:
     generation = GenerationServicer(flow, registry, spec, tokenizer)
     from router.openai_api.server import from_args as http_server
     http = http_server(args, generation, flow, security)    # OpenAI HTTP API (same tokens, TLS); None = off
+    kserve = KServeServicer(generation)     # KServe v2 gRPC, same port and request path
     server = build_server(_listen_address(args.host, args.port), [
         Service(router_pb2.DESCRIPTOR.services_by_name["Generation"], router_pb2_grpc.add_GenerationServicer_to_server,
                 generation),
         Service(common_pb2.DESCRIPTOR.services_by_name["InfoService"], common_pb2_grpc.add_InfoServiceServicer_to_server,
                 InfoServicer(registry, spec, settings.router_id)),
+        Service(grpc_predict_v2_pb2.DESCRIPTOR.services_by_name["GRPCInferenceService"],
+                grpc_predict_v2_pb2_grpc.add_GRPCInferenceServiceServicer_to_server, kserve),
     ], options=NO_BDP_OPTIONS, security=security, max_message_bytes=generation.bounds.max_request_bytes)
+    kserve.bind_health(server.health)
 
     async def startup() -> None:
         metrics.serve(args.metrics_port, args.host)

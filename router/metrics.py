@@ -5,13 +5,16 @@ import logging
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
 
+from common.grpc_utils.errors import status_for
 from common.serving.metrics import OneWriterHistogram
 from router.pd_metrics import PdMetrics
 
 log = logging.getLogger(__name__)
 
-# Placement decision time (choice of the workers of one request), 5 us .. 5 ms.
-_DECISION_BUCKETS = (5e-6, 1e-5, 2e-5, 3e-5, 5e-5, 7.5e-5, 1e-4, 1.5e-4, 2e-4, 3e-4, 5e-4, 1e-3, 2e-3, 5e-3)
+# Placement decision time (choice of the workers of one request), 5 us .. 50 ms (a contended
+# host's preemptions land in the top buckets instead of beyond them).
+_DECISION_BUCKETS = (5e-6, 1e-5, 2e-5, 3e-5, 5e-5, 7.5e-5, 1e-4, 1.5e-4, 2e-4, 3e-4, 5e-4, 1e-3, 2e-3, 5e-3,
+                     1e-2, 2e-2, 5e-2)
 _LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300)
 _ITL_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.015, 0.02, 0.025, 0.03, 0.04, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3,
                 0.4, 0.5, 0.75, 1.0, 2.5, 5.0)
@@ -22,7 +25,8 @@ class RouterMetrics:
     def __init__(self) -> None:
         self.registry = CollectorRegistry()
         r = self.registry
-        self.requests = Counter("pdserve_router_requests", "Generate requests by method and final status",
+        self.requests = Counter("pdserve_router_requests", "Generate requests by method and final status "
+                                "(refused ones too: INVALID_ARGUMENT ...)",
                                 ["method", "status"], registry=r)
         self.ttft = Histogram("pdserve_router_ttft_seconds", "Time to first token (router receipt to first "
                               "token sent)", buckets=_LATENCY_BUCKETS, registry=r)
@@ -54,6 +58,11 @@ class RouterMetrics:
         self.finish = Counter("pdserve_router_finish_reasons", "Finished requests by finish reason",
                               ["reason"], registry=r)
         self.pd = PdMetrics(r)     # prefill placement: decisions, estimates vs what happened
+
+    def rejected(self, method: str, exc: BaseException) -> None:
+        """Count a request refused before it ran (validation, tokenization, context) by its status."""
+        mapped = status_for(exc)
+        self.requests.labels(method, mapped[0].name if mapped else "INTERNAL").inc()
 
     def serve(self, port: int, host: str = "0.0.0.0") -> None:
         if port:

@@ -50,6 +50,7 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import NamedTuple
 
 PD_MODES = ("adaptive", "always", "never")
 LOCAL, REMOTE = "local", "remote"
@@ -80,9 +81,8 @@ class PdConfig:
                 raise ValueError(f"{name} must be >= 0, not {getattr(self, name)}")
 
 
-@dataclass(frozen=True)
-class PrefillPlace:
-    """A worker as a place to prefill this request."""
+class PrefillPlace(NamedTuple):
+    """A worker as a place to prefill this request (a tuple: one is made per worker per request)."""
     key: str
     uncached_tokens: int          # U: prompt tokens it must compute (prompt minus its cached prefix)
     queued_tokens: int = 0        # Q: prompt tokens queued there before this one
@@ -166,18 +166,16 @@ def decide(d: DecodePlace, candidates: Sequence[PrefillPlace], cfg: PdConfig) ->
     """Local or remote (and where) for one request; see the module docstring."""
     cands = [p for p in candidates if p.key != d.place.key]
     fallback = fallback_rate([d.place, *cands])
-    t_loc, s_loc = ttft_local_ms(d, fallback), tpot_ms(d, d.place.uncached_tokens, cfg, fallback)
-    s_rem = tpot_ms(d, 0, cfg, fallback)
-
-    uncached = {p.key: p.uncached_tokens for p in cands}
 
     def local(reason: str) -> PdDecision:
-        return PdDecision(LOCAL, None, reason, t_loc, s_loc, d.place.uncached_tokens)
+        return PdDecision(LOCAL, None, reason, ttft_local_ms(d, fallback),
+                          tpot_ms(d, d.place.uncached_tokens, cfg, fallback), d.place.uncached_tokens)
 
     def remote(reason: str, ttft: float | None = None, key: str | None = None) -> PdDecision:
         if key is None:
             ttft, key = min((ttft_remote_ms(p, d, cfg, fallback), p.key) for p in cands)
-        return PdDecision(REMOTE, key, reason, ttft, s_rem, uncached[key])
+        uncached = next(p.uncached_tokens for p in cands if p.key == key)
+        return PdDecision(REMOTE, key, reason, ttft, tpot_ms(d, 0, cfg, fallback), uncached)
 
     if cfg.mode == "never":
         return local("never")
@@ -189,6 +187,8 @@ def decide(d: DecodePlace, candidates: Sequence[PrefillPlace], cfg: PdConfig) ->
         return remote("decode-only")
     if d.place.uncached_tokens <= cfg.local_max_tokens:
         return local("short-prompt")
+    t_loc, s_loc = ttft_local_ms(d, fallback), tpot_ms(d, d.place.uncached_tokens, cfg, fallback)
+    s_rem = tpot_ms(d, 0, cfg, fallback)
     neg_h, ttft, key = _ranked_remote(d, cands, cfg, fallback, s_rem)[0]
     if -neg_h > headroom(t_loc, s_loc, cfg) + TIE_MARGIN:
         return remote("slo-headroom", ttft, key)

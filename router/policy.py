@@ -2,7 +2,8 @@
 
 Decode worker (role decode or both), ``mode="kv"`` (the default)::
 
-    score(w) = matched_tokens(w) - alpha * load_tokens(w)
+    score(w) = matched_tokens(w) - alpha * excess_tokens(w)
+    excess_tokens(w) = max(0, load_tokens(w) - mean(load_tokens over the candidates that fit))
     load_tokens(w) = inflight_tokens(w) + other_tokens(w)
 
 - ``matched_tokens``: prompt tokens of the request whose KV the worker already holds, from the
@@ -14,13 +15,21 @@ Decode worker (role decode or both), ``mode="kv"`` (the default)::
   minus this router's ``inflight_tokens`` at the time of that poll, floored at 0; stale by at
   most one poll interval (the raw stats figure is not used as load: it lags this router's own
   requests both ways, e.g. it still shows a request that ended since the poll);
-- ``alpha`` (``--load-alpha``, default 1.0): one token of load costs as much as one cached
-  prompt token saves. 0 = pure cache affinity; large = pure least-loaded.
+- ``excess_tokens``: load is only a cost above the fleet's mean. A worker that holds a
+  conversation's previous turn also runs it (multi-turn chat: the next turn often arrives while
+  the previous one decodes), so its load always exceeds its cache advantage over an idle peer;
+  charged from 0, load would send every next turn away from its KV. Charged above the mean, a
+  worker keeps its prefixes until it carries more than ``matched / alpha`` tokens above the
+  average: "unless it is really overloaded";
+- ``alpha`` (``--load-alpha``, default 1.0): one token of load above the mean costs as much as
+  one cached prompt token saves. 0 = pure cache affinity; large = least-loaded among the
+  workers above the mean.
 
 The highest score wins; a worker whose last stats show too few allocatable blocks for the
 request (``num_total_blocks - num_used_blocks`` < blocks still needed) is only chosen when no
-worker fits. Ties go to fewer requests in flight, then round-robin (``turn``) so that equal
-workers share the load.
+worker fits. Ties (e.g. a prompt no worker holds: every worker at or below the mean scores 0)
+go to the lower ``load_tokens``, then fewer requests in flight, then round-robin (``turn``) so
+that equal workers share the load.
 
 Prefill worker (role prefill), ``mode="kv"``::
 
@@ -29,12 +38,12 @@ Prefill worker (role prefill), ``mode="kv"``::
 the prompt tokens it must still compute for this request plus those queued there: this
 router's prompts in flight (live) and the other replicas' (the worker's
 ``num_waiting_prefill_tokens`` minus this router's in-flight prompt tokens at that poll, >= 0).
-The lowest cost wins; ties as above.
+The lowest cost wins; ties go to fewer requests in flight, then round-robin.
 
 Baselines (``--routing``): ``least-loaded`` ranks by load alone (decode: lowest
 ``load_tokens`` among the workers that fit; prefill: lowest queued prompt tokens), ignoring
 cached prefixes; ``round-robin`` takes the ``turn``-th worker in key order, ignoring both.
-Every pick is one pass over the candidates: O(workers).
+Every pick is two passes over the candidates (the mean, then the scores): O(workers).
 """
 from __future__ import annotations
 
@@ -64,19 +73,14 @@ class PrefillCandidate:
     other_prompt_tokens: int = 0      # other routers' queued prompt tokens, from the last GetStats
 
 
-def decode_load_tokens(c: DecodeCandidate, block_size: int) -> int:
+def decode_load_tokens(c: DecodeCandidate, block_size: int = 0) -> int:
     return c.inflight_tokens + c.other_tokens
 
 
-def decode_score(c: DecodeCandidate, block_size: int, alpha: float) -> float:
-    return c.matched_blocks * block_size - alpha * decode_load_tokens(c, block_size)
-
-
-def _fits(c: DecodeCandidate, prompt_tokens: int, block_size: int) -> bool:
-    if c.total_blocks <= 0 or block_size <= 0:
-        return True  # unknown: assume it fits
-    needed = -(-prompt_tokens // block_size) - c.matched_blocks
-    return c.total_blocks - c.used_blocks >= needed
+def decode_score(c: DecodeCandidate, block_size: int, alpha: float, mean_load: float = 0.0) -> float:
+    """matched_tokens - alpha * max(0, load_tokens - mean_load) (see the module docstring)."""
+    excess = c.inflight_tokens + c.other_tokens - mean_load
+    return c.matched_blocks * block_size - (alpha * excess if excess > 0 else 0.0)
 
 
 def _round_robin(keys: list[str], turn: int) -> str:
@@ -84,27 +88,44 @@ def _round_robin(keys: list[str], turn: int) -> str:
     return keys[turn % len(keys)]
 
 
-def _best(scored: list[tuple[float, int, str]], turn: int) -> str:
-    """Highest score, then fewest requests in flight, then round-robin over what is left."""
-    best = max(s for s, _, _ in scored)
-    top = [(n, k) for s, n, k in scored if s >= best - 1e-9]
-    fewest = min(n for n, _ in top)
-    return _round_robin([k for n, k in top if n == fewest], turn)
+def _best(scored: list[tuple[float, int, int, str]], turn: int) -> str:
+    """Highest score, then lowest load, then fewest requests in flight, then round-robin over
+    what is left. ``scored``: (score, -load, -requests, key)."""
+    top = max(scored)[:3]
+    ties = [k for s, neg_load, neg_n, k in scored if (s, neg_load, neg_n) == top]
+    return ties[0] if len(ties) == 1 else _round_robin(ties, turn)
 
 
 def pick_decode(candidates: Sequence[DecodeCandidate], prompt_tokens: int, block_size: int,
                 alpha: float = 1.0, turn: int = 0, mode: str = "kv") -> str | None:
-    """The key of the decode worker for a request, or None when there is no candidate."""
+    """The key of the decode worker for a request, or None when there is no candidate.
+
+    One pass for the fit (unknown pool sizes fit) and the loads, one for the scores
+    (``decode_score`` inlined: this runs for every worker on every request)."""
     if not candidates:
         return None
     if mode == "round-robin":
         return _round_robin([c.key for c in candidates], turn)
-    fitting = [c for c in candidates if _fits(c, prompt_tokens, block_size)] or list(candidates)
-    if mode == "least-loaded":
-        scored = [(-decode_load_tokens(c, block_size), c.inflight_requests, c.key) for c in fitting]
-    else:
-        scored = [(decode_score(c, block_size, alpha), c.inflight_requests, c.key) for c in fitting]
-    return _best(scored, turn)
+    need = -(-prompt_tokens // block_size) if block_size > 0 else 0
+    fitting = [c for c in candidates
+               if c.total_blocks <= 0 or c.total_blocks - c.used_blocks + c.matched_blocks >= need] or candidates
+    loads = [c.inflight_tokens + c.other_tokens for c in fitting]
+    kv = mode != "least-loaded"
+    mean = sum(loads) / len(loads)
+    best: tuple | None = None
+    ties: list[str] = []
+    for c, load in zip(fitting, loads):
+        if kv:
+            excess = load - mean
+            score = c.matched_blocks * block_size - (alpha * excess if excess > 0 else 0.0)
+        else:
+            score = 0.0
+        rank = (score, -load, -c.inflight_requests)
+        if best is None or rank > best:
+            best, ties = rank, [c.key]
+        elif rank == best:
+            ties.append(c.key)
+    return ties[0] if len(ties) == 1 else _round_robin(ties, turn)
 
 
 def prefill_cost(c: PrefillCandidate, prompt_tokens: int, block_size: int) -> int:
@@ -120,9 +141,9 @@ def pick_prefill(candidates: Sequence[PrefillCandidate], prompt_tokens: int, blo
     if mode == "round-robin":
         return _round_robin([c.key for c in candidates], turn)
     if mode == "least-loaded":
-        scored = [(-(c.inflight_prompt_tokens + c.other_prompt_tokens), c.inflight_requests, c.key)
+        scored = [(-float(c.inflight_prompt_tokens + c.other_prompt_tokens), 0, -c.inflight_requests, c.key)
                   for c in candidates]
     else:
-        scored = [(-prefill_cost(c, prompt_tokens, block_size), c.inflight_requests, c.key)
+        scored = [(-float(prefill_cost(c, prompt_tokens, block_size)), 0, -c.inflight_requests, c.key)
                   for c in candidates]
     return _best(scored, turn)

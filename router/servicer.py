@@ -75,8 +75,12 @@ class GenerationServicer(router_pb2_grpc.GenerationServicer):
         self.bounds = PromptBounds(spec.max_model_len, max_token_chars(tokenizer.hf) if tokenizer
                                    else DEFAULT_MAX_TOKEN_CHARS)
 
-    def _job(self, request: router_pb2.GenerateRequest, context: Any) -> Job:
-        return self.job(request, context.time_remaining())
+    def _job(self, request: router_pb2.GenerateRequest, context: Any, method: str) -> Job:
+        try:
+            return self.job(request, context.time_remaining())
+        except Exception as e:
+            self.flow.metrics.rejected(method, e)      # refused before it ran: counted by status
+            raise
 
     def job(self, request: router_pb2.GenerateRequest, time_remaining: float | None) -> Job:
         """Validate, tokenize and size ``request``: the one request path of both front doors
@@ -93,7 +97,7 @@ class GenerationServicer(router_pb2_grpc.GenerationServicer):
             time_remaining)
 
     async def Generate(self, request: router_pb2.GenerateRequest, context: Any):
-        job = self._job(request, context)
+        job = self._job(request, context, "Generate")
         headers = EarlyHeaders(context)
         job.on_dispatch = headers.send
         pending: EarlyHeaders | None = headers
@@ -108,7 +112,7 @@ class GenerationServicer(router_pb2_grpc.GenerationServicer):
             raise
 
     async def GenerateUnary(self, request: router_pb2.GenerateRequest, context: Any) -> router_pb2.GenerateResult:
-        job = self._job(request, context)
+        job = self._job(request, context, "GenerateUnary")
         result = router_pb2.GenerateResult(request_id=job.request_id)
         texts: list[str] = []
         async for r in self.flow.generate(job, "GenerateUnary"):

@@ -25,6 +25,7 @@ PRESET_DIR = Path(__file__).resolve().parents[1] / "common" / "presets"
 DEFAULT_ALIASES = ("default", "SmolLM2-135M-Instruct", "smollm2-135m-instruct")
 _FAST_CLASSES = ("PreTrainedTokenizerFast", "TokenizersBackend", None)
 # Roles accepted in chat input besides those the chat template names literally.
+NO_LENGTH_LIMIT = int(1e30)   # transformers' own "no limit" value of model_max_length
 KNOWN_CHAT_ROLES = frozenset({"system", "user", "assistant", "tool", "developer"})
 
 
@@ -82,6 +83,9 @@ class RouterTokenizer:
             from transformers import AutoTokenizer
             self.hf = AutoTokenizer.from_pretrained(str(tokenizer_dir))
         self.chat_template: str = self.hf.chat_template or ""
+        # Lengths are checked against the model's context by the router (a clear INVALID_ARGUMENT),
+        # not by the tokenizer, which would only log a warning per long prompt.
+        self.hf.model_max_length = NO_LENGTH_LIMIT
         # The Rust tokenizer's own decode gives the same text (no clean-up pass) 3x faster; it
         # runs once or twice per streamed step per request.
         backend = getattr(self.hf, "backend_tokenizer", None)

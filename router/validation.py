@@ -1,17 +1,15 @@
-"""Sampling parameters: the wire ``SamplingParams`` <-> :class:`common.engine.SamplingParams`.
-
-Zero means "default" as router.proto / common.proto document it: top_p 0 -> 1.0, top_k 0 -> -1,
-repetition_penalty 0 -> 1.0, max_tokens 0 -> the rest of the context (filled in by the caller).
-Every field is checked; errors are INVALID_ARGUMENT naming ``params.<field>``.
+"""The router's request checks: sampling parameters (through the one converter,
+common.grpc_utils.convert, plus the router's stop strings) and prompt bounds at the door.
+Errors are INVALID_ARGUMENT naming the field.
 """
 from __future__ import annotations
 
 import dataclasses
-import math
 from dataclasses import dataclass
 
-from common.engine.sampling_params import InvalidParameter, SamplingParams
+from common.engine.sampling_params import SamplingParams
 from common.grpc_utils import InvalidArgument
+from common.grpc_utils.convert import sampling_params_from_proto, sampling_params_to_proto
 from pdserve.v1 import common_pb2
 
 MAX_STOP_STRINGS = 16
@@ -29,15 +27,8 @@ class RequestParams:
 
 
 def from_proto(p: common_pb2.SamplingParams, vocab_size: int, has_tokenizer: bool) -> RequestParams:
-    for name in ("temperature", "top_p", "min_p", "repetition_penalty", "presence_penalty",
-                 "frequency_penalty"):
-        value = getattr(p, name)
-        if not math.isfinite(value):
-            raise InvalidArgument(f"params.{name}", f"must be a finite number, got {value}")
-    for i, tid in enumerate(p.stop_token_ids):
-        if tid >= vocab_size:
-            raise InvalidArgument(f"params.stop_token_ids[{i}]",
-                                  f"{tid} is out of the vocabulary (size {vocab_size})")
+    """Check ``p`` (stop strings here, the rest in the converter); ``sampling.max_tokens`` is a
+    placeholder until :meth:`ParamsCache.resolve` knows the prompt."""
     stop = tuple(p.stop)
     if stop and not has_tokenizer:
         raise InvalidArgument("params.stop", "stop strings need a tokenizer; this model has none")
@@ -46,51 +37,15 @@ def from_proto(p: common_pb2.SamplingParams, vocab_size: int, has_tokenizer: boo
     for i, s in enumerate(stop):
         if not s or len(s) > MAX_STOP_CHARS:
             raise InvalidArgument(f"params.stop[{i}]", f"must be 1..{MAX_STOP_CHARS} characters long")
-    if p.top_p < 0:
-        raise InvalidArgument("params.top_p", f"must be in (0, 1], got {p.top_p}")
-    if p.repetition_penalty < 0:
-        raise InvalidArgument("params.repetition_penalty", f"must be > 0, got {p.repetition_penalty}")
-    try:
-        sampling = SamplingParams(
-            temperature=p.temperature,
-            top_p=p.top_p or 1.0,
-            top_k=p.top_k or -1,
-            min_p=p.min_p,
-            repetition_penalty=p.repetition_penalty or 1.0,
-            presence_penalty=p.presence_penalty,
-            frequency_penalty=p.frequency_penalty,
-            seed=p.seed if p.HasField("seed") else None,
-            max_tokens=p.max_tokens or 1,
-            stop_token_ids=tuple(p.stop_token_ids),
-            ignore_eos=p.ignore_eos,
-            logprobs=p.logprobs,
-        )
-    except InvalidParameter as e:
-        message = str(e)
-        prefix = f"{e.field}: "
-        raise InvalidArgument(f"params.{e.field}", message[len(prefix):] if message.startswith(prefix) else message) from e
+    sampling = sampling_params_from_proto(p, rest_of_context=1, vocab_size=vocab_size)
     return RequestParams(sampling, int(p.max_tokens), stop)
-
-
-def to_proto(s: SamplingParams, max_tokens: int) -> common_pb2.SamplingParams:
-    """The explicit wire form sent to workers (no zero-means-default left, no stop strings)."""
-    p = common_pb2.SamplingParams(
-        temperature=s.temperature, top_p=s.top_p, top_k=s.top_k, min_p=s.min_p,
-        repetition_penalty=s.repetition_penalty, presence_penalty=s.presence_penalty,
-        frequency_penalty=s.frequency_penalty, max_tokens=max_tokens,
-        stop_token_ids=list(s.stop_token_ids), ignore_eos=s.ignore_eos, logprobs=s.logprobs)
-    if s.seed is not None:
-        p.seed = s.seed
-    return p
 
 
 class ParamsCache:
     """Validated sampling parameters by their wire bytes, with their worker-side forms.
 
-    Clients send the same few parameter sets again and again. Validating one (SamplingParams'
-    checks, the replaced max_tokens, the wire form for workers) costs ~200 us on a CPU that
-    idled before the request (cold caches: ~10x its warm time, on the path to the worker
-    rpc); a lookup by the serialized message ~50. Errors are never cached. Bounded: cleared
+    Clients send the same few parameter sets again and again; a lookup by the serialized
+    message is cheaper than validating it again. Errors are never cached. Bounded: cleared
     when full. The cached objects are shared, so nobody may mutate them (SamplingParams is
     frozen; the wire message is only copied into worker requests).
     """
@@ -119,7 +74,7 @@ class ParamsCache:
         out = self._resolved.get((key, max_tokens))
         if out is None:
             sampling = dataclasses.replace(params.sampling, max_tokens=max_tokens)
-            out = (sampling, to_proto(sampling, max_tokens))
+            out = (sampling, sampling_params_to_proto(sampling))
             if len(self._resolved) >= self.max_entries:
                 self._resolved.clear()
             self._resolved[(key, max_tokens)] = out

@@ -32,6 +32,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from common.grpc_utils import Unavailable, client_channel
 from common.grpc_utils.channels import RenewingChannels
+from common.grpc_utils.protocol import DECODE_ROLES
 from pdserve.v1 import common_pb2, common_pb2_grpc, worker_pb2, worker_pb2_grpc
 from router.pd_policy import decayed_rate
 from router.prefix_index import PrefixIndex
@@ -42,7 +43,7 @@ from router.subscription import Subscription
 log = logging.getLogger(__name__)
 
 DOWN_CODES = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED)
-DECODE_ROLES = (common_pb2.ROLE_DECODE, common_pb2.ROLE_BOTH)
+LOADING = "loading its model"    # last_error while a starting worker loads its model
 
 # The Subscribe stream has a connection of its own with a fixed, small HTTP/2 window (no BDP
 # probing, which would grow it to megabytes): when the router reads slower than the worker
@@ -159,7 +160,15 @@ class WorkerClient:
         try:
             info = await self.info_stub.Info(common_pb2.InfoRequest(), timeout=timeout, wait_for_ready=False)
         except grpc.aio.AioRpcError as e:
-            self._note_error(f"Info: {e.code().name}: {e.details()}")
+            # the normal start of a worker, said once: it answers "loading", or is too busy
+            # loading to answer in time before it was ever up
+            if ((e.code() == grpc.StatusCode.UNAVAILABLE and LOADING in (e.details() or ""))
+                    or (e.code() == grpc.StatusCode.DEADLINE_EXCEEDED and self.info is None)):
+                if self.last_error != LOADING:
+                    log.info("waiting for worker %s to load its model", self.key)
+                self.last_error = LOADING
+            else:
+                self._note_error(f"Info: {e.code().name}: {e.details()}")
             return False
         problem = self.check_info(self, info)
         if problem:

@@ -17,6 +17,7 @@ import logging
 import socket
 from collections.abc import Iterable
 
+from common.grpc_utils.protocol import DECODE_ROLES, PROTOCOL_VERSION
 from pdserve.v1 import common_pb2
 from router.prefix_index import PrefixIndex
 from router.settings import RouterSettings
@@ -26,9 +27,7 @@ from router.worker_client import WorkerClient
 log = logging.getLogger(__name__)
 
 PREFILL_ROLES = {common_pb2.ROLE_PREFILL}
-DECODE_ROLES = {common_pb2.ROLE_DECODE, common_pb2.ROLE_BOTH}
 PREFILL_CAPABLE = {common_pb2.ROLE_PREFILL, common_pb2.ROLE_BOTH}   # may prefill for another worker
-PROTOCOL_VERSION = "v1"
 
 
 def parse_addresses(value: str | Iterable[str] | None) -> list[str]:
@@ -74,6 +73,10 @@ class WorkerRegistry:
             + [(a, DECODE_ROLES) for a in parse_addresses(decode)])
         self._dns_tasks: list[asyncio.Task] = []
         self._listeners: list = []
+        # Usable decode / prefill-capable workers, rebuilt after a change: every change of a
+        # client's ``up`` or ``info`` is reported through its ``on_change`` (= _changed), and
+        # ``retired`` / membership change only here, followed by _changed.
+        self._views: tuple[list[WorkerClient], list[WorkerClient]] | None = None
 
     # ---- lifecycle --------------------------------------------------------------------
     async def start(self, initial_wait_s: float) -> None:
@@ -94,11 +97,13 @@ class WorkerRegistry:
             task.cancel()
         await asyncio.gather(*(c.close() for c in self.clients.values()), return_exceptions=True)
         self.clients.clear()
+        self._views = None
 
     def add_listener(self, fn) -> None:
         self._listeners.append(fn)
 
     def _changed(self) -> None:
+        self._views = None
         self.update_kv_wanted()
         for fn in self._listeners:
             fn()
@@ -117,6 +122,7 @@ class WorkerRegistry:
             c.set_kv_wanted(ok and ((c.can_decode and decoders > 1) or (c.role in PREFILL_CAPABLE and prefillers > 1)))
 
     def _add(self, address: str, roles: set[int]) -> None:
+        self._views = None
         client = self.clients.get(address)
         if client is not None:
             client.expected_roles |= roles
@@ -173,14 +179,23 @@ class WorkerRegistry:
         return None
 
     # ---- views ------------------------------------------------------------------------
+    def _usable(self) -> tuple[list[WorkerClient], list[WorkerClient]]:
+        if self._views is None:
+            up = [c for c in self.clients.values() if c.usable]
+            self._views = ([c for c in up if c.can_decode], [c for c in up if c.role in PREFILL_CAPABLE])
+        return self._views
+
     def decode_workers(self, exclude: Iterable[str] = ()) -> list[WorkerClient]:
-        ex = set(exclude)
-        return [c for c in self.clients.values() if c.usable and c.can_decode and c.key not in ex]
+        """Usable workers of roles decode and both (a shared list when nothing is excluded: do
+        not modify it)."""
+        decoders = self._usable()[0]
+        return [c for c in decoders if c.key not in exclude] if exclude else decoders
 
     def prefill_workers(self, exclude: Iterable[str] = ()) -> list[WorkerClient]:
-        """Workers that can prefill a request for another one: roles prefill and both."""
-        ex = set(exclude)
-        return [c for c in self.clients.values() if c.usable and c.role in PREFILL_CAPABLE and c.key not in ex]
+        """Workers that can prefill a request for another one: roles prefill and both (shared
+        like ``decode_workers``)."""
+        prefillers = self._usable()[1]
+        return [c for c in prefillers if c.key not in exclude] if exclude else prefillers
 
     def count_up(self, roles: set[int]) -> int:
         return sum(1 for c in self.clients.values() if c.usable and c.role in roles)

@@ -22,18 +22,36 @@ def hit_rate(samples: Samples, addresses: Sequence[str]) -> float:
 
 def imbalance(samples: Samples, addresses: Sequence[str]) -> dict[str, float]:
     """max / mean of the decode workers' tokens in flight (context tokens of running requests),
-    per sample with any load; mean and p90 over those samples."""
-    ratios = []
+    per sample with any load; mean and p90 over those samples.
+
+    ``floor_mean``: the same statistic's lower bound for any placement, per sample: R requests
+    on N workers leave some worker with ceil(R / N) of them, so even equal requests placed
+    perfectly give max/mean >= ceil(R / N) / (R / N) (2.0 for 33 requests on 32 workers; 1.0
+    only when N divides R). ``mean_requests_in_flight``: R, for the regime the figure describes.
+    ``saturated_mean`` / ``saturated_samples``: the statistic over the samples with R >= 4 N
+    only (a fleet running four or more requests per worker: floor <= 1.25)."""
+    ratios, floors, inflight, saturated = [], [], [], []
     for _, s in samples:
         loads = [s[a].num_running_context_tokens for a in addresses if a in s]
         total = sum(loads)
         if loads and total > 0:
-            ratios.append(max(loads) / (total / len(loads)))
+            ratio = max(loads) / (total / len(loads))
+            ratios.append(ratio)
+            r = sum(s[a].num_running for a in addresses if a in s)
+            if r:
+                floors.append(-(-r // len(loads)) / (r / len(loads)))
+                inflight.append(r)
+            if r >= 4 * len(loads):
+                saturated.append(ratio)
     if not ratios:
-        return {"mean": 0.0, "p90": 0.0, "samples": 0}
+        return {"mean": 0.0, "p90": 0.0, "samples": 0, "floor_mean": 0.0, "mean_requests_in_flight": 0.0,
+                "saturated_mean": 0.0, "saturated_samples": 0}
     ratios.sort()
     return {"mean": sum(ratios) / len(ratios), "p90": ratios[min(len(ratios) - 1, int(0.9 * len(ratios)))],
-            "samples": len(ratios)}
+            "samples": len(ratios), "floor_mean": sum(floors) / len(floors) if floors else 0.0,
+            "mean_requests_in_flight": sum(inflight) / len(inflight) if inflight else 0.0,
+            "saturated_mean": sum(saturated) / len(saturated) if saturated else 0.0,
+            "saturated_samples": len(saturated)}
 
 
 def hit_rate_timeline(samples: Samples, addresses: Sequence[str]) -> list[tuple[float, float]]:

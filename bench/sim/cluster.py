@@ -1,4 +1,4 @@
-"""A simulated deployment on loopback: fleets of scripted ``--sim`` workers (bench.sim.fleet),
+"""A simulated deployment on loopback: fleets of simulated workers (bench.sim.fleet of bench.sim.worker),
 standalone workers (to kill, drain or add one at a time) and router replicas, all real
 processes (bench.serve.procs.Service); and a sampler of every worker's GetStats."""
 from __future__ import annotations
@@ -50,7 +50,7 @@ class Cluster:
 
     def worker_args(self, blocks: int) -> list[str]:
         c = self.cfg
-        return ["--sim", "--time-scale", str(c.time_scale), "--num-blocks", str(blocks), "--block-size",
+        return ["--time-scale", str(c.time_scale), "--num-blocks", str(blocks), "--block-size",
                 str(c.block_size), "--kv-max-channels", str(c.kv_max_channels), "--vocab", "49152",
                 "--max-model-len", "8192", "--drain-grace-s", "20"]
 
@@ -61,7 +61,7 @@ class Cluster:
                              self.log_dir / f"fleet-{role}-{ports[0]}.log")
 
     def _single(self, role: str, port: int, blocks: int) -> procs.Service:
-        cmd = [sys.executable, "-m", "bench.scripted_worker", "--role", role, "--port", str(port),
+        cmd = [sys.executable, "-m", "bench.sim.worker", "--role", role, "--port", str(port),
                *self.worker_args(blocks)]
         return procs.Service(f"{role}-{port}", cmd, f"127.0.0.1:{port}", self.log_dir / f"{role}-{port}.log")
 

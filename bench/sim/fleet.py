@@ -1,8 +1,8 @@
 """Many scripted workers in one process (one asyncio loop, one real gRPC server each):
 
-    python -m bench.sim.fleet --role decode --ports 41000,41001,... -- --sim --time-scale 6 ...
+    python -m bench.sim.fleet --role decode --ports 41000,41001,... -- --time-scale 6 ...
 
-Every argument after ``--`` goes to each worker (``bench.scripted_worker``'s flags; ``--port``
+Every argument after ``--`` goes to each worker (``bench.sim.worker``'s flags; ``--port``
 and ``--role`` are set here). SIGTERM / SIGINT drain every worker of the process (health
 NOT_SERVING, new requests refused, those in flight finish within ``--drain-grace-s``).
 """
@@ -15,6 +15,7 @@ import signal
 import sys
 
 from bench import scripted_worker as sw
+from bench.sim import worker as sim_worker
 from common.grpc_utils import Service, build_server
 from pdserve.v1 import common_pb2, common_pb2_grpc, worker_pb2, worker_pb2_grpc
 
@@ -24,8 +25,8 @@ log = logging.getLogger("sim.fleet")
 async def _run(role: str, ports: list[int], worker_argv: list[str]) -> None:
     servers, workers, tasks = [], [], []
     for port in ports:
-        args = sw.parse_args(["--port", str(port), "--role", role, *worker_argv])
-        w = sw.ScriptedWorker(args)
+        args = sim_worker.parse_args(["--port", str(port), "--role", role, *worker_argv])
+        w = sw.ScriptedWorker(args, sim_worker.make_parts(args))
         server = build_server(f"{args.host}:{port}", [
             Service(worker_pb2.DESCRIPTOR.services_by_name["Worker"], worker_pb2_grpc.add_WorkerServicer_to_server, w),
             Service(common_pb2.DESCRIPTOR.services_by_name["InfoService"],

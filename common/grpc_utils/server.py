@@ -11,7 +11,8 @@ Every server gets: explicit message size limits (64 MiB by default), the error i
 stops at once). Clients use :func:`client_channel` (same limits, keepalive) and
 :func:`wait_ready`. TLS, mutual TLS and bearer tokens come from :mod:`common.security`
 (``security=`` of :func:`build_server` and :func:`client_channel`); without them a port is
-plaintext and open, and says so in the log.
+plaintext and open, and says so in the log. Reflection is served as ``grpc.reflection.v1``
+(asked first by current clients) and ``v1alpha`` (older ones).
 """
 from __future__ import annotations
 
@@ -24,9 +25,10 @@ from typing import Any, Awaitable, Callable, Sequence
 
 import grpc
 import grpc.aio
+from google.protobuf import descriptor_pb2, descriptor_pool
 from google.protobuf.descriptor import ServiceDescriptor
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
-from grpc_reflection.v1alpha import reflection
+from grpc_reflection.v1alpha import reflection, reflection_pb2, reflection_pb2_grpc
 
 from common.grpc_utils.errors import Unavailable
 from common.grpc_utils.interceptor import ErrorInterceptor
@@ -35,6 +37,7 @@ from common.security.config import ClientSecurity, ServerSecurity, default_clien
 log = logging.getLogger(__name__)
 
 DEFAULT_MAX_MESSAGE_BYTES = 64 * 1024 * 1024
+REFLECTION_V1 = "grpc.reflection.v1.ServerReflection"
 SERVING = health_pb2.HealthCheckResponse.SERVING
 NOT_SERVING = health_pb2.HealthCheckResponse.NOT_SERVING
 
@@ -147,6 +150,43 @@ class GrpcServer:
         await self.server.stop(0)
 
 
+def _register_reflection_v1() -> None:
+    """Add ``grpc/reflection/v1/reflection.proto`` to the default descriptor pool (clients
+    describe the service too): v1alpha's file with the package renamed, as the two protos are
+    identical but for it. grpcio-reflection ships only v1alpha."""
+    pool = descriptor_pool.Default()
+    try:
+        pool.FindServiceByName(REFLECTION_V1)
+        return
+    except KeyError:
+        pass
+    fdp = descriptor_pb2.FileDescriptorProto.FromString(reflection_pb2.DESCRIPTOR.serialized_pb)
+    old, new = f".{fdp.package}.", ".grpc.reflection.v1."
+    fdp.name, fdp.package = "grpc/reflection/v1/reflection.proto", "grpc.reflection.v1"
+    for message in fdp.message_type:
+        for f in message.field:
+            if f.HasField("type_name"):
+                f.type_name = f.type_name.replace(old, new)
+    for method in fdp.service[0].method:
+        method.input_type = method.input_type.replace(old, new)
+        method.output_type = method.output_type.replace(old, new)
+    pool.Add(fdp)
+
+
+def enable_reflection(service_names: Sequence[str], server: grpc.aio.Server) -> None:
+    """Serve reflection of ``service_names`` as ``grpc.reflection.v1`` and ``v1alpha`` (one
+    servicer: the messages of both versions are the same on the wire)."""
+    _register_reflection_v1()
+    names = [*service_names, reflection.SERVICE_NAME, REFLECTION_V1]
+    servicer = reflection.aio.ReflectionServicer(names)
+    reflection_pb2_grpc.add_ServerReflectionServicer_to_server(servicer, server)
+    server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(REFLECTION_V1, {
+        "ServerReflectionInfo": grpc.stream_stream_rpc_method_handler(
+            servicer.ServerReflectionInfo,
+            request_deserializer=reflection_pb2.ServerReflectionRequest.FromString,
+            response_serializer=reflection_pb2.ServerReflectionResponse.SerializeToString)}),))
+
+
 def build_server(
     address: str,
     services: Sequence[Service],
@@ -174,8 +214,7 @@ def build_server(
     health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     if security.reflection:
-        reflection.enable_server_reflection(
-            [*names, health.SERVICE_NAME, reflection.SERVICE_NAME], server)
+        enable_reflection([*names, health.SERVICE_NAME], server)
     credentials = security.credentials()
     try:
         port = (server.add_insecure_port(address) if credentials is None

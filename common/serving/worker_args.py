@@ -36,14 +36,16 @@ def add_worker_arguments(p: argparse.ArgumentParser, default_port: int, default_
                    help="KV pool size in blocks; 0 = from --kv-memory-gb or free memory")
     p.add_argument("--kv-memory-gb", type=float, default=env.get_float("KV_MEMORY_GB", 0.0),
                    help="memory for the KV pool in GiB; 0 = from free memory (GPU) or 1 GiB (CPU)")
-    p.add_argument("--max-num-seqs", type=int, default=env.get_int("MAX_NUM_SEQS", 256))
+    p.add_argument("--max-num-seqs", type=int, default=env.get_int("MAX_NUM_SEQS", 256),
+                   help="most sequences in one engine step (the running batch)")
     p.add_argument("--max-num-batched-tokens", type=int, default=env.get_int("MAX_NUM_BATCHED_TOKENS", 0),
                    help="token budget of one engine step; 0 = by role: "
                         f"{DEFAULT_BUDGET['prefill']} for prefill, {DEFAULT_BUDGET['decode']} for decode and both "
                         "(a step that mixes decode rows with prompt chunks takes longer the larger it is)")
     p.add_argument("--max-model-len", type=int, default=env.get_int("MAX_MODEL_LEN", 0), help="0 = model default")
     add_chunked_prefill_arguments(p)
-    p.add_argument("--attention-backend", default=env.get("ATTENTION_BACKEND", "auto"))
+    p.add_argument("--attention-backend", default=env.get("ATTENTION_BACKEND", "auto"),
+                   help="attention kernels: torch, triton, or auto (triton on CUDA, else torch)")
     p.add_argument("--enforce-eager", action="store_true", default=env.get_bool("ENFORCE_EAGER", False),
                    help="no CUDA graphs")
     p.add_argument("--async-scheduling", choices=("auto", "on", "off"), default=env.get("ASYNC_SCHEDULING", "auto"),

@@ -8,12 +8,12 @@ from collections.abc import Callable
 
 from common.config import EngineConfig
 from common.engine.llm_engine import LLMEngine, StepOutput
+from common.grpc_utils.protocol import PROTOCOL_VERSION
 from common.serving.broadcast import Broadcast
 from common.serving.engine_loop import EngineLoop
 from common.serving.metrics import RequestTracker, WorkerMetrics
 
 logger = logging.getLogger(__name__)
-PROTOCOL_VERSION = "v1"
 
 
 class WorkerRuntime:

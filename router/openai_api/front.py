@@ -58,6 +58,7 @@ class OpenAIFront:
             try:
                 out.append(self.servicer.job(req, None))
             except Exception as e:  # noqa: BLE001 - mapped to OpenAI's shape, field renamed
+                self.flow.metrics.rejected(METHODS[api.kind], e)     # refused before it ran
                 raise from_exception(e, name, api.max_tokens_field) from e
         return out
 

@@ -40,3 +40,31 @@ def hf_greedy(model, prompt: list[int], max_new_tokens: int) -> list[int]:
     out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new_tokens,
                          min_new_tokens=max_new_tokens, do_sample=False, eos_token_id=None, pad_token_id=0)
     return out[0, len(prompt):].tolist()
+
+
+TIE_TOLERANCE = 1e-4     # float32 logits closer than this are a tie: either token is greedy
+
+
+@torch.no_grad()
+def assert_greedy_matches(model, prompts: list[list[int]], got: list[list[int]],
+                          expected: list[list[int]], tol: float = TIE_TOLERANCE) -> None:
+    """``got`` equals HF's greedy ``expected`` token for token, except after a tie.
+
+    A sequence that differs is checked teacher-forced: each of its tokens must be within ``tol``
+    of the highest HF logit given the prompt and the tokens before it. Random tiny models do
+    produce near-ties (seen: 4.777902 vs 4.777898), and a batch's summation order may break them
+    either way; any other difference fails with the position and both logits.
+    """
+    assert len(got) == len(expected) == len(prompts)
+    for i, (prompt, ours, theirs) in enumerate(zip(prompts, got, expected)):
+        if ours == theirs:
+            continue
+        assert len(ours) == len(theirs), f"prompt {i}: {len(ours)} tokens, HF {len(theirs)}"
+        ids = list(prompt)
+        for pos, token in enumerate(ours):
+            logits = model(torch.tensor([ids])).logits[0, -1]
+            best = int(logits.argmax())
+            assert logits[token] >= logits[best] - tol, (
+                f"prompt {i}, token {pos}: got {token} (logit {logits[token]:.6f}), "
+                f"HF greedy {best} (logit {logits[best]:.6f})")
+            ids.append(token)

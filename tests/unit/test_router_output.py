@@ -12,7 +12,8 @@ from common.grpc_utils import InvalidArgument  # noqa: E402
 from pdserve.v1 import common_pb2, router_pb2  # noqa: E402
 from router.output import OutputProcessor  # noqa: E402
 from router.tokenization import build_prompt, check_context, resolve_spec  # noqa: E402
-from router.validation import from_proto, to_proto  # noqa: E402
+from common.grpc_utils.convert import sampling_params_to_proto  # noqa: E402
+from router.validation import from_proto  # noqa: E402
 from router.workers import parse_addresses, split_dns_target  # noqa: E402
 
 
@@ -106,10 +107,10 @@ def test_zero_means_default() -> None:
     s = rp.sampling
     assert (s.temperature, s.top_p, s.top_k, s.repetition_penalty, s.seed) == (0.0, 1.0, -1, 1.0, None)
     assert rp.max_tokens == 0
-    wire = to_proto(s, 7)
+    wire = sampling_params_to_proto(s, max_tokens=7)
     assert wire.max_tokens == 7 and wire.top_p == 1.0 and wire.top_k == -1 and not wire.HasField("seed")
     seeded = from_proto(common_pb2.SamplingParams(seed=0), 512, False).sampling
-    assert seeded.seed == 0 and to_proto(seeded, 1).HasField("seed")
+    assert seeded.seed == 0 and sampling_params_to_proto(seeded, max_tokens=1).HasField("seed")
     with pytest.raises(InvalidArgument, match="params.stop"):
         from_proto(common_pb2.SamplingParams(stop=["x"]), 512, has_tokenizer=False)
 

@@ -47,14 +47,41 @@ def test_shared_prefix_diverging_suffix() -> None:
     assert idx.match(chain_y) == {"a": 2}                   # the two shared blocks only
 
 
-def test_decode_prefers_cache_until_load_outweighs_it() -> None:
+def test_decode_prefers_cache_until_load_above_the_mean_outweighs_it() -> None:
     hot = DecodeCandidate("hot", matched_blocks=10, inflight_tokens=30)   # 40 cached tokens
     cold = DecodeCandidate("cold", matched_blocks=0, inflight_tokens=0)
-    assert decode_score(hot, BS, 1.0) == 40 - 30
+    # mean load 15: hot is 15 above it -> 40 - 15 = 25; cold is below it -> 0
+    assert decode_score(hot, BS, 1.0, mean_load=15) == 40 - 15
+    assert decode_score(cold, BS, 1.0, mean_load=15) == 0
     assert pick_decode([hot, cold], prompt_tokens=48, block_size=BS, alpha=1.0) == "hot"
-    busy = DecodeCandidate("hot", matched_blocks=10, inflight_tokens=50)
+    # mean 50: hot is 50 above it -> 40 - 50 = -10 < 0
+    busy = DecodeCandidate("hot", matched_blocks=10, inflight_tokens=100)
+    assert decode_score(busy, BS, 1.0, mean_load=50) == -10
     assert pick_decode([busy, cold], 48, BS, alpha=1.0) == "cold"
     assert pick_decode([busy, cold], 48, BS, alpha=0.0) == "hot"        # pure cache affinity
+
+
+def test_load_at_or_below_the_mean_costs_nothing() -> None:
+    """The conversation's worker runs its previous turn (load 600 > its 400-token advantage
+    over the system prompt held everywhere) but the fleet's mean is higher: it keeps the turn."""
+    conv = DecodeCandidate("conv", matched_blocks=160, inflight_tokens=600)    # 640 cached
+    peers = [DecodeCandidate(f"p{i}", matched_blocks=60, inflight_tokens=700) for i in range(3)]  # 240 cached
+    # mean (600 + 3 * 700) / 4 = 675: conv 640 - 0; peers 240 - 25 = 215
+    assert pick_decode([conv, *peers], 700, BS) == "conv"
+    # charged from 0 (the old rule), conv would score 640 - 600 = 40 < an idle peer's 240
+    idle = DecodeCandidate("idle", matched_blocks=60)
+    # mean 1300 / 2 = 650: conv 640 - 0; idle 240
+    assert pick_decode([conv, idle], 700, BS) == "conv"
+    # really overloaded: 2,000 tokens; mean 1,000 -> conv 640 - 1,000 < idle 240
+    heavy = DecodeCandidate("conv", matched_blocks=160, inflight_tokens=2000)
+    assert pick_decode([heavy, idle], 700, BS) == "idle"
+
+
+def test_no_match_anywhere_goes_to_the_least_loaded() -> None:
+    a = DecodeCandidate("a", inflight_tokens=10)
+    b = DecodeCandidate("b", inflight_tokens=5, inflight_requests=3)
+    c = DecodeCandidate("c", inflight_tokens=50)
+    assert pick_decode([a, b, c], 8, BS) == "b"           # all score 0 or less: lowest load
 
 
 def test_decode_load_uses_worker_stats_too() -> None:

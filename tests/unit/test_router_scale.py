@@ -43,7 +43,7 @@ def test_other_replicas_load_counts_and_stats_floor() -> None:
     assert decode_load_tokens(c, BS) == 400
     # the raw stats figure (60 blocks * 4 = 240) is not load: it lags this router's own requests
     assert decode_load_tokens(DecodeCandidate("b", inflight_tokens=100, used_blocks=60), BS) == 100
-    busy = DecodeCandidate("busy", matched_blocks=10, other_tokens=50)    # 40 - 50 = -10
+    busy = DecodeCandidate("busy", matched_blocks=10, other_tokens=100)   # mean 50: 40 - 50 = -10
     idle = DecodeCandidate("idle")                                        # 0
     assert pick_decode([busy, idle], 48, BS) == "idle"
     p = PrefillCandidate("p", matched_blocks=2, inflight_prompt_tokens=5, other_prompt_tokens=7)
@@ -51,8 +51,8 @@ def test_other_replicas_load_counts_and_stats_floor() -> None:
 
 
 def test_baselines() -> None:
-    hot = DecodeCandidate("a", matched_blocks=10, inflight_tokens=30)     # kv: 40 - 30 = 10
-    cold = DecodeCandidate("b", inflight_tokens=20)                       # kv: -20
+    hot = DecodeCandidate("a", matched_blocks=10, inflight_tokens=30)     # kv, mean 25: 40 - 5 = 35
+    cold = DecodeCandidate("b", inflight_tokens=20)                       # kv: 0 (below the mean)
     assert pick_decode([hot, cold], 48, BS) == "a"
     assert pick_decode([hot, cold], 48, BS, mode="least-loaded") == "b"  # 20 < 30
     assert [pick_decode([cold, hot], 48, BS, turn=t, mode="round-robin") for t in range(3)] == ["a", "b", "a"]
@@ -72,8 +72,8 @@ def test_cost_model_and_prefill_batches() -> None:
     assert take_batch([], 8192) == 0
 
 
-def _stats(hit=0, query=0, ctx=0, ch=0, opened=0):
-    return SimpleNamespace(prefix_cache_hit_tokens=hit, prefix_cache_query_tokens=query,
+def _stats(hit=0, query=0, ctx=0, ch=0, opened=0, running=0):
+    return SimpleNamespace(prefix_cache_hit_tokens=hit, prefix_cache_query_tokens=query, num_running=running,
                            num_running_context_tokens=ctx, num_open_kv_channels=ch, num_kv_channels_opened=opened)
 
 
@@ -83,7 +83,17 @@ def test_simulation_figures() -> None:
                (4.0, {"a": _stats(90, 200, 0, 3, 5)})]                         # b died
     assert analysis.hit_rate(samples, ["a", "b"]) == (90 + 10) / (200 + 100)
     # loads 100/300: max 300 / mean 200 = 1.5; 200/200: 1.0; the last sample has no load
-    assert analysis.imbalance(samples, ["a", "b"]) == {"mean": 1.25, "p90": 1.5, "samples": 2}
+    assert analysis.imbalance(samples, ["a", "b"]) == {"mean": 1.25, "p90": 1.5, "samples": 2, "floor_mean": 0.0,
+                                                      "mean_requests_in_flight": 0.0, "saturated_mean": 0.0,
+                                                      "saturated_samples": 0}
+    # 3 requests on 2 workers: some worker runs 2 -> 2 / 1.5 = 1.333 at best; 4 on 2: 1.0
+    few = [(0.0, {"a": _stats(ctx=200, running=2), "b": _stats(ctx=100, running=1)}),
+           (2.0, {"a": _stats(ctx=200, running=2), "b": _stats(ctx=200, running=2)})]
+    got = analysis.imbalance(few, ["a", "b"])
+    assert got["floor_mean"] == (2 / 1.5 + 1.0) / 2 and got["mean_requests_in_flight"] == 3.5
+    assert got["saturated_samples"] == 0               # 4 requests on 2 workers: < 4 per worker
+    busy = [(0.0, {"a": _stats(ctx=900, running=8), "b": _stats(ctx=700, running=8)})]
+    assert analysis.imbalance(busy, ["a", "b"])["saturated_mean"] == 900 / 800
     assert analysis.hit_rate_timeline(samples, ["a", "b"]) == [(2.0, 60 / 200), (4.0, 40 / 100)]
     assert analysis.channel_counts(samples, ["a"]) == {"max_open_per_worker": 3, "mean_open_per_worker_at_end": 3.0,
                                                       "opened_total": 5}

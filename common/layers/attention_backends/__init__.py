@@ -1,22 +1,27 @@
 """Attention backends, picked by name and imported lazily.
 
 ``get_backend("torch")`` returns the reference backend; ``"triton"`` the project's own kernels
-(GPU, or the CPU under TRITON_INTERPRET=1); ``"flash_attn"`` when that package is importable.
-``"auto"`` picks flash_attn > triton on CUDA and torch on the CPU. Nothing GPU-only is imported
-until a backend is asked for.
+(GPU, or the CPU under TRITON_INTERPRET=1). ``"auto"`` takes the first backend of the device's
+preference list (``AUTO_ORDER``) whose module imports: triton > torch on CUDA, torch elsewhere.
+Nothing GPU-only is imported until a backend is asked for.
 """
 from __future__ import annotations
 
 import importlib
+import logging
 
 from common.layers.attention_backends.base import AttentionBackend
+
+logger = logging.getLogger(__name__)
 
 _REGISTRY: dict[str, str] = {
     "torch": "common.layers.attention_backends.torch_backend:TorchBackend",
     "triton": "common.layers.attention_backends.triton_backend:TritonBackend",
-    "flash_attn": "common.layers.attention_backends.flash_attn_backend:FlashAttnBackend",
 }
 _INSTANCES: dict[str, AttentionBackend] = {}
+
+# What "auto" tries, in order, per device type; the last entry of each must always import.
+AUTO_ORDER: dict[str, tuple[str, ...]] = {"cuda": ("triton", "torch"), "cpu": ("torch",)}
 
 
 def register_backend(name: str, target: str) -> None:
@@ -29,18 +34,24 @@ def available_backends() -> list[str]:
 
 
 def resolve_backend_name(name: str, device_type: str) -> str:
-    """Turn ``"auto"`` into a concrete backend name for ``device_type`` ("cpu" / "cuda")."""
+    """Turn ``"auto"`` into the first backend of ``AUTO_ORDER[device_type]`` (``"cpu"``'s for an
+    unknown device type) that imports; any other name is returned unchanged."""
     if name != "auto":
         return name
-    if device_type != "cuda":
-        return "torch"
-    if importlib.util.find_spec("flash_attn") is not None:
-        return "flash_attn"
-    return "triton"
+    order = AUTO_ORDER.get(device_type, AUTO_ORDER["cpu"])
+    for candidate in order:
+        try:
+            get_backend(candidate)
+        except ImportError as e:
+            logger.info("attention backend %r is not importable here (%s); trying the next", candidate, e)
+            continue
+        return candidate
+    raise RuntimeError(f"no attention backend of {order} imports on device type {device_type!r}")
 
 
 def get_backend(name: str) -> AttentionBackend:
-    """The backend instance registered as ``name``; raises ValueError for an unknown name."""
+    """The backend instance registered as ``name``; raises ValueError for an unknown name and
+    ImportError when its module (or a package it needs) cannot be imported."""
     if name not in _REGISTRY:
         raise ValueError(f"unknown attention backend {name!r}; known: {', '.join(available_backends())}")
     if name not in _INSTANCES:

@@ -16,7 +16,7 @@ class TritonBackend(AttentionBackend):
     name = "triton"
 
     def __init__(self) -> None:
-        from common.ops import kv_store, paged_attention   # imports triton
+        from common.ops import kv_store, paged_attention  # imports triton
         self._store = kv_store.store_kvcache
         self._decode = paged_attention.paged_attention_decode
         self._prefill = paged_attention.paged_attention_prefill

@@ -1,0 +1,154 @@
+"""The routing decision's fast paths, checked against their slow definitions: the bitmask prefix
+match against a per-worker walk, the one-pass decode pick against decode_score, and the retry
+loop's bound (a request fails over up to MAX_ATTEMPTS workers before its first token)."""
+from __future__ import annotations
+
+import asyncio
+import random
+from types import SimpleNamespace
+
+import pytest
+
+import router.flow as flow_mod
+from bench.sim import decision
+from common.grpc_utils import Unavailable
+from common.hashing import block_hash_chain
+from router.attempt import Retry, Step
+from router.policy import DecodeCandidate, decode_score, pick_decode
+from router.prefix_index import PrefixIndex, PromptHasher, hash_chain
+
+BS = 4
+
+
+def _walk(index_views: dict[str, set[int]], chain: list[int]) -> dict[str, int]:
+    """The definition: each worker's longest run of leading hashes of the chain."""
+    out = {}
+    for w, held in index_views.items():
+        n = 0
+        while n < len(chain) and chain[n] in held:
+            n += 1
+        if n:
+            out[w] = n
+    return out
+
+
+def test_bitmask_match_equals_the_per_worker_walk() -> None:
+    rng = random.Random(7)
+    prompts = [[rng.randrange(50) for _ in range(rng.randrange(4, 40))] for _ in range(30)]
+    chains = [hash_chain(p, BS) for p in prompts]
+    idx, views = PrefixIndex(), {}
+    for step in range(400):
+        w = f"w{rng.randrange(12)}"
+        chain = chains[rng.randrange(len(chains))]
+        if rng.random() < 0.3 and views.get(w):              # evict a random held hash
+            h = rng.choice(sorted(views[w]))
+            idx.apply(w, evicted=[h])
+            views[w].discard(h)
+        elif rng.random() < 0.05:                             # the worker leaves; its bit is reused
+            idx.remove_worker(w)
+            views.pop(w, None)
+        else:
+            cut = rng.randrange(len(chain) + 1)
+            idx.apply(w, stored=chain[:cut])
+            views.setdefault(w, set()).update(chain[:cut])
+        probe = chains[step % len(chains)]
+        assert idx.match(probe) == _walk(views, probe)
+        some = {f"w{i}" for i in range(0, 12, 3)}
+        assert idx.match(probe, some) == {k: v for k, v in _walk(views, probe).items() if k in some}
+
+
+def test_pick_decode_is_the_highest_decode_score() -> None:
+    rng = random.Random(3)
+    for _ in range(200):
+        cands = [DecodeCandidate(f"w{i}", matched_blocks=rng.randrange(0, 30), inflight_tokens=rng.randrange(0, 300),
+                                 inflight_requests=rng.randrange(0, 4), other_tokens=rng.randrange(0, 100))
+                 for i in range(rng.randrange(1, 20))]
+        mean = sum(c.inflight_tokens + c.other_tokens for c in cands) / len(cands)
+        best = max(decode_score(c, BS, 1.0, mean) for c in cands)
+        got = next(c for c in cands if c.key == pick_decode(cands, 8, BS))
+        assert decode_score(got, BS, 1.0, mean) == best
+
+
+class _Metrics:
+    def __init__(self) -> None:
+        self.retries = SimpleNamespace(n=0)
+        self.retries.inc = lambda: setattr(self.retries, "n", self.retries.n + 1)
+        self.decision = SimpleNamespace(observe=lambda s: None)
+        self.pd = SimpleNamespace(decided=lambda *a: None)
+
+
+def _flow_with_failing_tries(monkeypatch, failures: int):
+    """A Flow over 8 decode + 2 prefill registered workers whose first ``failures`` tries fail
+    before their first token (as a killed worker's Reserve does)."""
+    tried: list[str] = []
+
+    class FailingAttempt:
+        def __init__(self, flow, job, decode, prefill, rid, decision) -> None:
+            self.decode = decode
+            tried.append(decode.key)
+
+        async def start(self) -> None:
+            if len(tried) <= failures:
+                raise Retry(Unavailable(f"try {len(tried)} failed"), self.decode.key)
+
+        async def next(self) -> Step:
+            return Step(token_ids=[1])
+
+        def close(self, cancel_workers: bool) -> None:
+            pass
+
+    monkeypatch.setattr(flow_mod, "Attempt", FailingAttempt)
+    cfg = decision.DecisionBenchConfig(requests=100)
+    prompts = decision._prompts(cfg, random.Random(0), "shared-prefix")[:1]
+    return prompts[0], tried, cfg
+
+
+@pytest.mark.parametrize("failures", [0, flow_mod.MAX_ATTEMPTS - 1, flow_mod.MAX_ATTEMPTS])
+def test_a_request_fails_over_up_to_max_attempts_workers(monkeypatch, failures: int) -> None:
+    prompt, tried, cfg = _flow_with_failing_tries(monkeypatch, failures)
+
+    async def scenario() -> None:
+        flow, registry = decision.build(cfg, 8, [prompt])
+        flow.metrics = _Metrics()
+        job = decision._job(prompt)
+        try:
+            if failures < flow_mod.MAX_ATTEMPTS:
+                att, step = await flow._start(job)
+                assert step.token_ids == [1]
+                assert len(tried) == failures + 1
+            else:
+                with pytest.raises(Unavailable, match=f"try {flow_mod.MAX_ATTEMPTS} failed"):
+                    await flow._start(job)
+                assert len(tried) == flow_mod.MAX_ATTEMPTS
+            assert len(set(tried)) == len(tried)        # every try on a worker not tried before
+            assert flow.metrics.retries.n == min(failures, flow_mod.MAX_ATTEMPTS - 1)
+        finally:
+            await registry.stop()
+
+    asyncio.run(scenario())
+
+
+def test_decision_bench_times_the_real_decision() -> None:
+    cfg = decision.DecisionBenchConfig(workers=(8,), requests=100)
+
+    async def run():
+        return await decision._run(cfg, ["multi-turn"])
+
+    out = asyncio.run(run())
+    (row,) = out["results"]
+    assert row["decode_workers"] == 8 and row["requests"] == 100 and row["index_hashes"] > 0
+    assert 0 < row["cpu"]["p50_us"] <= row["cpu"]["p99_us"]
+
+
+def test_prompt_hasher_equals_the_chain_and_reuses_only_equal_blocks() -> None:
+    rng = random.Random(11)
+    system = [rng.randrange(1000) for _ in range(40)]
+    hasher = PromptHasher(max_prompts=4)
+    prompts = [system + [rng.randrange(1000) for _ in range(rng.randrange(0, 30))] for _ in range(20)]
+    prompts += [p[:k] for p in prompts[:5] for k in (0, 3, 4, 17, 40, 41)]          # cut anywhere
+    prompts += [system[:10] + [7] + system[11:]]                                   # one token differs
+    prompts += [[rng.randrange(1000) for _ in range(rng.randrange(0, 50))] for _ in range(10)]  # > max_prompts keys
+    for p in prompts:
+        assert hasher.chain(p, BS) == block_hash_chain(p, BS), p
+    assert hasher.num_reused_blocks > 0
+    assert len(hasher._last) <= 4
