@@ -2,7 +2,7 @@ PY ?= python3
 VENV ?= .venv
 VPY := $(VENV)/bin/python
 
-.PHONY: setup setup-dev run test test-unit test-integration proto proto-check bench-offline lint clean
+.PHONY: setup setup-dev run lint test proto proto-check clean
 
 # Create .venv with what `make run` needs: the runtime dependencies, CPU torch on CPU
 # machines, the embedded model.
@@ -18,8 +18,14 @@ setup-dev:
 run: setup
 	$(VENV)/bin/pdserve up --demo
 
-# Everything CI runs.
-test: setup-dev
+# ruff (pyflakes, pycodestyle, import order, bugbear, pyupgrade) over everything and mypy over
+# the package (settings in pyproject.toml).
+lint: setup-dev
+	$(VPY) -m ruff check .
+	$(VPY) -m mypy
+
+# Everything CI runs: lint, the stubs match the protos, the test suite.
+test: lint
 	$(VPY) scripts/gen_protos.py --check
 	$(VPY) -m pytest -q -p no:cacheprovider tests
 

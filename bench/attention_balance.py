@@ -21,8 +21,8 @@ import time
 import torch
 
 from bench.common import graph_time
-from common.ops.paged_attention import alloc_decode_workspace, decode_num_splits, paged_attention_decode
-from common.ops.reference import paged_attention_decode_ref
+from pdserve.common.ops.paged_attention import alloc_decode_workspace, decode_num_splits, paged_attention_decode
+from pdserve.common.ops.reference import paged_attention_decode_ref
 
 HKV, HQ, D, BLOCK = 8, 16, 128, 256
 

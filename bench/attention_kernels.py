@@ -1,4 +1,4 @@
-"""Benchmark + correctness check of the Triton paged-attention kernels (common/ops) on one GPU.
+"""Benchmark + correctness check of the Triton paged-attention kernels (pdserve/common/ops) on one GPU.
 
     python bench/attention_kernels.py --out bench/results/attention_kernels.json [--no-sweep]
 
@@ -33,8 +33,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import triton  # noqa: E402
 from triton.testing import do_bench  # noqa: E402
 
-from common.ops import kv_store, paged_attention  # noqa: E402
-from common.ops.reference import (  # noqa: E402
+from pdserve.common.ops import kv_store, paged_attention  # noqa: E402
+from pdserve.common.ops.reference import (  # noqa: E402
     paged_attention_decode_ref,
     paged_attention_prefill_ref,
     store_kvcache_ref,
@@ -149,12 +149,16 @@ def check_correctness(seed: int) -> dict:
 # 2. bandwidth
 # ----------------------------------------------------------------------------------------------
 
-def copy_bandwidth() -> dict:
-    n = 1 << 30
+def _copy_ms(n: int) -> float:
+    """Median ms of one device-to-device copy of ``n`` bytes; the buffers are freed on return."""
     x = torch.empty(n, dtype=torch.uint8, device=DEV).random_(0, 255)
     y = torch.empty_like(x)
-    ms = bench_ms(lambda: y.copy_(x))
-    del x, y
+    return bench_ms(lambda: y.copy_(x))
+
+
+def copy_bandwidth() -> dict:
+    n = 1 << 30
+    ms = _copy_ms(n)
     torch.cuda.empty_cache()
     return {"bytes": n, "ms": ms, "gbps": 2 * n / (ms * 1e-3) / 1e9}
 
@@ -262,60 +266,77 @@ def decode_benchmarks(args, copy_gbps: float) -> dict:
 # 3. prefill and store
 # ----------------------------------------------------------------------------------------------
 
+def _prefill_row(name: str, q_lens: list[int], ctx: list[int], bs: int, layers: int,
+                 gen: torch.Generator) -> dict:
+    """Time and check the prefill kernel on one shape; the shape's tensors are freed on return."""
+    num_blocks = sum(-(-c // bs) for c in ctx) + 16
+    kv = torch.randn(num_blocks, layers, 2, bs, HKV, D, device=DEV, dtype=DTYPE)
+    kc, vc = kv[:, 1, 0], kv[:, 1, 1]
+    bt = block_tables_for(len(ctx), ctx, bs, num_blocks, gen)
+    cl = torch.tensor(ctx, dtype=torch.int32, device=DEV)
+    cu = torch.tensor([0] + torch.tensor(q_lens).cumsum(0).tolist(), dtype=torch.int32, device=DEV)
+    T = sum(q_lens)
+    q = torch.randn(T, HQ, D, device=DEV, dtype=DTYPE)
+    out = torch.empty_like(q)
+
+    def fn() -> None:
+        paged_attention.paged_attention_prefill(q, kc, vc, cu, cl, bt, max(q_lens), D ** -0.5, out=out)
+
+    fn()
+    ref = paged_attention_prefill_ref(q, kc, vc, cu, cl, bt, max(q_lens), D ** -0.5)
+    t = bench_ms(fn)
+    pairs = sum(sum(c - n + i + 1 for i in range(n)) for n, c in zip(q_lens, ctx))
+    flops = 4 * D * HQ * pairs
+    row = {"shape": name, "tokens": T, "ms": t, "tflops": flops / (t * 1e-3) / 1e12,
+           "rel_err": rel_err(out, ref)}
+    if len(set(q_lens)) == 1 and q_lens == ctx:      # SDPA baseline on contiguous tensors
+        ts = _sdpa_ms(len(q_lens), q_lens[0])
+        row["sdpa_ms"] = ts
+        row["sdpa_tflops"] = flops / (ts * 1e-3) / 1e12
+    return row
+
+
+def _sdpa_ms(B: int, S: int) -> float:
+    """Median ms of causal torch SDPA on contiguous [B, heads, S, D] tensors (GQA expanded)."""
+    qs = torch.randn(B, HQ, S, D, device=DEV, dtype=DTYPE)
+    ks = torch.randn(B, HKV, S, D, device=DEV, dtype=DTYPE).repeat_interleave(HQ // HKV, 1)
+    vs = torch.randn_like(ks)
+    return bench_ms(lambda: torch.nn.functional.scaled_dot_product_attention(qs, ks, vs, is_causal=True))
+
+
 def prefill_benchmarks(args) -> list[dict]:
     gen = torch.Generator().manual_seed(args.seed + 1)
-    bs, layers = args.block_size, args.layers
     rows = []
     for name, q_lens, ctx in PREFILL_SHAPES:
         if q_lens is None:
             q_lens = torch.randint(100, 1025, (16,), generator=gen).tolist()
             ctx = list(q_lens)
-        num_blocks = sum(-(-c // bs) for c in ctx) + 16
-        kv = torch.randn(num_blocks, layers, 2, bs, HKV, D, device=DEV, dtype=DTYPE)
-        kc, vc = kv[:, 1, 0], kv[:, 1, 1]
-        bt = block_tables_for(len(ctx), ctx, bs, num_blocks, gen)
-        cl = torch.tensor(ctx, dtype=torch.int32, device=DEV)
-        cu = torch.tensor([0] + torch.tensor(q_lens).cumsum(0).tolist(), dtype=torch.int32, device=DEV)
-        T = sum(q_lens)
-        q = torch.randn(T, HQ, D, device=DEV, dtype=DTYPE)
-        out = torch.empty_like(q)
-        fn = lambda: paged_attention.paged_attention_prefill(  # noqa: E731
-            q, kc, vc, cu, cl, bt, max(q_lens), D ** -0.5, out=out)
-        fn()
-        ref = paged_attention_prefill_ref(q, kc, vc, cu, cl, bt, max(q_lens), D ** -0.5)
-        t = bench_ms(fn)
-        pairs = sum(sum(c - n + i + 1 for i in range(n)) for n, c in zip(q_lens, ctx))
-        flops = 4 * D * HQ * pairs
-        row = {"shape": name, "tokens": T, "ms": t, "tflops": flops / (t * 1e-3) / 1e12,
-               "rel_err": rel_err(out, ref)}
-        if len(set(q_lens)) == 1 and q_lens == ctx:      # SDPA baseline on contiguous tensors
-            B, S = len(q_lens), q_lens[0]
-            qs = torch.randn(B, HQ, S, D, device=DEV, dtype=DTYPE)
-            ks = torch.randn(B, HKV, S, D, device=DEV, dtype=DTYPE).repeat_interleave(HQ // HKV, 1)
-            vs = torch.randn_like(ks)
-            ts = bench_ms(lambda: torch.nn.functional.scaled_dot_product_attention(qs, ks, vs, is_causal=True))
-            row["sdpa_ms"] = ts
-            row["sdpa_tflops"] = flops / (ts * 1e-3) / 1e12
-        rows.append(row)
-        del kv
+        rows.append(_prefill_row(name, q_lens, ctx, args.block_size, args.layers, gen))
     torch.cuda.empty_cache()
     return rows
+
+
+def _store_row(kv: torch.Tensor, n: int) -> dict:
+    """Time storing ``n`` tokens' K and V into layer 1 of ``kv`` at random slots."""
+    num_slots = kv.shape[0] * kv.shape[3]
+    key = torch.randn(n, HKV, D, device=DEV, dtype=DTYPE)
+    value = torch.randn(n, HKV, D, device=DEV, dtype=DTYPE)
+    slots = torch.randperm(num_slots, device=DEV)[:n].to(torch.int32)
+
+    def fn() -> None:
+        kv_store.store_kvcache(key, value, kv[:, 1, 0], kv[:, 1, 1], slots)
+
+    fn()
+    t = bench_ms(fn, graph=True)
+    byt = 2 * 2 * n * HKV * D * 2               # read + write, K and V
+    return {"tokens": n, "us_cudagraph": t * 1e3, "gbps_rw": byt / (t * 1e-3) / 1e9}
 
 
 def store_benchmarks(args) -> list[dict]:
     bs, layers = args.block_size, args.layers
     num_blocks = 2048
     kv = torch.zeros(num_blocks, layers, 2, bs, HKV, D, device=DEV, dtype=DTYPE)
-    rows = []
-    for n in (256, 8192):
-        key = torch.randn(n, HKV, D, device=DEV, dtype=DTYPE)
-        value = torch.randn(n, HKV, D, device=DEV, dtype=DTYPE)
-        slots = torch.randperm(num_blocks * bs, device=DEV)[:n].to(torch.int32)
-        fn = lambda: kv_store.store_kvcache(key, value, kv[:, 1, 0], kv[:, 1, 1], slots)  # noqa: E731
-        fn()
-        t = bench_ms(fn, graph=True)
-        byt = 2 * 2 * n * HKV * D * 2               # read + write, K and V
-        rows.append({"tokens": n, "us_cudagraph": t * 1e3, "gbps_rw": byt / (t * 1e-3) / 1e9})
+    rows = [_store_row(kv, n) for n in (256, 8192)]
     del kv
     torch.cuda.empty_cache()
     return rows
@@ -388,7 +409,8 @@ def main() -> int:
 
     result["prefill"] = prefill_benchmarks(args)
     print("\nprefill (bf16, causal; TFLOP/s counts visible pairs only)")
-    print(f"  {'shape':30s} {'tokens':>6s} {'ms':>8s} {'TFLOP/s':>8s} {'rel_err':>9s} {'sdpa ms':>8s} {'sdpa TF/s':>9s}")
+    print(f"  {'shape':30s} {'tokens':>6s} {'ms':>8s} {'TFLOP/s':>8s} {'rel_err':>9s}"
+          f" {'sdpa ms':>8s} {'sdpa TF/s':>9s}")
     for r in result["prefill"]:
         print(f"  {r['shape']:30s} {r['tokens']:6d} {r['ms']:8.3f} {r['tflops']:8.1f} {r['rel_err']:9.2e}"
               + (f" {r['sdpa_ms']:8.3f} {r['sdpa_tflops']:9.1f}" if "sdpa_ms" in r else ""))

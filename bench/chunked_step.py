@@ -24,8 +24,8 @@ import torch
 
 from bench.common import write_result
 from bench.decode_step import build_batch
-from common.engine import LLM, SamplingParams
-from common.engine.sequence import Sequence
+from pdserve.common.engine import LLM, SamplingParams
+from pdserve.common.engine.sequence import Sequence
 
 logger = logging.getLogger(__name__)
 

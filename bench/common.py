@@ -17,7 +17,7 @@ RESULTS_DIR = Path(__file__).parent / "results"
 
 def git_commit() -> str:
     """HEAD, or ``PDSERVE_GIT_COMMIT`` where the tree has no .git (the device machines)."""
-    from common import env
+    from pdserve.common import env
     if env.get("GIT_COMMIT"):
         return env.get("GIT_COMMIT")
     try:
@@ -85,8 +85,8 @@ def gpu_pair_channel(rank: int, addr_q, name: str, timeout: float):
     """For a two-process GPU probe: bind this process to ``cuda:rank`` and join a pair channel
     named ``name`` (rank 1 hosts the store and hands its address to rank 0 through ``addr_q``).
     Returns ``(device, channel, store)``; keep the store referenced while the channel is used."""
-    from common.kv_transfer import KvStoreServer
-    from common.kv_transfer.channel import PairChannel
+    from pdserve.common.kv_transfer import KvStoreServer
+    from pdserve.common.kv_transfer.channel import PairChannel
     dev = torch.device("cuda", rank)
     torch.cuda.set_device(dev)
     store = None

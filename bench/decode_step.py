@@ -15,8 +15,8 @@ import random
 import torch
 
 from bench.common import copy_bandwidth, write_result
-from common.engine import LLM, SamplingParams
-from common.engine.sequence import Sequence
+from pdserve.common.engine import LLM, SamplingParams
+from pdserve.common.engine.sequence import Sequence
 
 
 def build_batch(llm: LLM, batch: int, context: int) -> list[Sequence]:
@@ -24,7 +24,8 @@ def build_batch(llm: LLM, batch: int, context: int) -> list[Sequence]:
     rng = random.Random(0)
     seqs = []
     for _ in range(batch):
-        s = Sequence([rng.randrange(10000) for _ in range(context)], SamplingParams(max_tokens=8), eng.config.block_size)
+        s = Sequence([rng.randrange(10000) for _ in range(context)], SamplingParams(max_tokens=8),
+                     eng.config.block_size)
         eng.block_manager.allocate(s, register=False)
         s.num_cached_tokens = s.num_tokens - 1
         seqs.append(s)

@@ -1,5 +1,5 @@
 """Router + workers as separate processes on loopback (CPU or GPUs), and what tests and checks
-ask of them over gRPC. Processes are ``bench.serve.procs.Service``s.
+ask of them over gRPC. Processes are ``pdserve.loadtest.procs.Service``s.
 
 Used by the integration tests and by the GPU disaggregation check (bench/disagg_gpu.py).
 """
@@ -12,7 +12,7 @@ from pathlib import Path
 
 import grpc
 
-from bench.serve.procs import Service, free_port, free_port_range, wait_ready, wait_workers
+from pdserve.loadtest.procs import Service, free_port, free_port_range, wait_ready, wait_workers
 from pdserve.v1 import router_pb2_grpc, worker_pb2, worker_pb2_grpc
 
 

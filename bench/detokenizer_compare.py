@@ -1,4 +1,4 @@
-"""Incremental detokenization on the router's hot path: common.detokenizer vs
+"""Incremental detokenization on the router's hot path: pdserve.common.detokenizer vs
 ``tokenizers.decoders.DecodeStream``, per token, on the embedded model's tokenizer.
 
     python -m bench.detokenizer_compare [--repeats 5]
@@ -13,9 +13,9 @@ from __future__ import annotations
 import argparse
 import time
 
-from common.default_model import ensure_default_model
-from common.detokenizer import IncrementalDetokenizer
-from router.tokenization import RouterTokenizer
+from pdserve.common.default_model import ensure_default_model
+from pdserve.common.detokenizer import IncrementalDetokenizer
+from pdserve.router.tokenization import RouterTokenizer
 
 TEXTS = [
     "The capital of France is Paris. It is known for the Eiffel Tower, museums and cafés. " * 8,

@@ -180,8 +180,9 @@ def main(argv: list[str] | None = None) -> int:
         for name, log in {**disagg.logs(), **{f"both-{k}": v for k, v in both.logs().items()}}.items():
             text = log.read_text(errors="replace")
             lines = text.splitlines()
-            result.setdefault("log_errors", {})[name] = [l for l in lines if "Traceback" in l or " ERROR " in l][:5]
-            result.setdefault("log_warnings", {})[name] = [l for l in lines if " WARNING " in l][:5]
+            result.setdefault("log_errors", {})[name] = [
+                line for line in lines if "Traceback" in line or " ERROR " in line][:5]
+            result.setdefault("log_warnings", {})[name] = [line for line in lines if " WARNING " in line][:5]
     write_result(args.out, result)
     eq = result.get("equality", {})
     print(f"identical {eq.get('identical')}/{eq.get('requests')}; kill: {result.get('kill')}")

@@ -14,8 +14,7 @@ import torch
 import torch.nn.functional as F
 
 from bench.common import copy_bandwidth, graph_time, matmul_throughput, write_result
-from common.loader import resolve_model
-
+from pdserve.common.loader import resolve_model
 
 
 def gemm_shapes(model: str) -> dict[str, tuple[int, int]]:
@@ -42,7 +41,8 @@ def main(argv: list[str] | None = None) -> int:
         for m in (int(b) for b in args.batches.split(",")):
             x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
             ref = F.linear(x, w)
-            ways = {"linear_TN": lambda: F.linear(x, w), "mm_NN": lambda: torch.mm(x, w_t)}
+            # defaults bind this row's tensors (each fn is timed before the loop moves on)
+            ways = {"linear_TN": lambda x=x, w=w: F.linear(x, w), "mm_NN": lambda x=x, w_t=w_t: torch.mm(x, w_t)}
             row = {"gemm": name, "M": m, "N": n, "K": k, "floor_us": 1e6 * w.numel() * 2 / bandwidth,
                    "compute_floor_us": 1e6 * 2 * m * n * k / flops}
             for way, fn in ways.items():
@@ -51,7 +51,8 @@ def main(argv: list[str] | None = None) -> int:
             blas_default = torch.backends.cuda.preferred_blas_library()
             for lib in ("cublaslt", "cublas"):
                 torch.backends.cuda.preferred_blas_library(lib)
-                row[f"linear_TN_{lib}_us"] = 1e6 * graph_time(lambda: F.linear(x, w), calls=REPEAT, replays=5)
+                row[f"linear_TN_{lib}_us"] = 1e6 * graph_time(lambda x=x, w=w: F.linear(x, w),
+                                                              calls=REPEAT, replays=5)
             torch.backends.cuda.preferred_blas_library(blas_default)   # the next rows' default
             print(" ".join(f"{k}={v:.2f}" if isinstance(v, float) else f"{k}={v}" for k, v in row.items()))
             rows.append(row)

@@ -16,7 +16,7 @@ import torch
 
 from bench.common import write_result
 from bench.workloads import w_uniform
-from common.loader import PRESET_DIR
+from pdserve.common.loader import PRESET_DIR
 
 logger = logging.getLogger(__name__)
 

@@ -39,8 +39,8 @@ import statistics  # noqa: E402
 import sys  # noqa: E402
 import time  # noqa: E402
 
-GEOM = (28, 2, 16, 8, 128)
-_PHASES: list = []           # host seconds between the marks of each _enqueue call   # layers, K/V, block size, kv heads, head dim (Qwen3-0.6B)
+GEOM = (28, 2, 16, 8, 128)   # layers, K/V, block size, kv heads, head dim (Qwen3-0.6B)
+_PHASES: list = []           # host seconds between the marks of each _enqueue call
 
 
 def _pool(dev, num_blocks: int, seed: int | None):
@@ -75,7 +75,8 @@ def _enqueue(rank: int, strategy: str, ch, pool, item: dict, staging, gpu: dict 
     ``gpu``: filled with timing events (``landed``: receiver, after the receives, before the
     scatter) for GPU-side intervals."""
     import torch
-    from common.kv_transfer.channel import _wire
+
+    from pdserve.common.kv_transfer.channel import _wire
     dev = pool.device
     s = ch.stream
     gpu = {} if gpu is None else gpu

@@ -185,7 +185,7 @@ def decode_proc(args: dict, sched: dict, addr_q, go_q, t_q, res_q) -> None:
     try:
         import torch
 
-        from common.kv_transfer import KvReceiver, KvStoreServer, KvTransferError
+        from pdserve.common.kv_transfer import KvReceiver, KvStoreServer, KvTransferError
         dev = _device(args, 1)
         if dev.type == "cuda":
             torch.cuda.set_device(dev)
@@ -307,7 +307,7 @@ def prefill_proc(args: dict, sched: dict | None, addr_q, go_q, t_q, res_q,
     try:
         import torch
 
-        from common.kv_transfer import KvSender
+        from pdserve.common.kv_transfer import KvSender
         dev = _device(args, 0)
         if dev.type == "cuda":
             torch.cuda.set_device(dev)
@@ -375,7 +375,7 @@ def _send_ahead(args: dict, sender, addr: str, pool, src: list[int], i: int, dev
     GPU; returns (the moment that step's event fired, the sender's own seconds, bytes)."""
     import torch
 
-    from common.kv_transfer import FirstTokenRef
+    from pdserve.common.kv_transfer import FirstTokenRef
     token, logprob = _first_token_of(i)
     token_ids = torch.tensor([token], dtype=torch.int64, device=dev)
     logprobs = torch.tensor([logprob], dtype=torch.float32, device=dev)
@@ -487,7 +487,7 @@ def _get(q, procs, what: str):
         except queue.Empty:
             if any(p.exitcode not in (None, 0) for p in procs):
                 raise SystemExit(f"a benchmark process died while waiting for {what}: "
-                                 f"{[p.exitcode for p in procs]}")
+                                 f"{[p.exitcode for p in procs]}") from None
             continue
         if msg[0] == "error":
             raise SystemExit(msg[1])
@@ -499,7 +499,7 @@ def main(argv=None) -> int:
     args = parse_args(argv)
     import torch
 
-    from common.kv_transfer import plan_chunks
+    from pdserve.common.kv_transfer import plan_chunks
     if args["device"] == "cuda":
         if torch.cuda.device_count() < 2:
             print("needs 2 GPUs (use --device cpu for the Gloo path)", file=sys.stderr)

@@ -21,8 +21,8 @@ import time
 import torch
 
 from bench.common import write_result
-from common.engine import LLM, SamplingParams
-from common.loader import resolve_model
+from pdserve.common.engine import LLM, SamplingParams
+from pdserve.common.loader import resolve_model
 
 logger = logging.getLogger(__name__)
 
@@ -76,7 +76,8 @@ def main(argv: list[str] | None = None) -> int:
     rng = random.Random(0)
     vocab = min(10000, resolve_model(args.model).config.vocab_size)
     prompt = [rng.randrange(vocab) for _ in range(args.prompt_len)]
-    others = [[rng.randrange(vocab) for _ in range(rng.randint(20, min(800, args.prompt_len)))] for _ in range(args.num_decoding)]
+    others = [[rng.randrange(vocab) for _ in range(rng.randint(20, min(800, args.prompt_len)))]
+              for _ in range(args.num_decoding)]
     max_len = args.prompt_len + args.max_tokens + 16
     llm = LLM(args.model, max_model_len=max_len, max_num_batched_tokens=args.budget, max_num_seqs=64)
     chunked = _serve(llm, args, prompt, others)

@@ -11,7 +11,7 @@ both from ceilings measured in the same run:
   throughput. Prefill is compute-bound and cannot hide under the decode's byte stream when all
   prompts arrive at once, so on large models the first floor is out of reach by the prefill time.
 
-``--model`` takes a preset name (common/presets) or a path to an HF ``config.json``.
+``--model`` takes a preset name (pdserve/common/presets) or a path to an HF ``config.json``.
 The step split (``prefill_step_seconds`` / ``decode_step_seconds``) is the wall time of engine
 steps whose result held prompt tokens vs decode rows only.
 """
@@ -25,8 +25,8 @@ import torch
 
 from bench.common import copy_bandwidth, matmul_throughput, write_result
 from bench.workloads import decode_bytes, prefill_flops, w_nano, w_uniform
-from common.engine import LLM, SamplingParams
-from common.engine.engine_args import add_chunked_prefill_arguments, chunked_prefill_kwargs
+from pdserve.common.engine import LLM, SamplingParams
+from pdserve.common.engine.engine_args import add_chunked_prefill_arguments, chunked_prefill_kwargs
 
 logger = logging.getLogger(__name__)
 

@@ -3,7 +3,7 @@
     python -m bench.pair_channel_memory --channels 1,2,4,8 --out bench/results/pair_channel_memory.json
 
 Two processes (GPU 0 = the prefill side, rank 0; GPU 1 = the decode side, rank 1) form N pair
-channels (common.kv_transfer.PairChannel: one 2-rank ProcessGroupNCCL each, over one TCPStore)
+channels (pdserve.common.kv_transfer.PairChannel: one 2-rank ProcessGroupNCCL each, over one TCPStore)
 and send one small message on each, so every communicator is fully set up. Before and after,
 each process records ``torch.cuda.memory_reserved`` (the caching allocator: NCCL's own buffers
 are not in it) and ``torch.cuda.mem_get_info`` (device-wide used memory, which includes NCCL's
@@ -38,7 +38,7 @@ def _used(torch) -> int:
 def _side(rank: int, store_port: int, counts: list[int], q) -> None:
     import torch
 
-    from common.kv_transfer import KvStoreServer, PairChannel
+    from pdserve.common.kv_transfer import KvStoreServer, PairChannel
     torch.cuda.set_device(rank)
     torch.zeros(1, device="cuda")                       # the CUDA context first
     server = KvStoreServer("127.0.0.1", store_port) if rank == 1 else None

@@ -14,8 +14,8 @@ import random
 import torch
 
 from bench.common import graph_time, write_result
-from common.ops.paged_attention import paged_attention_prefill
-from common.ops.reference import paged_attention_prefill_ref
+from pdserve.common.ops.paged_attention import paged_attention_prefill
+from pdserve.common.ops.reference import paged_attention_prefill_ref
 
 HKV, HQ, D, BLOCK = 8, 16, 128, 256
 
@@ -58,7 +58,7 @@ def main(argv: list[str] | None = None) -> int:
     rows = []
     configs = [(None, None, None, None)] + list(itertools.product((64, 128), (32, 64, 128), (4, 8), (2, 3, 4)))
     for bm, bn, w, s in configs:
-        def fn():
+        def fn(bm=bm, bn=bn, w=w, s=s):   # this config's values (fn is timed within the iteration)
             paged_attention_prefill(q, kc, vc, cu, cl, bt, max(lens), scale, out=out,
                                     block_m=bm, block_n=bn, num_warps=w, num_stages=s)
         try:

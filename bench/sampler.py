@@ -11,9 +11,9 @@ import argparse
 import torch
 
 from bench.common import graph_time, write_result
-from common.engine.sampling_params import SamplingParams
-from common.engine.sequence import Sequence
-from common.layers.sampler import Sampler, prepare_sampling
+from pdserve.common.engine.sequence import Sequence
+from pdserve.common.layers.sampler import Sampler, prepare_sampling
+from pdserve.common.sampling_params import SamplingParams
 
 
 def batch_for(rows: int, vocab: int, temperature: float):

@@ -29,9 +29,9 @@ import urllib.request
 from dataclasses import asdict, replace
 from pathlib import Path
 
-from bench.serve import procs
 from bench.sim import analysis
 from bench.sim.cluster import Cluster, Sampler, SimConfig
+from pdserve.loadtest import procs
 
 log = logging.getLogger("scale_sim")
 POLICIES = {"kv": ("kv", 1.0), "oracle": ("kv", 0.0), "least-loaded": ("least-loaded", 1.0),
@@ -190,7 +190,7 @@ def churn(args: argparse.Namespace) -> None:
 
 
 def _commit() -> str:
-    from bench.serve.runner import git_commit
+    from pdserve.loadtest.runner import git_commit
     return git_commit()
 
 

@@ -18,7 +18,7 @@ import torch
 
 from bench.common import copy_bandwidth, write_result
 from bench.workloads import w_nano
-from common.engine import LLM, SamplingParams
+from pdserve.common.engine import LLM, SamplingParams
 
 logger = logging.getLogger(__name__)
 BUCKETS = (1, 8, 16, 32, 64, 128, 192, 256, 512)
@@ -174,7 +174,7 @@ def profile_decode(llm: LLM, batch: int, context: int, rows: int = 25) -> str:
     from torch.profiler import ProfilerActivity, profile
 
     from bench.decode_step import build_batch
-    from common.context import forward_context
+    from pdserve.common.context import forward_context
     seqs = build_batch(llm, batch, context)
     mr = llm.engine.model_runner
     input_ids, positions, ctx = mr.prepare_decode(seqs)
@@ -243,8 +243,10 @@ def main(argv: list[str] | None = None) -> int:
     print(f"wall {elapsed:.2f} s ({result['output_tok_s']:.0f} tok/s); GPU busy {result['total']['busy_s']:.2f} s, "
           f"idle gaps {result['total']['gap_s']:.2f} s, decode floor {result['total']['floor_s']:.2f} s")
     for key, r in result["by_batch"].items():
-        print(f"{key:>12s} steps {r['steps']:5d} busy {r['busy_ms_per_step']:7.3f} ms gap {r['gap_ms_per_step']:6.3f} ms"
-              f" logits+sampling {r['logits_sampling_ms_per_step']:6.3f} ms host launch {r['host_launch_ms_per_step']:6.3f}"
+        print(f"{key:>12s} steps {r['steps']:5d} busy {r['busy_ms_per_step']:7.3f} ms"
+              f" gap {r['gap_ms_per_step']:6.3f} ms"
+              f" logits+sampling {r['logits_sampling_ms_per_step']:6.3f} ms"
+              f" host launch {r['host_launch_ms_per_step']:6.3f}"
               f" ms host step {r['host_step_ms_per_step']:6.3f} ms"
               + (f" busy/floor {r['busy_over_floor']:.2f}" if r["busy_over_floor"] else ""))
     return 0

@@ -4,7 +4,7 @@ from __future__ import annotations
 import random
 from dataclasses import dataclass
 
-from common.engine.sampling_params import SamplingParams
+from pdserve.common.sampling_params import SamplingParams
 
 
 @dataclass(frozen=True)

@@ -1,6 +1,6 @@
 """A small synchronous client of the router's public API (used by ``pdserve generate``).
 
-    from common.engine.sampling_params import SamplingParams
+    from pdserve.common.sampling_params import SamplingParams
     from pdserve.client import generate, stream_generate
 
     for delta in stream_generate("localhost:50051", "What is the capital of France?",
@@ -9,7 +9,7 @@
 
 ``prompt`` is a string (one user message with ``chat=True``, plain text with ``chat=False``), a
 list of ``{"role", "content"}`` messages, or a list of token ids. A failed call raises the
-matching :class:`common.grpc_utils.PdserveError` (InvalidArgument, Unavailable, ...).
+matching :class:`pdserve.common.grpc_utils.PdserveError` (InvalidArgument, Unavailable, ...).
 Importing this module does not import torch.
 """
 from __future__ import annotations
@@ -19,9 +19,9 @@ from dataclasses import dataclass, field
 
 import grpc
 
-from common.engine.sampling_params import SamplingParams
-from common.grpc_utils.convert import sampling_params_to_proto
-from common.grpc_utils.errors import from_rpc_error
+from pdserve.common.grpc_utils.convert import sampling_params_to_proto
+from pdserve.common.grpc_utils.errors import from_rpc_error
+from pdserve.common.sampling_params import SamplingParams
 from pdserve.v1 import common_pb2, router_pb2, router_pb2_grpc
 
 Prompt = str | Sequence[int] | Sequence[Mapping[str, str]]
@@ -51,11 +51,16 @@ def build_request(prompt: Prompt, params: SamplingParams | None = None, chat: bo
             req.chat.messages.add(role="user", content=prompt)
         else:
             req.text = prompt
-    elif prompt and isinstance(prompt[0], Mapping):
-        for m in prompt:
-            req.chat.messages.add(role=m["role"], content=m["content"])
     else:
-        req.token_ids.ids.extend(int(t) for t in prompt)
+        messages = [m for m in prompt if isinstance(m, Mapping)]
+        ids = [int(t) for t in prompt if not isinstance(t, Mapping)]
+        if messages and ids:
+            raise TypeError("prompt: a list of chat messages or a list of token ids, not both")
+        if messages:
+            for m in messages:
+                req.chat.messages.add(role=m["role"], content=m["content"])
+        else:
+            req.token_ids.ids.extend(ids)
     return req
 
 

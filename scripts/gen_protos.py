@@ -60,7 +60,7 @@ class StubSet:
 
 STUB_SETS = (
     StubSet(Path("pdserve") / "v1", Path("pdserve") / "v1"),          # pdserve's own API
-    StubSet(Path("inference"), Path("pdserve") / "kserve"),           # KServe v2 (router/kserve)
+    StubSet(Path("inference"), Path("pdserve") / "kserve"),           # KServe v2 (pdserve/router/kserve)
 )
 
 

@@ -6,14 +6,11 @@ while being collected), so it is set here, at the root, and only when no CUDA de
 from __future__ import annotations
 
 import os
-import sys
 from pathlib import Path
 
 import torch
 
 ROOT = Path(__file__).resolve().parents[1]
-if str(ROOT) not in sys.path:
-    sys.path.insert(0, str(ROOT))
 
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")

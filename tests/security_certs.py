@@ -35,7 +35,7 @@ class CA:
     path: Path
 
     @classmethod
-    def create(cls, directory: Path, name: str) -> "CA":
+    def create(cls, directory: Path, name: str) -> CA:
         key = _key()
         now = datetime.datetime.now(datetime.timezone.utc)
         cert = (x509.CertificateBuilder().subject_name(_name(name)).issuer_name(_name(name))

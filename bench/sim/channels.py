@@ -1,10 +1,10 @@
 """The pair channels a simulated prefill worker would hold: the same closing rule as
-``KvSender`` (common/kv_transfer/channel_lru.py), counted, with no communicator behind it."""
+``KvSender`` (pdserve/common/kv_transfer/channel_lru.py), counted, with no communicator behind it."""
 from __future__ import annotations
 
 import time
 
-from common.kv_transfer.channel_lru import channels_to_close
+from pdserve.common.kv_transfer.channel_lru import channels_to_close
 
 
 class ChannelBook:

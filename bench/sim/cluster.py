@@ -1,6 +1,6 @@
 """A simulated deployment on loopback: fleets of simulated workers (bench.sim.fleet of bench.sim.worker),
 standalone workers (to kill, drain or add one at a time) and router replicas, all real
-processes (bench.serve.procs.Service); and a sampler of every worker's GetStats."""
+processes (pdserve.loadtest.procs.Service); and a sampler of every worker's GetStats."""
 from __future__ import annotations
 
 import sys
@@ -11,7 +11,7 @@ from pathlib import Path
 
 import grpc
 
-from bench.serve import procs
+from pdserve.loadtest import procs
 from pdserve.v1 import worker_pb2, worker_pb2_grpc
 
 PER_FLEET = 16      # simulated workers per fleet process
@@ -77,14 +77,14 @@ class Cluster:
             self.late[f"127.0.0.1:{p}"] = self._single(role, p, blocks)
         return addrs[:n], addrs[n:]
 
-    def start(self, timeout: float = 120.0) -> "Cluster":
+    def start(self, timeout: float = 120.0) -> Cluster:
         try:
             return self._start(timeout)
         except BaseException:
             self.stop()          # what did start (fleets, routers) must not outlive the failure
             raise
 
-    def _start(self, timeout: float) -> "Cluster":
+    def _start(self, timeout: float) -> Cluster:
         c = self.cfg
         self.decode, self.decode_late = self._role("decode", c.num_decode, c.standalone_decode, c.late_decode,
                                                    c.decode_blocks)

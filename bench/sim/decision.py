@@ -1,6 +1,6 @@
 """The router's routing decision, timed in-process: ``python -m bench.sim.decision``.
 
-Builds the real router objects (``router.workers.WorkerRegistry`` with ``WorkerClient``s that
+Builds the real router objects (``pdserve.router.workers.WorkerRegistry`` with ``WorkerClient``s that
 are marked up but never connect, the real ``PrefixIndex`` filled as the workers' KV events would
 fill it, a real ``Flow``) for 8 / 16 / 32 / 64 decode workers (prefill = decode / 4) and times
 ``Flow._choose`` - the whole decision: hashing the prompt, the prefix match, the decode pick and
@@ -26,13 +26,13 @@ import statistics
 import time
 from dataclasses import dataclass
 
+from pdserve.router.flow import Flow, Job
+from pdserve.router.prefix_index import PrefixIndex, PromptHasher, hash_chain
+from pdserve.router.settings import RouterSettings
+from pdserve.router.tokenization import ModelSpec, Prompt
+from pdserve.router.worker_client import WorkerClient
+from pdserve.router.workers import DECODE_ROLES, PREFILL_ROLES, WorkerRegistry
 from pdserve.v1 import common_pb2, worker_pb2
-from router.flow import Flow, Job
-from router.prefix_index import PrefixIndex, PromptHasher, hash_chain
-from router.settings import RouterSettings
-from router.tokenization import ModelSpec, Prompt
-from router.worker_client import WorkerClient
-from router.workers import DECODE_ROLES, PREFILL_ROLES, WorkerRegistry
 
 BLOCK = 16
 VOCAB = 49152
@@ -152,8 +152,8 @@ def _percentiles(ns: list[int]) -> dict:
 def time_parts(flow: Flow, prompts: list[list[int]]) -> dict:
     """Mean thread CPU time (us) of the decision's parts over the requests: hashing the prompt
     (``PromptHasher``, the requests in order, as the router sees them),
-    the prefix match, the decode pick (candidates + router.policy) and the prefill placement
-    (router.pd_policy), each run alone."""
+    the prefix match, the decode pick (candidates + pdserve.router.policy) and the prefill placement
+    (pdserve.router.pd_policy), each run alone."""
     registry = flow.registry
     index = registry.prefix_index
     chains = [hash_chain(p, BLOCK) for p in prompts]

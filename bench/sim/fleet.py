@@ -14,9 +14,9 @@ import logging
 import signal
 import sys
 
-from bench import scripted_worker as sw
 from bench.sim import worker as sim_worker
-from common.grpc_utils import Service, build_server
+from pdserve.common.grpc_utils import Service, build_server
+from pdserve.loadtest import scripted_worker as sw
 from pdserve.v1 import common_pb2, common_pb2_grpc, worker_pb2, worker_pb2_grpc
 
 log = logging.getLogger("sim.fleet")

@@ -1,16 +1,16 @@
-"""The simulated worker's KV pool: the engine's own ``BlockManager`` (common/engine), so prefix
+"""The simulated worker's KV pool: the engine's own ``BlockManager`` (pdserve/common/engine), so prefix
 hits, LRU eviction order and the stored / evicted events are exactly the engine's.
 
-Same interface as ``bench.scripted_worker.BlockPool``: a request's blocks are the block table
+Same interface as ``pdserve.loadtest.scripted_worker.BlockPool``: a request's blocks are the block table
 of a ``Sequence`` kept here (allocate -> commit when its KV is there -> grow per generated
 token -> release).
 """
 from __future__ import annotations
 
-from common.engine.block_manager import BlockManager
-from common.engine.sampling_params import SamplingParams
-from common.engine.sequence import Sequence
-from common.grpc_utils import ResourceExhausted
+from pdserve.common.engine.block_manager import BlockManager
+from pdserve.common.engine.sequence import Sequence
+from pdserve.common.grpc_utils import ResourceExhausted
+from pdserve.common.sampling_params import SamplingParams
 
 _PARAMS = SamplingParams()
 _FILLER = 1      # token id of the tokens a simulated decode appends (their blocks never match)

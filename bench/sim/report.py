@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from bench.serve.plots import _plt
+from pdserve.loadtest.plots import _plt
 
 POLICY_ORDER = ("kv", "oracle", "least-loaded", "round-robin")
 

@@ -13,11 +13,11 @@ from __future__ import annotations
 import argparse
 import sys
 
-from bench import scripted_worker as sw
 from bench.sim.channels import ChannelBook
 from bench.sim.cost import CostModel
 from bench.sim.pool import ManagedPool
 from bench.sim.prefill_gpu import PrefillGpu
+from pdserve.loadtest import scripted_worker as sw
 
 
 def add_sim_arguments(p: argparse.ArgumentParser) -> None:

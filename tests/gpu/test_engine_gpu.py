@@ -8,11 +8,11 @@ import random
 import pytest
 import torch
 
-from common.config import ModelConfig
-from common.context import forward_context
-from common.engine import LLM, SamplingParams
-from common.loader import PRESET_DIR
-from common.models.decoder import DecoderForCausalLM
+from pdserve.common.config import ModelConfig
+from pdserve.common.context import forward_context
+from pdserve.common.engine import LLM, SamplingParams
+from pdserve.common.loader import PRESET_DIR
+from pdserve.common.models.decoder import DecoderForCausalLM
 from tests.unit.hf_models import hf_greedy, make_tiny_checkpoint
 
 pytestmark = pytest.mark.gpu
@@ -60,7 +60,7 @@ def test_qwen3_06b_bf16_prefill_logits_match_hf():
         tables.append(perm[start:start + nb] + [-1] * (max(blocks_per) - nb))
         start += nb
     slots = [tables[b][p // bs] * bs + p % bs for b, n in enumerate(lengths) for p in range(n)]
-    from common.context import ForwardContext
+    from pdserve.common.context import ForwardContext
     cu = [0]
     for n in lengths:
         cu.append(cu[-1] + n)
@@ -84,8 +84,8 @@ def test_qwen3_06b_bf16_prefill_logits_match_hf():
 def test_mixed_step_attention_matches_torch_reference(dtype):
     """A mixed step (decode rows first, then prompt chunks with a cached prefix) through the
     Triton kernels equals the torch reference on fresh random inputs; every output row written."""
-    from common.context import ForwardContext
-    from common.layers.attention import PagedAttention
+    from pdserve.common.context import ForwardContext
+    from pdserve.common.layers.attention import PagedAttention
     torch.manual_seed(int(torch.randint(0, 2 ** 31, (1,))))
     Hq, Hkv, D, bs, nblocks = 16, 8, 128, 16, 96
     kv = torch.randn(nblocks, 2, bs, Hkv, D, dtype=dtype, device="cuda")
@@ -125,7 +125,7 @@ def test_mixed_step_graph_matches_eager_forward():
     """A mixed step (decode rows + chunks with a cached prefix, padded to a captured graph) gives
     the hidden states of the eager forward on fresh random inputs (Qwen3-0.6B geometry, fp32: in
     bf16 the two differ by rounding alone, amplified over 28 random layers, ~2% at the end)."""
-    from common.engine.sequence import Sequence
+    from pdserve.common.engine.sequence import Sequence
     seed = int(torch.randint(0, 2 ** 31, (1,)))
     rng = random.Random(seed)
     llm = LLM("qwen3-0.6b", block_size=16, num_kv_blocks=1024, max_num_seqs=32, max_num_batched_tokens=512,

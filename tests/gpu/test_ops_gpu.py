@@ -7,9 +7,7 @@ Outputs are poisoned with NaN first so every element must be written. Relative e
 ||out - ref|| / ||ref|| must be < 1e-2 (bf16) / < 1e-3 (fp32). Skipped without CUDA.
 """
 import os
-import sys
 import zlib
-from pathlib import Path
 
 import pytest
 import torch
@@ -19,13 +17,12 @@ pytestmark = [pytest.mark.gpu,
 
 triton = pytest.importorskip("triton")
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 if torch.cuda.is_available():
     if os.environ.get("TRITON_INTERPRET") == "1":
         pytest.skip("TRITON_INTERPRET=1: kernels would not be compiled", allow_module_level=True)
-    from common.ops import kv_store, paged_attention  # noqa: E402
-    from common.ops.reference import (  # noqa: E402
+    from pdserve.common.ops import kv_store, paged_attention  # noqa: E402
+    from pdserve.common.ops.reference import (  # noqa: E402
         paged_attention_decode_ref,
         paged_attention_prefill_ref,
         store_kvcache_ref,
@@ -194,7 +191,8 @@ def test_decode_cuda_graph():
         bt.copy_(_padded_tables(ctx, block_size, num_blocks, seed, max_batch, max_blocks))
         cl.zero_()
         cl[:batch] = torch.tensor(ctx, dtype=torch.int32, device=DEV)
-        q.copy_(torch.randn(max_batch, hq, d, device=DEV, generator=torch.Generator(device=DEV).manual_seed(seed)).to(dtype))
+        q_gen = torch.Generator(device=DEV).manual_seed(seed)
+        q.copy_(torch.randn(max_batch, hq, d, device=DEV, generator=q_gen).to(dtype))
         out.fill_(float("nan"))
         graph.replay()
         torch.cuda.synchronize()
@@ -233,7 +231,8 @@ def test_end_to_end_store_prefill_decode_gpu():
         cl = torch.tensor([hi], dtype=torch.int32, device=DEV)
         outs.append(paged_attention.paged_attention_prefill(q[lo:hi], kc, vc, cu, cl, bt, hi - lo, scale))
     kv_store.store_kvcache(k[n:], v[n:], kc, vc, slots[n:])
-    dec = paged_attention.paged_attention_decode(q[n:], kc, vc, bt, torch.tensor([n + 1], dtype=torch.int32, device=DEV), scale)
+    dec = paged_attention.paged_attention_decode(q[n:], kc, vc, bt,
+                                                 torch.tensor([n + 1], dtype=torch.int32, device=DEV), scale)
     full = paged_attention_prefill_ref(q, kc, vc, torch.tensor([0, n + 1], dtype=torch.int32, device=DEV),
                                        torch.tensor([n + 1], dtype=torch.int32, device=DEV), bt, n + 1, scale)
     got = torch.cat(outs + [dec])

@@ -16,7 +16,7 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 
 from bench import deployment as services
-from common.engine import LLM, SamplingParams
+from pdserve.common.engine import LLM, SamplingParams
 from pdserve.v1 import common_pb2, router_pb2
 
 MAX_TOKENS = 12

@@ -16,9 +16,9 @@ import grpc
 import pytest
 from grpc_reflection.v1alpha import reflection_pb2
 
-from bench.serve.procs import ROOT, free_port, free_port_range
-from common.grpc_utils.server import wait_ready
-from pdserve import cli_errors
+from pdserve.cli import errors as cli_errors
+from pdserve.common.grpc_utils.server import wait_ready
+from pdserve.loadtest.procs import ROOT, free_port, free_port_range
 
 STARTUP_S = 300
 

@@ -181,7 +181,7 @@ def test_tracing_off_installs_nothing():
     out = _python(
         "import sys, grpc.aio\n"
         "from common import telemetry\n"
-        "from common.grpc_utils.server import build_server\n"
+        "from pdserve.common.grpc_utils.server import build_server\n"
         "original = grpc.aio.server\n"
         "assert telemetry.setup_tracing('router') is False and not telemetry.enabled()\n"
         "assert grpc.aio.server is original\n"

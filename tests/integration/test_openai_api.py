@@ -23,7 +23,7 @@ import openai
 import pytest
 
 from bench import deployment as services
-from bench.serve.procs import Service, free_port
+from pdserve.loadtest.procs import Service, free_port
 from pdserve.v1 import common_pb2, router_pb2, router_pb2_grpc
 
 QUESTION = "What is the capital of France?"
@@ -237,7 +237,7 @@ def _bench_serve(dep, data, out_dir, name: str) -> dict:
 def _guidellm(dep, data, out_dir) -> dict:
     """guidellm (unmodified, its own CLI) on the same requests: streamed chat, one at a time.
     Sampling is the server's default (temperature 1), as the bench run asks for."""
-    from common.default_model import ensure_default_model
+    from pdserve.common.default_model import ensure_default_model
     out = out_dir / "guidellm.json"
     cmd = [sys.executable, "-m", "guidellm", "run",
            "--backend", f"kind=openai_http,target={dep.http.removesuffix('/v1')},request_format=/v1/chat/completions",
@@ -247,7 +247,8 @@ def _guidellm(dep, data, out_dir) -> dict:
            "--tokenizer", f"kind=huggingface_auto,model={ensure_default_model()}",
            "--output", f"kind=json,path={out}", "--disable-console"]
     # one worker process (its default spawns up to 10, each a few seconds of start-up on 2 cores)
-    env = dict(os.environ, GUIDELLM__MAX_WORKER_PROCESSES="1", GUIDELLM__LOGGING__LOG_FILE=str(out_dir / "guidellm.log"))
+    env = dict(os.environ, GUIDELLM__MAX_WORKER_PROCESSES="1",
+               GUIDELLM__LOGGING__LOG_FILE=str(out_dir / "guidellm.log"))
     r = subprocess.run(cmd, capture_output=True, text=True, timeout=300, cwd=out_dir, env=env)
     assert r.returncode == 0, f"guidellm failed:\n{r.stdout[-3000:]}\n{r.stderr[-3000:]}"
     m = json.loads(out.read_text())["benchmarks"][0]["metrics"]

@@ -10,7 +10,7 @@ import time
 import grpc
 import pytest
 
-from bench.serve.procs import Service, free_port, wait_ready
+from pdserve.loadtest.procs import Service, free_port, wait_ready
 from pdserve.v1 import common_pb2, worker_pb2, worker_pb2_grpc
 
 ROUTER = "router-under-test"

@@ -14,8 +14,8 @@ import grpc
 import pytest
 
 from bench import deployment as services
-from common.engine import LLM, SamplingParams
-from common.hashing import block_hash_chain
+from pdserve.common.engine import LLM, SamplingParams
+from pdserve.common.hashing import block_hash_chain
 from pdserve.v1 import common_pb2, router_pb2, worker_pb2, worker_pb2_grpc
 
 MAX_TOKENS = 8

@@ -13,9 +13,9 @@ import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from bench.serve.procs import Service, free_port
-from common.kv_transfer import KvTransferError, PairChannel
-from common.security import ClientSecurity, TlsFiles
+from pdserve.common.kv_transfer import KvTransferError, PairChannel
+from pdserve.common.security import ClientSecurity, TlsFiles
+from pdserve.loadtest.procs import Service, free_port
 from pdserve.v1 import common_pb2, common_pb2_grpc, router_pb2, router_pb2_grpc, worker_pb2, worker_pb2_grpc
 from tests.security_certs import CA
 
@@ -144,11 +144,12 @@ def test_public_api_needs_a_token(secure):
         stub = router_pb2_grpc.GenerationStub(ch)
         tokenize = router_pb2.TokenizeRequest(text="Hello there")
         for metadata in ((), (("authorization", "Bearer wrong"),), (("authorization", TOKEN),)):
-            assert _code(lambda: list(stub.Generate(_gen_request(), timeout=30, metadata=metadata))) \
+            # _code calls each lambda at once; the default binds this iteration's metadata
+            assert _code(lambda md=metadata: list(stub.Generate(_gen_request(), timeout=30, metadata=md))) \
                 == grpc.StatusCode.UNAUTHENTICATED
-            assert _code(lambda: stub.GenerateUnary(_gen_request(), timeout=30, metadata=metadata)) \
+            assert _code(lambda md=metadata: stub.GenerateUnary(_gen_request(), timeout=30, metadata=md)) \
                 == grpc.StatusCode.UNAUTHENTICATED
-            assert _code(lambda: stub.Tokenize(tokenize, timeout=30, metadata=metadata)) \
+            assert _code(lambda md=metadata: stub.Tokenize(tokenize, timeout=30, metadata=md)) \
                 == grpc.StatusCode.UNAUTHENTICATED
         ids, _ = _stream(stub, _gen_request())         # through the three services, KV over the pair channel
         assert len(ids) == 8

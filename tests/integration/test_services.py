@@ -12,9 +12,9 @@ from concurrent.futures import ThreadPoolExecutor
 import grpc
 import pytest
 
-from common.engine import LLM, SamplingParams
-from pdserve.v1 import common_pb2, router_pb2, worker_pb2, worker_pb2_grpc
 from bench import deployment as services
+from pdserve.common.engine import LLM, SamplingParams
+from pdserve.v1 import common_pb2, router_pb2, worker_pb2, worker_pb2_grpc
 
 MAX_TOKENS = 20
 SYSTEM = ("You are a meticulous assistant for a railway company. Answer briefly and precisely, "

@@ -6,7 +6,7 @@ import importlib.util
 
 import pytest
 
-from common.layers import attention_backends as ab
+from pdserve.common.layers import attention_backends as ab
 
 
 def test_every_registered_backend_has_its_module():
@@ -16,7 +16,7 @@ def test_every_registered_backend_has_its_module():
 
 
 def test_auto_skips_a_backend_that_does_not_import(monkeypatch):
-    monkeypatch.setitem(ab._REGISTRY, "missing", "common.layers.attention_backends.no_such_backend:Nope")
+    monkeypatch.setitem(ab._REGISTRY, "missing", "pdserve.common.layers.attention_backends.no_such_backend:Nope")
     monkeypatch.setitem(ab.AUTO_ORDER, "cuda", ("missing", "torch"))
     assert ab.resolve_backend_name("auto", "cuda") == "torch"
     with pytest.raises(ImportError):
@@ -33,7 +33,7 @@ def test_auto_picks_an_importable_backend_per_device():
 
 
 def test_auto_fails_clearly_when_nothing_imports(monkeypatch):
-    monkeypatch.setitem(ab._REGISTRY, "missing", "common.layers.attention_backends.no_such_backend:Nope")
+    monkeypatch.setitem(ab._REGISTRY, "missing", "pdserve.common.layers.attention_backends.no_such_backend:Nope")
     monkeypatch.setitem(ab.AUTO_ORDER, "cuda", ("missing",))
     with pytest.raises(RuntimeError, match="no attention backend"):
         ab.resolve_backend_name("auto", "cuda")

@@ -1,12 +1,12 @@
-"""SLO capacity (bench.serve.capacity): attainment on synthetic records, and the bisection on a
+"""SLO capacity (pdserve.loadtest.capacity): attainment on synthetic records, and the bisection on a
 synthetic deployment whose runs hold up to a known rate (no server)."""
 from __future__ import annotations
 
 import pytest
 
-from bench.serve import capacity, metrics
-from bench.serve.capacity import CapacitySearch, find_capacity
-from bench.serve.metrics import RequestRecord, compute_metrics
+from pdserve.loadtest import capacity, metrics
+from pdserve.loadtest.capacity import CapacitySearch, find_capacity
+from pdserve.loadtest.metrics import RequestRecord, compute_metrics
 
 SLO = {"ttft": 100.0, "tpot": 10.0, "itl_p99": 30.0}
 
@@ -91,7 +91,7 @@ def test_search_is_validated_and_reported() -> None:
 
 def test_capacity_plot(tmp_path) -> None:
     pytest.importorskip("matplotlib")
-    from bench.serve import plots
+    from pdserve.loadtest import plots
     rows = [("disagg", find_capacity(CapacitySearch(rates=(4, 8)), _deployment(5, []))),
             ("adaptive", find_capacity(CapacitySearch(rates=(4, 8)), _deployment(100, [])))]
     png = plots.capacity_compare(rows, tmp_path / "c.png", "test")

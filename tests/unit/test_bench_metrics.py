@@ -10,8 +10,8 @@ import time
 import numpy as np
 import pytest
 
-from bench.serve import arrivals, datasets, metrics
-from bench.serve.metrics import RequestRecord, compute_metrics
+from pdserve.loadtest import arrivals, datasets, metrics
+from pdserve.loadtest.metrics import RequestRecord, compute_metrics
 
 approx = pytest.approx
 
@@ -66,7 +66,8 @@ def test_aggregate_metrics_by_hand():
     # TTFT [100, 50, 200]
     assert m["mean_ttft_ms"] == approx(350 / 3)
     assert m["median_ttft_ms"] == approx(100)
-    assert m["std_ttft_ms"] == approx(math.sqrt(((100 - 350 / 3) ** 2 + (50 - 350 / 3) ** 2 + (200 - 350 / 3) ** 2) / 3))
+    assert m["std_ttft_ms"] == approx(
+        math.sqrt(((100 - 350 / 3) ** 2 + (50 - 350 / 3) ** 2 + (200 - 350 / 3) ** 2) / 3))
     assert m["p90_ttft_ms"] == approx(180)      # linear: 100 + 0.8 * (200 - 100)
     assert m["p99_ttft_ms"] == approx(198)
     assert m["p99.9_ttft_ms"] == approx(199.8)  # vLLM's key spelling of a fractional percentile
@@ -197,15 +198,15 @@ def test_arrival_edge_cases():
 
 
 # ---- end to end: generator -> router -> scripted worker (separate processes) --------------
-_HAVE_SERVICES = (importlib.util.find_spec("bench.scripted_worker") is not None
-                  and importlib.util.find_spec("router.main") is not None)
+_HAVE_SERVICES = (importlib.util.find_spec("pdserve.loadtest.scripted_worker") is not None
+                  and importlib.util.find_spec("pdserve.router.main") is not None)
 
 
 @pytest.fixture(scope="module")
 def router_addr(tmp_path_factory):
     if not _HAVE_SERVICES:
         pytest.skip("router or scripted worker not available")
-    from bench.serve import procs
+    from pdserve.loadtest import procs
     logs = tmp_path_factory.mktemp("logs")
     wport, rport = procs.free_ports(2, 2)
     services = [procs.scripted_worker(wport, "both", step_ms=2.0, log_dir=logs).start(),
@@ -219,7 +220,7 @@ def router_addr(tmp_path_factory):
 
 
 def test_serve_end_to_end(router_addr, tmp_path):
-    from pdserve.cmd_bench import main
+    from pdserve.cli.cmd_bench import main
     t0 = time.monotonic()
     rc = main(["serve", "--router", router_addr, "--dataset", "random", "--num-prompts", "24", "--input-len", "32:256",
                "--output-len", "4:24", "--request-rate", "40,inf", "--slo", "ttft_ms=2000,tpot_ms=500",
@@ -248,7 +249,7 @@ def test_serve_end_to_end(router_addr, tmp_path):
 
 
 def test_compare_two_targets(router_addr, tmp_path):
-    from pdserve.cmd_bench import main
+    from pdserve.cli.cmd_bench import main
     rc = main(["compare", "--targets", f"a={router_addr},b={router_addr}", "--num-prompts", "10",
                "--output-len", "4:8", "--request-rate", "inf", "--max-concurrency", "4", "--slo", "ttft_ms=5000",
                "--result-dir", str(tmp_path), "--result-filename", "cmp", "--disable-tqdm", "--num-warmups", "0"])
@@ -264,10 +265,11 @@ def test_compare_two_targets(router_addr, tmp_path):
 def test_router_overhead_smoke(tmp_path):
     if not _HAVE_SERVICES:
         pytest.skip("router or scripted worker not available")
-    from pdserve.cmd_bench import main
+    from pdserve.cli.cmd_bench import main
     out = tmp_path / "ro.json"
     rc = main(["router-overhead", "--num-requests", "6", "--prompt-len", "256", "--latency-max-tokens", "4",
-               "--fanout-concurrency", "4", "--fanout-max-tokens", "16", "--fanout-rounds", "1", "--idle-measure-s", "0.5",
+               "--fanout-concurrency", "4", "--fanout-max-tokens", "16", "--fanout-rounds", "1",
+               "--idle-measure-s", "0.5",
                "--output", str(out), "--log-dir", str(tmp_path / "logs")])
     assert rc == 0
     data = json.loads(out.read_text())
@@ -280,7 +282,7 @@ def test_router_overhead_smoke(tmp_path):
 
 
 def test_compare_helpers():
-    from bench.serve import compare
+    from pdserve.loadtest import compare
     (a, a_args), (b, b_args) = compare.default_up_configs("0,1")
     assert a_args == "--prefill 1 --decode 1 --prefill-gpus 0 --decode-gpus 1"
     assert b_args == "--prefill 0 --decode 2 --role both --decode-gpus 0,1"

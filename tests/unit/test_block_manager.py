@@ -1,10 +1,10 @@
 """BlockManager: hash chain, sharing, reference counts, eviction of unreferenced cached blocks."""
 from __future__ import annotations
 
-from common.engine.block_manager import BlockManager
-from common.engine.sampling_params import SamplingParams
-from common.engine.sequence import Sequence
-from common.hashing import NO_PARENT, block_hash, block_hash_chain
+from pdserve.common.engine.block_manager import BlockManager
+from pdserve.common.engine.sequence import Sequence
+from pdserve.common.hashing import NO_PARENT, block_hash, block_hash_chain
+from pdserve.common.sampling_params import SamplingParams
 
 BS = 4
 

@@ -7,8 +7,8 @@ import time
 
 import torch
 
-from common.kv_transfer import KvReceiver, KvSender, KvStoreServer
-from common.kv_transfer.channel_lru import channels_to_close
+from pdserve.common.kv_transfer import KvReceiver, KvSender, KvStoreServer
+from pdserve.common.kv_transfer.channel_lru import channels_to_close
 
 GEOM = (2, 2, 4, 2, 8)     # one block: layers, k/v, block size, kv heads, head dim
 

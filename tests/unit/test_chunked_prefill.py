@@ -8,7 +8,7 @@ import random
 
 import pytest
 
-from common.engine import LLM, SamplingParams
+from pdserve.common.engine import LLM, SamplingParams
 from tests.unit.hf_models import hf_greedy, make_tiny_checkpoint
 
 MAX_NEW = 12

@@ -10,8 +10,9 @@ import sys
 
 import pytest
 
-from bench.serve.procs import ROOT, free_port, free_port_range
-from pdserve import cli, cli_errors
+from pdserve import cli
+from pdserve.cli import errors as cli_errors
+from pdserve.loadtest.procs import ROOT, free_port, free_port_range
 
 TIMEOUT_S = 120
 
@@ -68,7 +69,7 @@ def test_up_with_a_port_in_use_is_one_line_naming_the_flag(flag):
 
 
 def test_describe_maps_grpc_and_domain_errors():
-    from common.grpc_utils import InvalidArgument, Unavailable
+    from pdserve.common.grpc_utils import InvalidArgument, Unavailable
     assert cli_errors.describe(InvalidArgument("top_p", "must be in (0, 1]")) == (
         "INVALID_ARGUMENT", "top_p: must be in (0, 1]")
     assert cli_errors.describe(Unavailable("down")) == ("UNAVAILABLE", "down")
@@ -112,7 +113,7 @@ def test_help_shows_defaults(command):
 # ---- up: the command lines it starts ------------------------------------------------------
 
 def test_up_passes_metrics_ports_and_worker_flags():
-    from pdserve import cmd_up
+    from pdserve.cli import cmd_up
     args = cli.build_parser().parse_args(["up", "--metrics-port", "9100", "--max-num-seqs", "8",
                                           "--max-model-len", "2048", "--enforce-eager", "--base-port", "50100"])
     children = cmd_up.plan(args)

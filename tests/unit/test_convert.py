@@ -6,10 +6,14 @@ import math
 
 import pytest
 
-from common.grpc_utils import InvalidArgument
-from common.grpc_utils.convert import sampling_params_for_prompt, sampling_params_from_proto, sampling_params_to_proto
+from pdserve.common.grpc_utils import InvalidArgument
+from pdserve.common.grpc_utils.convert import (
+    sampling_params_for_prompt,
+    sampling_params_from_proto,
+    sampling_params_to_proto,
+)
+from pdserve.router.validation import ParamsCache
 from pdserve.v1 import common_pb2
-from router.validation import ParamsCache
 
 
 def test_zero_values_follow_one_rule():

@@ -7,12 +7,12 @@ import time
 
 import pytest
 
-from common.config import EngineConfig
-from common.engine.llm_engine import LLMEngine
-from common.engine.sampling_params import SamplingParams
-from common.engine.sequence import FinishReason
-from common.serving.broadcast import Broadcast
-from decode_worker.state import DecodeState, NoSuchRequest
+from pdserve.common.config import EngineConfig
+from pdserve.common.engine.llm_engine import LLMEngine
+from pdserve.common.engine.sequence import FinishReason
+from pdserve.common.sampling_params import SamplingParams
+from pdserve.common.serving.broadcast import Broadcast
+from pdserve.decode_worker.state import DecodeState, NoSuchRequest
 
 
 class Outputs(Broadcast):

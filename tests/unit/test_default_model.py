@@ -12,8 +12,8 @@ from pathlib import Path
 
 import pytest
 
-from common import default_model
-from common.default_model import DEFAULT_MODEL_NAME, MARKER_FILENAME, ensure_default_model
+from pdserve.common import default_model
+from pdserve.common.default_model import DEFAULT_MODEL_NAME, MARKER_FILENAME, ensure_default_model
 
 QUESTION = "What is the capital of France?"
 

@@ -90,7 +90,7 @@ def _render_command(binary: str) -> list[str]:
     return [binary, "build"] if Path(binary).name.startswith("kustomize") else [binary, "kustomize"]
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _find_renderer() -> tuple[list[str] | None, str]:
     """(command prefix that renders a kustomization dir, description) or (None, why not)."""
     tried = []
@@ -136,7 +136,7 @@ def _require_renderer(cmd: list[str] | None) -> list[str]:
     return cmd
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _render_cached(cmd: tuple[str, ...], name: str) -> tuple[dict, ...]:
     proc = subprocess.run([*cmd, str(KUSTOMIZATIONS[name])], capture_output=True, text=True,
                           timeout=RENDER_TIMEOUT_S)
@@ -151,7 +151,7 @@ def render(renderer: list[str] | None, name: str) -> list[dict]:
 
 # ----------------------------------------------------------------------------- helpers
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def design_ports() -> dict[str, dict[str, int]]:
     """{role: {"grpc": .., "metrics": .., ["kv": ..]}} from the Ports table of docs/design.md."""
     text = DESIGN.read_text()
@@ -348,8 +348,10 @@ def test_grpc_probes_on_grpc_port(renderer, name):
             for kind in ("startupProbe", "readinessProbe", "livenessProbe"):
                 probe = c.get(kind)
                 assert probe, f"{role}/{c['name']}: no {kind}"
-                assert set(probe) & {"grpc", "httpGet", "tcpSocket", "exec"} == {"grpc"}, f"{role}: {kind} must be a gRPC probe"
-                assert probe["grpc"]["port"] == grpc_port, f"{role}: {kind} probes {probe['grpc']['port']}, gRPC is {grpc_port}"
+                assert set(probe) & {"grpc", "httpGet", "tcpSocket", "exec"} == {"grpc"}, \
+                    f"{role}: {kind} must be a gRPC probe"
+                assert probe["grpc"]["port"] == grpc_port, \
+                    f"{role}: {kind} probes {probe['grpc']['port']}, gRPC is {grpc_port}"
                 assert probe["grpc"].get("service", "") == "", f"{role}: {kind} must check the server's overall health"
             startup = c["startupProbe"]
             budget = startup.get("failureThreshold", 3) * startup.get("periodSeconds", 10)
@@ -420,7 +422,8 @@ def test_service_selectors_match_deployments(renderer, name):
     for svc in of_kind(objs, "Service"):
         sel = svc["spec"].get("selector")
         assert sel, f"Service {svc['metadata']['name']} has no selector"
-        matched = [r for r, d in deps.items() if selector_matches({"matchLabels": sel}, d["spec"]["template"]["metadata"]["labels"])]
+        matched = [r for r, d in deps.items()
+                   if selector_matches({"matchLabels": sel}, d["spec"]["template"]["metadata"]["labels"])]
         assert len(matched) == 1, f"Service {svc['metadata']['name']} selects {matched}"
         c = main_container(deps[matched[0]])
         for p in svc["spec"]["ports"]:
@@ -436,7 +439,8 @@ def test_router_is_the_only_entry_point_and_workers_are_headless(renderer, name)
     entry, headless = [], {}
     for svc in of_kind(objs, "Service"):
         spec = svc["spec"]
-        role = next(r for r, d in deps.items() if selector_matches({"matchLabels": spec["selector"]}, d["spec"]["template"]["metadata"]["labels"]))
+        role = next(r for r, d in deps.items()
+                    if selector_matches({"matchLabels": spec["selector"]}, d["spec"]["template"]["metadata"]["labels"]))
         if spec.get("clusterIP") == "None":
             assert spec.get("publishNotReadyAddresses", False) is False, "DNS must list Ready pods only"
             headless[role] = svc
@@ -462,8 +466,9 @@ def test_router_discovers_workers_through_headless_dns(renderer, name):
         assert flag(args, role) == want
 
 
-# the module behind each `pdserve <role>` subcommand (pdserve/cli.py SUBCOMMANDS)
-ROLE_MODULES = {"router": "router.main", "prefill": "prefill_worker.main", "decode": "decode_worker.main"}
+# the module behind each `pdserve <role>` subcommand (pdserve/cli/__init__.py SUBCOMMANDS)
+ROLE_MODULES = {"router": "pdserve.router.main", "prefill": "pdserve.prefill_worker.main",
+                "decode": "pdserve.decode_worker.main"}
 
 
 @pytest.mark.parametrize("role", ROLES)
@@ -689,7 +694,8 @@ def test_network_policy_worker_grpc_only_from_callers(renderer, name):
                 for peer in peers:
                     assert set(peer) == {"podSelector"}, f"{pol['metadata']['name']}: {peer} (same namespace only)"
                     selected = {r for r in ROLES if selector_matches(peer["podSelector"], srcs[r]["labels"])}
-                    assert selected and selected <= callers, f"{pol['metadata']['name']}: {role}:{grpc} open to {selected}"
+                    assert selected and selected <= callers, \
+                        f"{pol['metadata']['name']}: {role}:{grpc} open to {selected}"
 
 
 @pytest.mark.parametrize("name", list(KUSTOMIZATIONS))
@@ -734,7 +740,7 @@ def test_network_policy_router_entry_and_default_deny(renderer, name):
     # every pdserve pod is isolated for ingress by some policy
     for role, dep in deps.items():
         labels = dep["spec"]["template"]["metadata"]["labels"]
-        assert any(selector_matches(p["spec"]["podSelector"], labels) for p in of_kind(objs, "NetworkPolicy"))
+        assert any(selector_matches(p["spec"]["podSelector"], labels) for p in of_kind(objs, "NetworkPolicy")), role
     # any pod (any namespace) may use the API; other router ports stay closed to everyone
     for src_name, src in srcs.items():
         assert ingress_allowed(objs, router_labels, router_c, src, ports["router"]["grpc"]), src_name

@@ -12,13 +12,25 @@ import json
 import os
 import re
 import subprocess
-import tomllib
 
 import pytest
+import tomllib
 import yaml
-
-from test_deploy import (DEPLOY, K8S, KUSTOMIZATIONS, MIN_K8S_VERSION, OVERLAYS, RENDER_TIMEOUT_S, REPO, WORKERS,
-                         _find_renderer, _require_renderer, deployments, pod_spec, selector_matches)
+from test_deploy import (
+    DEPLOY,
+    K8S,
+    KUSTOMIZATIONS,
+    MIN_K8S_VERSION,
+    OVERLAYS,
+    RENDER_TIMEOUT_S,
+    REPO,
+    WORKERS,
+    _find_renderer,
+    _require_renderer,
+    deployments,
+    pod_spec,
+    selector_matches,
+)
 
 AUTOSCALING = K8S / "components" / "autoscaling"
 MONITORING = K8S / "components" / "monitoring"
@@ -86,7 +98,7 @@ def test_every_deployment_spreads_over_nodes_and_zones(rendered, name):
 # ---- autoscaling ----------------------------------------------------------------------------
 
 def _worker_gauges() -> set[str]:
-    from common.serving.metrics import WorkerMetrics
+    from pdserve.common.serving.metrics import WorkerMetrics
     worker = WorkerMetrics("decode")
     worker.stats_source = lambda: {"num_total_blocks": 1}
     return {f.name for f in worker.registry.collect() if f.type == "gauge"}

@@ -14,13 +14,24 @@ import json
 import os
 import re
 import subprocess
-from pathlib import Path
 
 import pytest
 import yaml
-
-from test_deploy import (DEPLOY, K8S, MIN_K8S_VERSION, OVERLAYS, RENDER_TIMEOUT_S, _find_renderer, _require_renderer,
-                         deployments, design_ports, main_container, named_port, pod_spec, selector_matches)
+from test_deploy import (
+    DEPLOY,
+    K8S,
+    MIN_K8S_VERSION,
+    OVERLAYS,
+    RENDER_TIMEOUT_S,
+    _find_renderer,
+    _require_renderer,
+    deployments,
+    design_ports,
+    main_container,
+    named_port,
+    pod_spec,
+    selector_matches,
+)
 
 COMPONENT = K8S / "components" / "monitoring"
 DASHBOARD = DEPLOY / "grafana" / "pdserve.json"
@@ -70,8 +81,8 @@ def test_everything_else_is_schema_valid(rendered, overlay):
 
 def _exported_series() -> set[str]:
     """Sample names the router and a worker can export (histogram/counter suffixes included)."""
-    from common.serving.metrics import WorkerMetrics
-    from router.metrics import RouterMetrics
+    from pdserve.common.serving.metrics import WorkerMetrics
+    from pdserve.router.metrics import RouterMetrics
     worker = WorkerMetrics("decode")
     worker.stats_source = lambda: {"num_total_blocks": 1}
     names: set[str] = set()

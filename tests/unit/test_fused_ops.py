@@ -6,10 +6,9 @@ import torch
 
 triton = pytest.importorskip("triton")
 
-from common.layers.activation import SiluAndMul  # noqa: E402
-from common.layers.norm import RMSNorm  # noqa: E402
-from common.layers.rotary import RotaryEmbedding  # noqa: E402
-from common.ops.fused import qk_norm_rope, rms_norm, silu_and_mul  # noqa: E402
+from pdserve.common.layers.norm import RMSNorm  # noqa: E402
+from pdserve.common.layers.rotary import RotaryEmbedding  # noqa: E402
+from pdserve.common.ops.fused import qk_norm_rope, rms_norm, silu_and_mul  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 DTYPES = [torch.float32] + ([torch.bfloat16] if DEVICE == "cuda" else [])
@@ -71,7 +70,7 @@ def test_qk_norm_rope_matches_layers(dtype, qk_norm, heads):
 def test_qk_norm_rope_stores_kv_like_store_kvcache(dtype):
     """The fused K/V store writes exactly what store_kvcache writes (padding slots skipped),
     into strided per-layer views of a pool, and leaves every other slot alone."""
-    from common.ops.kv_store import store_kvcache
+    from pdserve.common.ops.kv_store import store_kvcache
     torch.manual_seed(3)
     hq, hkv, d, T, bs, nb = 4, 2, 32, 5, 4, 6
     rot = RotaryEmbedding(d, 64, 10000.0).to(DEVICE)
@@ -94,7 +93,7 @@ def test_qk_norm_rope_stores_kv_like_store_kvcache(dtype):
 
 
 def test_temperature_sample_greedy_rows_and_distribution():
-    from common.ops.sampling import temperature_sample
+    from pdserve.common.ops.sampling import temperature_sample
     torch.manual_seed(3)
     V = 5000
     logits = torch.randn(4, V, device=DEVICE)
@@ -114,7 +113,7 @@ def test_temperature_sample_greedy_rows_and_distribution():
 def test_temperature_sample_across_vocabulary_chunks():
     """Rows longer than one chunk: greedy rows equal torch's argmax, a tie across chunks goes to
     the lowest index, and a sampled row can land in any chunk."""
-    from common.ops.sampling import CHUNK, temperature_sample
+    from pdserve.common.ops.sampling import CHUNK, temperature_sample
     torch.manual_seed(5)
     V = 2 * CHUNK + 1234
     logits = torch.randn(3, V, device=DEVICE)
@@ -135,7 +134,7 @@ def test_temperature_sample_across_vocabulary_chunks():
 def test_temperature_sample_mass_spread_over_chunks():
     """One distribution over three chunks (masses 0.2 / 0.5 / 0.3 at T = 0.5, tokens inside a
     chunk uniform): the chunk and token frequencies of many rows match it."""
-    from common.ops.sampling import CHUNK, temperature_sample
+    from pdserve.common.ops.sampling import CHUNK, temperature_sample
     V, rows, T = 2 * CHUNK + 1234, 300, 0.5
     sizes = torch.tensor([CHUNK, CHUNK, V - 2 * CHUNK], dtype=torch.float64)
     mass = torch.tensor([0.2, 0.5, 0.3], dtype=torch.float64)

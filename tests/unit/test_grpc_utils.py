@@ -1,4 +1,4 @@
-"""common.grpc_utils on a real grpc.aio server on a free local port (CPU, no engine).
+"""pdserve.common.grpc_utils on a real grpc.aio server on a free local port (CPU, no engine).
 
 A trivial InfoService servicer whose behaviour is switched by a class attribute lets us check
 health, reflection, error mapping (domain error, ValueError, a failed downstream call, an
@@ -8,20 +8,16 @@ from __future__ import annotations
 
 import asyncio
 import socket
-import sys
-from pathlib import Path
-from typing import Any, Awaitable, Callable
+from collections.abc import Awaitable, Callable
+from typing import Any
 
 import grpc
 import grpc.aio
 import pytest
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
-
 from grpc_health.v1 import health_pb2, health_pb2_grpc  # noqa: E402
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc  # noqa: E402
 
-from common.grpc_utils import (  # noqa: E402
+from pdserve.common.grpc_utils import (  # noqa: E402
     InvalidArgument,
     NotFound,
     Service,
@@ -159,7 +155,7 @@ def test_errors_map_to_status(mode: str, code: grpc.StatusCode, text: str,
         assert text in info.value.details()
         assert from_rpc_error(info.value).code == code
 
-    with caplog.at_level("ERROR", logger="common.grpc_utils.interceptor"):
+    with caplog.at_level("ERROR", logger="pdserve.common.grpc_utils.interceptor"):
         run_with_server(body, mode=mode)
     tracebacks = [r for r in caplog.records if r.exc_info]
     assert bool(tracebacks) == (code == grpc.StatusCode.INTERNAL)

@@ -6,7 +6,7 @@ import random
 
 import pytest
 
-from common.engine import LLM, SamplingParams
+from pdserve.common.engine import LLM, SamplingParams
 from tests.unit.hf_models import assert_greedy_matches, hf_greedy, make_tiny_checkpoint
 
 MAX_NEW = 24
@@ -126,7 +126,8 @@ def test_overlapped_decode_stops_on_eos_one_step_late_without_extra_tokens(check
     path, prompts, expected, model = checkpoint
     stop_at = {i: exp[5] for i, exp in enumerate(expected)}      # the 6th generated token stops each
     llm = LLM(str(path), device="cpu", dtype="float32", block_size=16, num_kv_blocks=256, async_scheduling=True)
-    params = [SamplingParams(temperature=0.0, max_tokens=MAX_NEW, stop_token_ids=(stop_at[i],)) for i in range(len(prompts))]
+    params = [SamplingParams(temperature=0.0, max_tokens=MAX_NEW, stop_token_ids=(stop_at[i],))
+              for i in range(len(prompts))]
     outs = llm.generate(prompts, params, use_tqdm=False)
     for out, exp, i in zip(outs, expected, range(len(prompts))):
         cut = exp.index(stop_at[i]) + 1

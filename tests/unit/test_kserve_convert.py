@@ -1,15 +1,15 @@
-"""router.kserve: KServe v2 tensors and requests -> pdserve.v1 GenerateRequest, and responses."""
+"""pdserve.router.kserve: KServe v2 tensors and requests -> pdserve.v1 GenerateRequest, and responses."""
 from __future__ import annotations
 
 import struct
 
 import pytest
 
-from common.grpc_utils import InvalidArgument
+from pdserve.common.grpc_utils import InvalidArgument
 from pdserve.kserve import grpc_predict_v2_pb2 as pb
+from pdserve.router.kserve.convert import finish_name, to_generate, to_infer_response
+from pdserve.router.kserve.tensors import decode
 from pdserve.v1 import common_pb2, router_pb2
-from router.kserve.convert import finish_name, to_generate, to_infer_response
-from router.kserve.tensors import decode
 
 
 def _req(text: str | None = "hi", **params) -> pb.ModelInferRequest:

@@ -16,10 +16,18 @@ import time
 import pytest
 import torch
 
-from common.kv_transfer import (KvReceiver, KvSender, KvStoreServer, KvTransferError,
-                                PairChannel, bytes_per_block, gather_blocks, plan_chunks,
-                                scatter_blocks)
-from common.kv_transfer.blocks import contiguous_range
+from pdserve.common.kv_transfer import (
+    KvReceiver,
+    KvSender,
+    KvStoreServer,
+    KvTransferError,
+    PairChannel,
+    bytes_per_block,
+    gather_blocks,
+    plan_chunks,
+    scatter_blocks,
+)
+from pdserve.common.kv_transfer.blocks import contiguous_range
 
 # tiny geometry: [num_blocks, layers, 2, block_size, kv_heads, head_dim]
 NUM_BLOCKS = 24
@@ -87,13 +95,13 @@ def _decode_child(cfg: dict, addr_q, go_qs: dict, res_q) -> None:
                     pools[did], did, server, timeout=cfg.get("timeout", 10.0),
                     max_message_bytes=cfg.get("max_message_bytes", {}).get(did, 512 << 20))
             futures = []
-            for i, (pid, did, epoch, seed, src_ids, dst_ids) in enumerate(cfg["plan"]):
+            for i, (pid, did, epoch, _seed, _src_ids, dst_ids) in enumerate(cfg["plan"]):
                 futures.append(recvs[did].post(pid, epoch, dst_ids))
                 go_qs[pid].put(i)
             results = []
             touched = {did: {b for it in cfg["plan"] if it[1] == did for b in it[5]}
                        for did in pools}
-            for (pid, did, epoch, seed, src_ids, dst_ids), fut in zip(cfg["plan"], futures):
+            for (_pid, did, _epoch, seed, src_ids, dst_ids), fut in zip(cfg["plan"], futures):
                 nbytes, event, _ = fut.result(timeout=CHILD_WAIT)
                 assert event is None
                 src = _source_pool(seed, cfg["dtypes"][did])
@@ -101,7 +109,7 @@ def _decode_child(cfg: dict, addr_q, go_qs: dict, res_q) -> None:
                                                       touched[did])))
             # all transfers done: check again that no later transfer disturbed an earlier one
             final = []
-            for pid, did, epoch, seed, src_ids, dst_ids in cfg["plan"]:
+            for _pid, did, _epoch, seed, src_ids, dst_ids in cfg["plan"]:
                 src = _source_pool(seed, cfg["dtypes"][did])
                 final += [f"{did} block {d} overwritten" for s, d in zip(src_ids, dst_ids)
                           if not _same_bits(pools[did][d], src[s])]
@@ -440,8 +448,8 @@ def test_chunk_plan():
 
 
 def test_first_token_message_round_trip():
-    from common.kv_transfer import FirstTokenRef
-    from common.kv_transfer.transfer import parse_first_token
+    from pdserve.common.kv_transfer import FirstTokenRef
+    from pdserve.common.kv_transfer.transfer import parse_first_token
     ids = torch.tensor([5, 151_935, 7])
     lps = torch.tensor([-0.5, -1.25, -3.0])
     msg = FirstTokenRef(ids, lps, 1).message()
@@ -456,7 +464,7 @@ def test_in_process_first_token_rides_in_the_last_message(case, dtype):
     """The first token's 8 bytes end the last message, whatever path the blocks take: one
     message per block (consecutive ids each), one staged message, consecutive ids on both
     sides, several chunks (Gloo over loopback, two threads)."""
-    from common.kv_transfer import FirstTokenRef
+    from pdserve.common.kv_transfer import FirstTokenRef
     src = _source_pool(5, dtype)
     dst = _poisoned_pool(dtype)
     bb = bytes_per_block(src)
@@ -519,7 +527,7 @@ def test_in_process_chunked_transfer_and_errors():
                      ([], []),
                      ([7], [1])]
         futures = []
-        for src_ids, dst_ids in transfers:
+        for _, dst_ids in transfers:
             with sender.lock("d"):
                 futures.append(recv.post("p", sender.next_epoch("d"), dst_ids))
         results = []
@@ -533,7 +541,7 @@ def test_in_process_chunked_transfer_and_errors():
         t.join(30)
         assert not t.is_alive()
         touched = set()
-        for (src_ids, dst_ids), fut, (nbytes, secs) in zip(transfers, futures, results):
+        for (src_ids, dst_ids), fut, (nbytes, _secs) in zip(transfers, futures, results):
             got, event, first = fut.result(timeout=10)
             assert got == nbytes == len(src_ids) * bb and event is None and first is None
             touched.update(dst_ids)

@@ -4,7 +4,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from common.engine import LLM, InvalidParameter, SamplingParams
+from pdserve.common.engine import LLM, InvalidParameter, SamplingParams
 
 CHATS = ["What is the capital of France?", "Name three primary colors.", "What is 2+2?"]
 
@@ -75,7 +75,7 @@ def test_unknown_model_is_a_clear_error():
 def test_warm_up_leaves_no_trace(llm):
     """The warm-up step (run at start-up on CUDA) leaves the pool, the prefix cache, the
     counters and the next outputs as they were."""
-    from common.engine.warmup import scratch_blocks, warm_up
+    from pdserve.common.engine.warmup import scratch_blocks, warm_up
     eng = llm.engine
     prompt = llm.apply_chat_template([{"role": "user", "content": CHATS[0]}])
     params = SamplingParams(temperature=0, max_tokens=8)

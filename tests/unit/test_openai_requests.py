@@ -1,13 +1,13 @@
 """OpenAI request bodies -> GenerateRequest messages, and failures -> OpenAI's error shape
-(router.openai_api; pure functions, no server: the served API is in
+(pdserve.router.openai_api; pure functions, no server: the served API is in
 tests/integration/test_openai_api.py)."""
 from __future__ import annotations
 
 import pytest
 
-from common.grpc_utils import InvalidArgument, ResourceExhausted, Unavailable
-from router.openai_api.errors import ApiError, from_exception, openai_param
-from router.openai_api.requests import CHAT, COMPLETION, parse_chat, parse_completion
+from pdserve.common.grpc_utils import InvalidArgument, ResourceExhausted, Unavailable
+from pdserve.router.openai_api.errors import ApiError, from_exception, openai_param
+from pdserve.router.openai_api.requests import CHAT, COMPLETION, parse_chat, parse_completion
 
 
 def test_chat_body_becomes_one_chat_request_with_openai_defaults():
@@ -73,7 +73,8 @@ def test_request_path_errors_get_openai_names_and_statuses():
     assert openai_param("token_ids.ids[7]", prompt_field="prompt[1]") == "prompt[1][7]"
     assert openai_param("text") == "prompt" and openai_param("chat") == "messages"
     bad = from_exception(InvalidArgument("params.presence_penalty", "must be in [-2, 2], got 3.0"))
-    assert (bad.status, bad.param, bad.message) == (400, "presence_penalty", "presence_penalty: must be in [-2, 2], got 3.0")
+    assert (bad.status, bad.param, bad.message) == \
+        (400, "presence_penalty", "presence_penalty: must be in [-2, 2], got 3.0")
     busy, down = from_exception(ResourceExhausted("no room")), from_exception(Unavailable("no decode worker is up"))
     assert (busy.status, busy.type, busy.headers()) == (429, "rate_limit_error", {"retry-after": "1"})
     assert (down.status, down.code) == (503, "unavailable")

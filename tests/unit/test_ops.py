@@ -6,23 +6,20 @@ interpreter is not forced) the same checks run compiled on the GPU. The referenc
 against a dumb per-token loop on small cases.
 """
 import os
-import sys
-from pathlib import Path
 
 import torch
 
 if not torch.cuda.is_available():
-    # Must happen before triton decorates the kernels (i.e. before common.ops.* is imported).
+    # Must happen before triton decorates the kernels (i.e. before pdserve.common.ops.* is imported).
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 import pytest  # noqa: E402
 
 triton = pytest.importorskip("triton")
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-from common.ops import kv_store, paged_attention  # noqa: E402
-from common.ops.reference import (  # noqa: E402
+from pdserve.common.ops import kv_store, paged_attention  # noqa: E402
+from pdserve.common.ops.reference import (  # noqa: E402
     paged_attention_decode_ref,
     paged_attention_prefill_ref,
     store_kvcache_ref,

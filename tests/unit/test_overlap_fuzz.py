@@ -10,8 +10,8 @@ import random
 
 import pytest
 
-from common.engine import LLM, SamplingParams
-from common.engine.sequence import FinishReason
+from pdserve.common.engine import LLM, SamplingParams
+from pdserve.common.engine.sequence import FinishReason
 
 
 def _traffic(seed: int, stops: dict[str, int]) -> list[tuple[int, str, list[int], SamplingParams, bool]]:

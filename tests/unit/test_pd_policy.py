@@ -1,4 +1,4 @@
-"""router.pd_policy: local vs remote prefill, on hand-computed cases.
+"""pdserve.router.pd_policy: local vs remote prefill, on hand-computed cases.
 
 Common figures: D prefills at R = 10,000 tok/s, decodes in t_dec = 10 ms, mixes in t_mix = 40 ms
 under a budget B = 2,048, so c = (40 - 10) / 2048 = 0.0146484375 ms of step per prompt token.
@@ -7,16 +7,23 @@ A prompt of 4,000 uncached tokens: 400 ms of prefill at R; remote adds 2 ms + 4,
 from __future__ import annotations
 
 import math
-import sys
-from pathlib import Path
 
 import pytest
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
-
-from router.pd_policy import (DEFAULT_DECODE_STEP_MS, DEFAULT_PREFILL_TOKENS_PER_S, LOCAL, REMOTE,  # noqa: E402
-                              DecodePlace, PdConfig, PrefillPlace, decayed_rate, decide, ms_per_prompt_token,
-                              tpot_ms, uncached_tokens)
+from pdserve.router.pd_policy import (  # noqa: E402
+    DEFAULT_DECODE_STEP_MS,
+    DEFAULT_PREFILL_TOKENS_PER_S,
+    LOCAL,
+    REMOTE,
+    DecodePlace,
+    PdConfig,
+    PrefillPlace,
+    decayed_rate,
+    decide,
+    ms_per_prompt_token,
+    tpot_ms,
+    uncached_tokens,
+)
 
 approx = pytest.approx
 CFG = PdConfig(slo_ttft_ms=1000, slo_tpot_ms=50, local_max_tokens=256, remote_overhead_ms=2,

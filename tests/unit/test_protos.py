@@ -10,7 +10,6 @@ import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(ROOT))
 
 
 def test_stubs_are_up_to_date() -> None:
@@ -20,8 +19,7 @@ def test_stubs_are_up_to_date() -> None:
 
 
 def test_stubs_import_and_describe_the_contract() -> None:
-    from pdserve.v1 import (common_pb2, common_pb2_grpc, router_pb2, router_pb2_grpc,
-                            worker_pb2, worker_pb2_grpc)
+    from pdserve.v1 import common_pb2, common_pb2_grpc, router_pb2, router_pb2_grpc, worker_pb2, worker_pb2_grpc
 
     assert common_pb2.DESCRIPTOR.package == "pdserve.v1"
     services = {

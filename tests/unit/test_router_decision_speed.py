@@ -9,13 +9,13 @@ from types import SimpleNamespace
 
 import pytest
 
-import router.flow as flow_mod
+import pdserve.router.flow as flow_mod
 from bench.sim import decision
-from common.grpc_utils import Unavailable
-from common.hashing import block_hash_chain
-from router.attempt import Retry, Step
-from router.policy import DecodeCandidate, decode_score, pick_decode
-from router.prefix_index import PrefixIndex, PromptHasher, hash_chain
+from pdserve.common.grpc_utils import Unavailable
+from pdserve.common.hashing import block_hash_chain
+from pdserve.router.attempt import Retry, Step
+from pdserve.router.policy import DecodeCandidate, decode_score, pick_decode
+from pdserve.router.prefix_index import PrefixIndex, PromptHasher, hash_chain
 
 BS = 4
 

@@ -18,15 +18,15 @@ from pathlib import Path
 
 import pytest
 
-import router.workers as workers_mod
-from bench.scripted_worker import script_token
+import pdserve.router.workers as workers_mod
+from pdserve.loadtest.scripted_worker import script_token
+from pdserve.router.metrics import RouterMetrics
+from pdserve.router.observed import ObservedFlow
+from pdserve.router.servicer import GenerationServicer
+from pdserve.router.settings import RouterSettings
+from pdserve.router.tokenization import ModelSpec
+from pdserve.router.workers import WorkerRegistry
 from pdserve.v1 import common_pb2, router_pb2
-from router.metrics import RouterMetrics
-from router.observed import ObservedFlow
-from router.servicer import GenerationServicer
-from router.settings import RouterSettings
-from router.tokenization import ModelSpec
-from router.workers import WorkerRegistry
 
 ROOT = Path(__file__).resolve().parents[2]
 VOCAB = 512
@@ -57,9 +57,9 @@ def pods(tmp_path):
     for h in HOSTS:
         log = open(tmp_path / f"{h}.log", "w")
         procs[h] = subprocess.Popen(
-            [sys.executable, "-m", "bench.scripted_worker", "--host", h, "--advertise", h, "--port", str(port),
-             "--role", "both", "--model", "tiny-llama", "--vocab", str(VOCAB), "--max-model-len", "1024",
-             "--step-ms", "20"], cwd=ROOT, stdout=log, stderr=subprocess.STDOUT)
+            [sys.executable, "-m", "pdserve.loadtest.scripted_worker", "--host", h, "--advertise", h,
+             "--port", str(port), "--role", "both", "--model", "tiny-llama", "--vocab", str(VOCAB),
+             "--max-model-len", "1024", "--step-ms", "20"], cwd=ROOT, stdout=log, stderr=subprocess.STDOUT)
     try:
         yield port, procs
     finally:

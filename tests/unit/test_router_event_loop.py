@@ -6,13 +6,10 @@ from __future__ import annotations
 import argparse
 import asyncio
 import sys
-from pathlib import Path
 
 import pytest
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
-
-from router import main as router_main  # noqa: E402
+from pdserve.router import main as router_main  # noqa: E402
 
 
 def _args(argv: list[str]) -> argparse.Namespace:

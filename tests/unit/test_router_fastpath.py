@@ -1,4 +1,4 @@
-"""The router's hot-path pieces: the fast block hash chain (same hashes as common.hashing), the
+"""The router's hot-path pieces: the fast block hash chain (same hashes as pdserve.common.hashing), the
 per-request output buffer, merging everything buffered into one step (one client message),
 OutputProcessor.step against the generic add(), the prompt's wire ids, and the scripted
 worker's outbox (queued steps merged into one SequenceOutput per request)."""
@@ -6,23 +6,19 @@ from __future__ import annotations
 
 import asyncio
 import random
-import sys
-from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
-
-from bench.scripted_worker import Outbox  # noqa: E402
-from common.grpc_utils import InvalidArgument, Unavailable  # noqa: E402
-from common.hashing import block_hash_chain  # noqa: E402
+from pdserve.common.grpc_utils import InvalidArgument, Unavailable  # noqa: E402
+from pdserve.common.hashing import block_hash_chain  # noqa: E402
+from pdserve.loadtest.scripted_worker import Outbox  # noqa: E402
+from pdserve.router.attempt import Attempt  # noqa: E402
+from pdserve.router.output import OutputProcessor  # noqa: E402
+from pdserve.router.prefix_index import PrefixIndex, hash_chain  # noqa: E402
+from pdserve.router.subscription import OutputBuffer  # noqa: E402
+from pdserve.router.tokenization import build_prompt, resolve_spec  # noqa: E402
 from pdserve.v1 import common_pb2, router_pb2, worker_pb2  # noqa: E402
-from router.attempt import Attempt  # noqa: E402
-from router.output import OutputProcessor  # noqa: E402
-from router.prefix_index import PrefixIndex, hash_chain  # noqa: E402
-from router.subscription import OutputBuffer  # noqa: E402
-from router.tokenization import build_prompt, resolve_spec  # noqa: E402
 
 
 class CharTokenizer:
@@ -143,7 +139,7 @@ def test_scripted_outbox_merges_per_request() -> None:
 
 
 def test_params_cache_shares_validated_params_and_never_caches_errors() -> None:
-    from router.validation import ParamsCache
+    from pdserve.router.validation import ParamsCache
     cache = ParamsCache(vocab_size=512, has_tokenizer=False, max_entries=2)
     k1, p1 = cache.validate(common_pb2.SamplingParams(max_tokens=5, temperature=0.5))
     k2, p2 = cache.validate(common_pb2.SamplingParams(temperature=0.5, max_tokens=5))
@@ -182,7 +178,7 @@ def test_decode_stream_break_before_the_first_token_cancels_the_prefill_call() -
     """Disaggregated, waiting for the Prefill stream's first token: an error on the decode
     worker's output stream cancels the Prefill call and fails over (a Retry naming the decode
     worker), without a watcher task."""
-    from router.attempt import Retry
+    from pdserve.router.attempt import Retry
 
     async def scenario() -> None:
         att = _attempt()
@@ -222,7 +218,7 @@ def test_prefill_request_is_built_before_the_reservation_answers() -> None:
 
 
 def test_early_headers_are_sent_once_and_settled() -> None:
-    from router.servicer import EarlyHeaders
+    from pdserve.router.servicer import EarlyHeaders
 
     async def scenario() -> None:
         sent = []

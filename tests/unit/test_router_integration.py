@@ -1,4 +1,4 @@
-"""The router over real gRPC, with scripted workers (bench/scripted_worker.py), all as separate
+"""The router over real gRPC, with scripted workers (pdserve/loadtest/scripted_worker.py), all as separate
 processes on free local ports.
 
 Deployments (started once for the module, concurrently):
@@ -29,9 +29,8 @@ import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 ROOT = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(ROOT))
 
-from bench.scripted_worker import script_logprob, script_token  # noqa: E402
+from pdserve.loadtest.scripted_worker import script_logprob, script_token  # noqa: E402
 from pdserve.v1 import common_pb2, common_pb2_grpc, router_pb2, router_pb2_grpc, worker_pb2, worker_pb2_grpc  # noqa: E402
 
 SP = common_pb2.SamplingParams
@@ -120,20 +119,20 @@ class Deployment:
 
 def worker(tmp: Path, name: str, role: str, *extra: str) -> Proc:
     port = free_port()
-    return Proc(name, ["-m", "bench.scripted_worker", "--port", str(port), "--role", role, *extra],
+    return Proc(name, ["-m", "pdserve.loadtest.scripted_worker", "--port", str(port), "--role", role, *extra],
                 tmp / f"{name}.log", port)
 
 
 def router(tmp: Path, name: str, model: str, prefill: str, decode: str, metrics_port: int = 0) -> Proc:
     port = free_port()
-    return Proc(name, ["-m", "router.main", "--port", str(port), "--host", "127.0.0.1", "--metrics-port",
+    return Proc(name, ["-m", "pdserve.router.main", "--port", str(port), "--host", "127.0.0.1", "--metrics-port",
                        str(metrics_port), "--model", model, "--prefill", prefill, "--decode", decode,
                        "--router-id", name], tmp / f"{name}.log", port)
 
 
 @pytest.fixture(scope="module")
 def cluster(tmp_path_factory):
-    from router.tokenization import resolve_spec
+    from pdserve.router.tokenization import resolve_spec
     resolve_spec("default")   # import the embedded model once, before the routers race for it
     tmp = tmp_path_factory.mktemp("router")
     tiny = ("--model", "tiny-llama", "--vocab", str(TINY_VOCAB), "--max-model-len", "1024")
@@ -212,7 +211,7 @@ def test_disaggregated_stream_tokens_usage_logprobs(cluster) -> None:
     assert last.finish_reason == FR.FINISH_REASON_LENGTH
     assert (last.usage.prompt_tokens, last.usage.completion_tokens) == (40, 12)
     assert all(m.request_id == msgs[0].request_id and m.request_id for m in msgs)
-    from router.tokenization import RouterTokenizer, resolve_spec
+    from pdserve.router.tokenization import RouterTokenizer, resolve_spec
     hf = RouterTokenizer(resolve_spec("default").tokenizer_dir).hf
     assert "".join(m.text for m in msgs) == hf.decode(tokens, skip_special_tokens=True)
     poll(idle(dep, "decode"), "decode worker idle")
@@ -290,7 +289,8 @@ BAD = [
     (router_pb2.GenerateRequest(text="hi", params=SP(top_p=2.0)), "top_p"),
     (router_pb2.GenerateRequest(text="hi", params=SP(temperature=-1)), "temperature"),
     (router_pb2.GenerateRequest(text="hi", params=SP(max_tokens=9000)), "max_tokens"),
-    (router_pb2.GenerateRequest(chat=router_pb2.ChatMessages(messages=[router_pb2.ChatMessage(role="wizard", content="x")])),
+    (router_pb2.GenerateRequest(
+        chat=router_pb2.ChatMessages(messages=[router_pb2.ChatMessage(role="wizard", content="x")])),
      "role"),
     (router_pb2.GenerateRequest(chat=router_pb2.ChatMessages()), "chat.messages"),
     (ids_request([1, VOCAB + 5]), "token_ids.ids[1]"),
@@ -401,9 +401,9 @@ def test_failover_retry_then_worker_down(cluster) -> None:
 
 # ---- the Python client --------------------------------------------------------------------------
 def test_python_client(cluster) -> None:
-    from common.engine.sampling_params import SamplingParams
-    from common.grpc_utils import InvalidArgument
     from pdserve.client import generate, stream_generate
+    from pdserve.common.grpc_utils import InvalidArgument
+    from pdserve.common.sampling_params import SamplingParams
 
     address = cluster["disagg"].router.address
     params = SamplingParams(temperature=0.0, max_tokens=6)

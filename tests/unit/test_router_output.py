@@ -1,20 +1,15 @@
 """Router pieces without a network: stop strings / detokenization, sampling validation, prompts."""
 from __future__ import annotations
 
-import sys
-from pathlib import Path
-
 import pytest
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
-
-from common.grpc_utils import InvalidArgument  # noqa: E402
+from pdserve.common.grpc_utils import InvalidArgument  # noqa: E402
+from pdserve.common.grpc_utils.convert import sampling_params_to_proto  # noqa: E402
+from pdserve.router.output import OutputProcessor  # noqa: E402
+from pdserve.router.tokenization import build_prompt, check_context, resolve_spec  # noqa: E402
+from pdserve.router.validation import from_proto  # noqa: E402
+from pdserve.router.workers import parse_addresses, split_dns_target  # noqa: E402
 from pdserve.v1 import common_pb2, router_pb2  # noqa: E402
-from router.output import OutputProcessor  # noqa: E402
-from router.tokenization import build_prompt, check_context, resolve_spec  # noqa: E402
-from common.grpc_utils.convert import sampling_params_to_proto  # noqa: E402
-from router.validation import from_proto  # noqa: E402
-from router.workers import parse_addresses, split_dns_target  # noqa: E402
 
 
 class CharTokenizer:

@@ -1,15 +1,16 @@
 """Router placement, pure: the prefix index (longest-prefix match over KV events) and the policy."""
 from __future__ import annotations
 
-import sys
-from pathlib import Path
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
-
-from common.hashing import block_hash_chain  # noqa: E402
-from router.policy import (DecodeCandidate, PrefillCandidate, decode_score, pick_decode,  # noqa: E402
-                           pick_prefill, prefill_cost)
-from router.prefix_index import PrefixIndex  # noqa: E402
+from pdserve.common.hashing import block_hash_chain  # noqa: E402
+from pdserve.router.policy import (  # noqa: E402
+    DecodeCandidate,
+    PrefillCandidate,
+    decode_score,
+    pick_decode,
+    pick_prefill,
+    prefill_cost,
+)
+from pdserve.router.prefix_index import PrefixIndex  # noqa: E402
 
 BS = 4
 

@@ -3,18 +3,14 @@ registration checks, and step merging in an attempt (several queued outputs -> o
 from __future__ import annotations
 
 import asyncio
-import sys
-from pathlib import Path
 from types import SimpleNamespace
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
-
-import router.workers as workers_mod  # noqa: E402
+import pdserve.router.workers as workers_mod  # noqa: E402
+from pdserve.router.attempt import Attempt  # noqa: E402
+from pdserve.router.settings import RouterSettings  # noqa: E402
+from pdserve.router.tokenization import ModelSpec  # noqa: E402
+from pdserve.router.workers import WorkerRegistry  # noqa: E402
 from pdserve.v1 import common_pb2, worker_pb2  # noqa: E402
-from router.attempt import Attempt  # noqa: E402
-from router.settings import RouterSettings  # noqa: E402
-from router.tokenization import ModelSpec  # noqa: E402
-from router.workers import WorkerRegistry  # noqa: E402
 
 SPEC = ModelSpec("m", max_model_len=1024, vocab_size=512)
 
@@ -93,9 +89,9 @@ def test_stats_timeouts_mark_a_worker_down_only_in_a_row() -> None:
     from grpc import StatusCode
     from grpc.aio import AioRpcError, Metadata
 
-    from router.prefix_index import PrefixIndex
-    from router.settings import STATS_MISSES_DOWN
-    from router.worker_client import WorkerClient
+    from pdserve.router.prefix_index import PrefixIndex
+    from pdserve.router.settings import STATS_MISSES_DOWN
+    from pdserve.router.worker_client import WorkerClient
 
     class FakeStub:
         def __init__(self) -> None:
@@ -142,7 +138,7 @@ def test_kv_events_only_for_workers_with_a_peer_of_their_kind() -> None:
     """The prefix index only ranks two or more candidates: a lone decode (or prefill) worker's
     KV events are not consumed; a second one of its pool turns them on for both, and losing it
     turns them off again (and forgets the index entries). A both worker is in both pools: it
-    is also a place to prefill, beside the prefill worker (router.pd_policy)."""
+    is also a place to prefill, beside the prefill worker (pdserve.router.pd_policy)."""
     async def scenario() -> None:
         reg = WorkerRegistry(RouterSettings("r"), SPEC, "p:1", "d:1,d:2")
         for address, roles in reg._targets:

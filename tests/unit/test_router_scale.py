@@ -6,10 +6,16 @@ from types import SimpleNamespace
 
 from bench.sim import analysis
 from bench.sim.cost import CostModel, take_batch
-from common.hashing import block_hash_chain
-from router.policy import (DecodeCandidate, PrefillCandidate, decode_load_tokens, pick_decode,
-                           pick_prefill, prefill_cost)
-from router.prefix_index import PrefixIndex
+from pdserve.common.hashing import block_hash_chain
+from pdserve.router.policy import (
+    DecodeCandidate,
+    PrefillCandidate,
+    decode_load_tokens,
+    pick_decode,
+    pick_prefill,
+    prefill_cost,
+)
+from pdserve.router.prefix_index import PrefixIndex
 
 BS = 4
 

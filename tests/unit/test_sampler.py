@@ -6,9 +6,9 @@ import math
 import pytest
 import torch
 
-from common.engine.sampling_params import SamplingParams
-from common.engine.sequence import Sequence
-from common.layers.sampler import Sampler, SamplerOutput, SamplingBatch, prepare_sampling
+from pdserve.common.engine.sequence import Sequence
+from pdserve.common.layers.sampler import Sampler, SamplerOutput, SamplingBatch, prepare_sampling
+from pdserve.common.sampling_params import SamplingParams
 
 CPU = torch.device("cpu")
 BLOCK = 16
@@ -186,7 +186,7 @@ def _chi_square(tokens: torch.Tensor, probs: torch.Tensor) -> float:
 
 @pytest.mark.parametrize("temperature", [1.0, 0.5, 2.0])
 def test_empirical_distribution_matches_softmax(temperature):
-    V, n = 6, 20000
+    n = 20000
     row = torch.tensor([1.0, 0.5, 0.0, -0.5, 0.3, -1.0])
     tokens = sample_many(SamplingParams(temperature=temperature), row, n, seed=9)
     chi2 = _chi_square(tokens, torch.softmax(row / temperature, -1))
@@ -194,7 +194,7 @@ def test_empirical_distribution_matches_softmax(temperature):
 
 
 def test_seeded_rows_distribution_matches_softmax():
-    V, steps = 5, 3000
+    steps = 3000
     row = torch.tensor([0.2, 1.0, -0.3, 0.0, 0.6])
     seq = make_seq(SamplingParams(seed=1234))
     gens: dict[int, torch.Generator] = {}
@@ -310,7 +310,7 @@ def test_repetition_penalty_changes_greedy_pick():
 
 
 def test_repetition_penalty_lowers_sampled_probability():
-    V, n = 5, 6000
+    n = 6000
     row = torch.tensor([1.0, 1.0, 0.0, 0.0, 0.0])
     torch.manual_seed(14)
     seqs = [make_seq(SamplingParams(repetition_penalty=3.0), prompt=(0,)) for _ in range(n)]

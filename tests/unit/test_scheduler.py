@@ -2,10 +2,10 @@
 preemption of the newest, recompute. Chunked steps: test_scheduler_chunked.py."""
 from __future__ import annotations
 
-from common.engine.block_manager import BlockManager
-from common.engine.sampling_params import SamplingParams
-from common.engine.scheduler import Scheduler, SchedulerConfig
-from common.engine.sequence import FinishReason, Sequence, SequenceStatus
+from pdserve.common.engine.block_manager import BlockManager
+from pdserve.common.engine.scheduler import Scheduler, SchedulerConfig
+from pdserve.common.engine.sequence import FinishReason, Sequence, SequenceStatus
+from pdserve.common.sampling_params import SamplingParams
 
 BS = 4
 

@@ -6,10 +6,10 @@ import random
 
 import pytest
 
-from common.engine.block_manager import BlockManager
-from common.engine.sampling_params import SamplingParams
-from common.engine.scheduler import Scheduler, SchedulerConfig
-from common.engine.sequence import FinishReason, Sequence, SequenceStatus
+from pdserve.common.engine.block_manager import BlockManager
+from pdserve.common.engine.scheduler import Scheduler, SchedulerConfig
+from pdserve.common.engine.sequence import FinishReason, Sequence, SequenceStatus
+from pdserve.common.sampling_params import SamplingParams
 
 BS = 4
 
@@ -76,7 +76,7 @@ def test_decode_rows_first_then_running_chunk_then_waiting():
 def test_budget_and_max_num_seqs_never_exceeded():
     rng = random.Random(0)
     sched, bm = make(num_blocks=48, max_num_seqs=6, budget=12)
-    for step in range(400):
+    for _ in range(400):
         if rng.random() < 0.3:
             sched.add(seq(rng.randint(1, 40), rng.randint(3, 900), max_tokens=rng.randint(1, 20)))
         decoding = {s.seq_id for s in sched.running if s.num_tokens - s.num_cached_tokens == 1}

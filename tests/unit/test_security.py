@@ -17,9 +17,9 @@ import pytest
 import torch
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from common.grpc_utils import Service, build_server, client_channel
-from common.kv_transfer import KvStoreServer, KvTransferError, PairChannel, new_pair_secret
-from common.security import BearerTokens, ClientSecurity, ServerSecurity, TlsFiles
+from pdserve.common.grpc_utils import Service, build_server, client_channel
+from pdserve.common.kv_transfer import KvStoreServer, KvTransferError, PairChannel, new_pair_secret
+from pdserve.common.security import BearerTokens, ClientSecurity, ServerSecurity, TlsFiles
 from pdserve.v1 import common_pb2, common_pb2_grpc
 from tests.security_certs import CA, serial_of
 
@@ -106,7 +106,8 @@ def test_public_tls_and_tokens(pki):
                                                     token_file=pki["tokens"])) == grpc.StatusCode.OK
             # a plaintext client, and a client that trusts another CA, cannot talk to it
             assert await _health(addr, ClientSecurity()) == grpc.StatusCode.UNAVAILABLE
-            assert await _health(addr, ClientSecurity(tls=TlsFiles(ca=pki["other"].path))) == grpc.StatusCode.UNAVAILABLE
+            assert await _health(addr, ClientSecurity(tls=TlsFiles(ca=pki["other"].path))) \
+                == grpc.StatusCode.UNAVAILABLE
             # reflection turned off
             async with client_channel(addr, security=trusting) as ch:
                 call = ch.unary_unary("/grpc.reflection.v1alpha.ServerReflection/ServerReflectionInfo")
@@ -181,8 +182,8 @@ def test_certificate_reload(pki, tmp_path):
             # a broken update (key of another certificate) keeps the working certificate
             cert.write_bytes(first[0].read_bytes())
             assert await asyncio.to_thread(_served_serial, server.port, ca, client) == after
-            assert await _info(f"127.0.0.1:{server.port}", ClientSecurity(tls=TlsFiles(*client, ca),
-                                                                           server_name="localhost")) == grpc.StatusCode.OK
+            secure_client = ClientSecurity(tls=TlsFiles(*client, ca), server_name="localhost")
+            assert await _info(f"127.0.0.1:{server.port}", secure_client) == grpc.StatusCode.OK
         finally:
             await server.stop_now()
     asyncio.run(main())
@@ -260,8 +261,8 @@ def test_client_channels_follow_rotated_credentials(pki, tmp_path):
     """Long-lived channels to workers (router -> worker, prefill -> decode) are made anew when
     the client's credential files change on disk: a rotated internal token is used without a
     restart, and a channel still holding the old one is refused once the server rotated too."""
-    from common.grpc_utils.channels import RenewingChannels
-    from common.security import set_default_client_security
+    from pdserve.common.grpc_utils.channels import RenewingChannels
+    from pdserve.common.security import set_default_client_security
     server_tokens, client_token = tmp_path / "accepted", tmp_path / "token"
     server_tokens.write_text("old-token\n")
     client_token.write_text("old-token\n")

@@ -1,0 +1,151 @@
+"""Frozen, validated configuration: the model's geometry and the engine's limits."""
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "qwen3")
+_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16,
+           "float64": torch.float64}
+
+
+def parse_dtype(name: str | torch.dtype) -> torch.dtype:
+    if isinstance(name, torch.dtype):
+        return name
+    key = str(name).replace("torch.", "")
+    if key not in _DTYPES:
+        raise ValueError(f"dtype: unknown {name!r}; expected one of {', '.join(_DTYPES)}")
+    return _DTYPES[key]
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """The decoder geometry read from an HF ``config.json`` (Llama / Qwen2 / Qwen3)."""
+
+    model_type: str
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    max_position_embeddings: int
+    rms_norm_eps: float
+    rope_theta: float
+    tie_word_embeddings: bool
+    attention_bias: bool          # q/k/v projections have a bias (Qwen2; Llama if set)
+    o_bias: bool                  # o_proj has a bias (Llama with attention_bias)
+    mlp_bias: bool
+    qk_norm: bool                 # RMSNorm on q and k per head (Qwen3)
+    eos_token_ids: tuple[int, ...] = ()
+    bos_token_id: int | None = None
+    torch_dtype: str = "float32"
+    name: str = "model"
+
+    def __post_init__(self) -> None:
+        if self.model_type not in SUPPORTED_MODEL_TYPES:
+            raise ValueError(f"model_type: {self.model_type!r} is not supported "
+                             f"({', '.join(SUPPORTED_MODEL_TYPES)})")
+        if self.num_attention_heads % self.num_key_value_heads:
+            raise ValueError(f"num_attention_heads ({self.num_attention_heads}) must be a multiple "
+                             f"of num_key_value_heads ({self.num_key_value_heads})")
+        for name in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
+                     "head_dim", "max_position_embeddings"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1")
+
+    @property
+    def kv_bytes_per_token(self) -> int:
+        """Bytes of K and V for one token over all layers, in ``torch_dtype``."""
+        elt = torch.tensor([], dtype=parse_dtype(self.torch_dtype)).element_size()
+        return 2 * self.num_hidden_layers * self.num_key_value_heads * self.head_dim * elt
+
+    @classmethod
+    def from_hf_dict(cls, d: dict, name: str = "model") -> ModelConfig:
+        model_type = d.get("model_type", "llama")
+        heads = d["num_attention_heads"]
+        rope = d.get("rope_parameters") or {}
+        rope_scaling = d.get("rope_scaling") or {}
+        rope_type = rope.get("rope_type") or rope_scaling.get("rope_type") or rope_scaling.get("type")
+        if rope_type not in (None, "default"):
+            raise ValueError(f"rope_scaling: type {rope_type!r} is not supported")
+        eos = d.get("eos_token_id")
+        eos_ids = tuple(eos) if isinstance(eos, list) else ((eos,) if eos is not None else ())
+        attention_bias = bool(d.get("attention_bias", model_type == "qwen2"))
+        return cls(
+            model_type=model_type,
+            vocab_size=d["vocab_size"],
+            hidden_size=d["hidden_size"],
+            intermediate_size=d["intermediate_size"],
+            num_hidden_layers=d["num_hidden_layers"],
+            num_attention_heads=heads,
+            num_key_value_heads=d.get("num_key_value_heads") or heads,
+            head_dim=d.get("head_dim") or d["hidden_size"] // heads,
+            max_position_embeddings=d.get("max_position_embeddings", 4096),
+            rms_norm_eps=d.get("rms_norm_eps", 1e-6),
+            rope_theta=float(rope.get("rope_theta") or d.get("rope_theta") or 10000.0),
+            tie_word_embeddings=bool(d.get("tie_word_embeddings", False)),
+            attention_bias=attention_bias or model_type == "qwen2",
+            o_bias=attention_bias and model_type == "llama",
+            mlp_bias=bool(d.get("mlp_bias", False)),
+            qk_norm=model_type == "qwen3",
+            eos_token_ids=eos_ids,
+            bos_token_id=d.get("bos_token_id"),
+            torch_dtype=str(d.get("torch_dtype") or d.get("dtype") or "float32").replace("torch.", ""),
+            name=name,
+        )
+
+    @classmethod
+    def from_file(cls, path: Path, name: str | None = None) -> ModelConfig:
+        with open(path) as f:
+            return cls.from_hf_dict(json.load(f), name or Path(path).parent.name)
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    """Limits and placement of one engine (one worker or one offline ``LLM``)."""
+
+    model: str                              # checkpoint dir, or a preset name (see pdserve/common/presets)
+    dtype: str = "auto"                     # "auto" = checkpoint dtype on GPU, float32 on CPU
+    device: str = "auto"                    # "auto" = cuda if available, else cpu
+    block_size: int = 16
+    max_num_seqs: int = 256
+    max_num_batched_tokens: int = 16384
+    max_model_len: int | None = None        # None = the model's max_position_embeddings, capped
+    num_kv_blocks: int | None = None        # explicit pool size; None = sized from memory
+    kv_cache_memory_gb: float | None = None # memory for the KV pool; None = fraction below
+    gpu_memory_utilization: float = 0.9
+    attention_backend: str = "auto"
+    enforce_eager: bool = False             # no CUDA graphs
+    seed: int = 0                           # dummy-weight seed (presets / configs)
+    enable_prefix_caching: bool = True
+    async_scheduling: bool | None = None    # overlap host work with the GPU; None = with CUDA graphs
+    warmup: bool = True                     # CUDA: compile every kernel variant before serving
+    enable_chunked_prefill: bool = True     # mixed steps: decode rows + prompt chunks under one budget
+    max_num_partial_prefills: int = 1       # prompts partly prefilled at once (chunked prefill)
+    long_prefill_token_threshold: int = 0   # cap on one prompt's chunk per step; 0 = no cap
+    extra: dict = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        if not self.model:
+            raise ValueError("model: must name a checkpoint directory or a preset")
+        if self.block_size < 1 or self.block_size & (self.block_size - 1):
+            raise ValueError(f"block_size must be a power of two, got {self.block_size}")
+        if self.max_num_seqs < 1:
+            raise ValueError(f"max_num_seqs must be >= 1, got {self.max_num_seqs}")
+        if self.max_num_batched_tokens < 1:
+            raise ValueError(f"max_num_batched_tokens must be >= 1, got {self.max_num_batched_tokens}")
+        if self.max_num_partial_prefills < 1:
+            raise ValueError(f"max_num_partial_prefills must be >= 1, got {self.max_num_partial_prefills}")
+        if self.long_prefill_token_threshold < 0:
+            raise ValueError(f"long_prefill_token_threshold must be >= 0, got {self.long_prefill_token_threshold}")
+        if self.num_kv_blocks is not None and self.num_kv_blocks < 1:
+            raise ValueError(f"num_kv_blocks must be >= 1, got {self.num_kv_blocks}")
+        if not 0.0 < self.gpu_memory_utilization <= 1.0:
+            raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
+        if self.dtype != "auto":
+            parse_dtype(self.dtype)

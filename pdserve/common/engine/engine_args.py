@@ -1,0 +1,26 @@
+"""Command-line flags of the engine's scheduling that every front end shares (workers, the
+offline CLI, benchmarks), named as vLLM names them, with PDSERVE_* environment defaults."""
+from __future__ import annotations
+
+import argparse
+
+from pdserve.common import env
+
+
+def add_chunked_prefill_arguments(p: argparse.ArgumentParser) -> None:
+    """vLLM's flags for chunked prefill (also used by the offline CLI and benchmarks)."""
+    p.add_argument("--enable-chunked-prefill", action=argparse.BooleanOptionalAction,
+                   default=env.get_bool("ENABLE_CHUNKED_PREFILL", True),
+                   help="mix decode rows and prompt chunks in one step under --max-num-batched-tokens "
+                        "(env PDSERVE_ENABLE_CHUNKED_PREFILL; default on)")
+    p.add_argument("--max-num-partial-prefills", type=int, default=env.get_int("MAX_NUM_PARTIAL_PREFILLS", 1),
+                   help="prompts that may be partly prefilled at once (chunked prefill)")
+    p.add_argument("--long-prefill-token-threshold", type=int,
+                   default=env.get_int("LONG_PREFILL_TOKEN_THRESHOLD", 0),
+                   help="cap on one prompt's chunk per step, so later prompts share the budget; 0 = no cap")
+
+
+def chunked_prefill_kwargs(args: argparse.Namespace) -> dict:
+    return {"enable_chunked_prefill": args.enable_chunked_prefill,
+            "max_num_partial_prefills": args.max_num_partial_prefills,
+            "long_prefill_token_threshold": args.long_prefill_token_threshold}

@@ -1,0 +1,285 @@
+"""The engine loop: requests in, one scheduled step at a time, tokens out.
+
+Used in-process by the offline ``LLM`` and by the workers. Never imports gRPC or protobuf.
+"""
+from __future__ import annotations
+
+import json
+import logging
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from pdserve.common.config import EngineConfig
+from pdserve.common.engine import overlap
+from pdserve.common.engine.block_manager import BlockManager
+from pdserve.common.engine.model_runner import LaunchedStep, ModelRunner
+from pdserve.common.engine.scheduler import Scheduler, SchedulerConfig
+from pdserve.common.engine.sequence import FinishReason, Sequence, SequenceStatus
+from pdserve.common.engine.step_timer import StepTimer
+from pdserve.common.engine.warmup import scratch_blocks, warm_up
+from pdserve.common.loader import ModelSource, resolve_model
+from pdserve.common.sampling_params import InvalidParameter, SamplingParams
+
+logger = logging.getLogger(__name__)
+
+
+class OutOfBlocks(RuntimeError):
+    """The KV pool cannot hold the request now."""
+
+
+class DuplicateRequest(ValueError):
+    """A request id that is already in flight."""
+DEFAULT_MAX_MODEL_LEN = 8192
+
+
+@dataclass
+class StepOutput:
+    """What one step did: each sequence that got a token, and which finished."""
+
+    is_prefill: bool               # the step computed prompt tokens (it may also have decode rows)
+    seqs: list[Sequence] = field(default_factory=list)
+    new_token_ids: list[int] = field(default_factory=list)
+    finished: list[Sequence] = field(default_factory=list)
+    num_computed_tokens: int = 0   # tokens computed: prompt chunks plus one per decode row
+    num_decode_rows: int = 0       # rows that decoded one token (a step with both is "mixed")
+
+    @property
+    def num_prefill_tokens(self) -> int:
+        return self.num_computed_tokens - self.num_decode_rows
+
+
+class LLMEngine:
+    def __init__(self, config: EngineConfig, source: ModelSource | None = None,
+                 kv_event_sink: Callable[[str, int], None] | None = None) -> None:
+        self.config = config
+        self.source = source or resolve_model(config.model)
+        self.model_runner = ModelRunner(config, self.source)
+        num_blocks = self.model_runner.allocate_kv_cache()
+        self.max_model_len = self._max_model_len(num_blocks)
+        self.model_runner.capture_cuda_graphs(self.max_model_len)
+        sink = kv_event_sink
+        self.block_manager = BlockManager(
+            num_blocks, config.block_size,
+            on_stored=(lambda h: sink("stored", h)) if sink else None,
+            on_evicted=(lambda h: sink("evicted", h)) if sink else None)
+        if self.model_runner.device.type == "cuda" and config.warmup:
+            warm_up(self.model_runner, scratch_blocks(self.block_manager), self.max_model_len)
+        self.eos_token_ids = self._eos_token_ids()
+        self.scheduler = Scheduler(self._scheduler_config(), self.block_manager)
+        self.tokenizer = self._load_tokenizer()
+        self.pending: overlap.PendingStep | None = None   # a step launched, its tokens not yet read
+        self.step_timer = StepTimer()
+        self.overlap_enabled = self._overlap_enabled()
+        self.requests: dict[str, Sequence] = {}   # queued, running or reserved
+        self.held: dict[str, Sequence] = {}       # prefill-only, first token out, blocks kept
+        # Called on this thread right after a prefill step is launched (its KV and tokens
+        # still being computed on the device): ``(seqs, launched)``, row i of ``launched`` is
+        # ``seqs[i]``. A prefill worker starts shipping the KV from here.
+        self.on_prefill_launch: Callable[[list[Sequence], LaunchedStep], None] | None = None
+
+    # ---- setup ------------------------------------------------------------------------
+    def _max_model_len(self, num_blocks: int) -> int:
+        model_max = self.source.config.max_position_embeddings
+        wanted = self.config.max_model_len or min(model_max, DEFAULT_MAX_MODEL_LEN)
+        if wanted > model_max:
+            raise ValueError(f"max_model_len ({wanted}) exceeds the model's context ({model_max})")
+        # one sequence must always fit the pool, or the scheduler could never run it
+        return min(wanted, num_blocks * self.config.block_size)
+
+    def _scheduler_config(self) -> SchedulerConfig:
+        c = self.config
+        budget = c.max_num_batched_tokens
+        if not c.enable_chunked_prefill:
+            budget = max(budget, self.max_model_len)      # every prompt must fit one step
+        return SchedulerConfig(
+            max_num_seqs=c.max_num_seqs, max_num_batched_tokens=budget, max_model_len=self.max_model_len,
+            eos_token_ids=self.eos_token_ids, enable_chunked_prefill=c.enable_chunked_prefill,
+            max_num_partial_prefills=c.max_num_partial_prefills,
+            long_prefill_token_threshold=c.long_prefill_token_threshold)
+
+    def _overlap_enabled(self) -> bool:
+        setting = self.config.async_scheduling
+        if setting is None:
+            return self.model_runner.graph_runner is not None
+        return setting
+
+    def _eos_token_ids(self) -> tuple[int, ...]:
+        ids = set(self.source.config.eos_token_ids)
+        if self.source.checkpoint_dir is not None:
+            gen = self.source.checkpoint_dir / "generation_config.json"
+            if gen.is_file():
+                eos = json.loads(gen.read_text()).get("eos_token_id")
+                ids.update(eos if isinstance(eos, list) else [eos] if eos is not None else [])
+        return tuple(sorted(ids))
+
+    def _load_tokenizer(self):
+        if self.source.tokenizer_dir is None:
+            return None
+        from transformers import AutoTokenizer
+        return AutoTokenizer.from_pretrained(str(self.source.tokenizer_dir))
+
+    # ---- requests -----------------------------------------------------------------------
+    def validate(self, prompt_token_ids: list[int], params: SamplingParams) -> None:
+        """Raise InvalidParameter naming the field when the request cannot run here."""
+        if not prompt_token_ids:
+            raise InvalidParameter("prompt", "must not be empty")
+        vocab = self.source.config.vocab_size
+        bad = [t for t in prompt_token_ids if not 0 <= t < vocab]
+        if bad:
+            raise InvalidParameter("prompt_token_ids", f"token id {bad[0]} is outside the vocabulary [0, {vocab})")
+        if len(prompt_token_ids) >= self.max_model_len:
+            raise InvalidParameter("prompt", f"{len(prompt_token_ids)} tokens leave no room to generate "
+                                             f"within the model context of {self.max_model_len} tokens")
+
+    def _new_sequence(self, prompt_token_ids: list[int], params: SamplingParams,
+                      request_id: str | None) -> Sequence:
+        self.validate(prompt_token_ids, params)
+        if request_id is not None and request_id in self.requests:
+            raise DuplicateRequest(f"request_id {request_id!r} is already in flight")
+        seq = Sequence(prompt_token_ids, params, self.config.block_size, request_id)
+        self.requests[seq.request_id] = seq
+        return seq
+
+    def add_request(self, prompt_token_ids: list[int], params: SamplingParams,
+                    request_id: str | None = None, prefill_only: bool = False) -> Sequence:
+        """Queue a request. ``prefill_only``: stop after the first token and keep the blocks
+        (the prompt's KV) until ``release_held`` — for a prefill worker that ships them."""
+        seq = self._new_sequence(prompt_token_ids, params, request_id)
+        seq.prefill_only = prefill_only
+        self.scheduler.add(seq)
+        return seq
+
+    # ---- KV imported from a prefill worker (decode side) ----------------------------------
+    def reserve(self, prompt_token_ids: list[int], params: SamplingParams, request_id: str) -> Sequence:
+        """Blocks for a prompt whose KV will arrive from elsewhere; reuses cached prefix blocks.
+
+        The new blocks are not offered to the prefix cache until ``admit_imported``.
+        Raises OutOfBlocks when the pool cannot hold the prompt now.
+        """
+        seq = self._new_sequence(prompt_token_ids, params, request_id)
+        if not self.block_manager.can_allocate(seq):
+            del self.requests[seq.request_id]
+            raise OutOfBlocks(f"{self.block_manager.num_blocks_needed(seq)} KV blocks needed, "
+                              f"{self.block_manager.num_free_blocks} free")
+        self.block_manager.allocate(seq, register=False)
+        return seq
+
+    def admit_imported(self, seq: Sequence, first_token_id: int, logprob: float | None) -> bool:
+        """The prompt's KV has landed: append the first token and join the decode batch.
+
+        Returns False if the first token already finished the request (its blocks are freed).
+        """
+        seq.num_cached_tokens = seq.num_tokens
+        self.block_manager.register_blocks(seq)
+        finished = self._postprocess([seq], [first_token_id],
+                                     [logprob] if seq.sampling_params.logprobs else None)
+        if finished:
+            return False
+        self.scheduler.add_running(seq)
+        return True
+
+    def release_held(self, seq: Sequence) -> None:
+        """Free the blocks a prefill-only sequence kept after its first token."""
+        self.held.pop(seq.request_id, None)
+        if seq.block_table:
+            self.block_manager.deallocate(seq)
+
+    def abort(self, request_id: str, reason: FinishReason = FinishReason.CANCELLED) -> Sequence | None:
+        """Finish a request wherever it is (queued, running, reserved or held) and free its
+        blocks; None if unknown or already done."""
+        seq = self.requests.pop(request_id, None)
+        if seq is None:
+            seq = self.held.pop(request_id, None)
+            if seq is not None:
+                self.release_held(seq)
+            return seq
+        self.scheduler.finish(seq, reason)
+        self.model_runner.release(seq)
+        return seq
+
+    def has_unfinished(self) -> bool:
+        return not self.scheduler.is_finished() or self.pending is not None
+
+    # ---- the loop -----------------------------------------------------------------------
+    def step(self) -> StepOutput:
+        start = time.perf_counter()
+        out = self._step()
+        self.step_timer.record(time.perf_counter() - start, out.num_prefill_tokens, out.num_decode_rows)
+        return out
+
+    def _step(self) -> StepOutput:
+        if self.pending is not None:
+            prev, self.pending = self.pending, None
+            self.pending = overlap.schedule_next(self, prev)
+            out = StepOutput(is_prefill=prev.is_prefill, num_computed_tokens=prev.num_computed_tokens,
+                             num_decode_rows=prev.num_decode_rows)
+            overlap.resolve(self, prev, out)
+            return out
+        seqs, is_prefill = self.scheduler.schedule()
+        out = StepOutput(is_prefill=is_prefill)
+        if not seqs:
+            return out
+        if self.overlap_enabled and (is_prefill or overlap.can_overlap(self)):
+            self.pending = overlap.launch(self, seqs, is_prefill, None)
+            return out
+        out.num_computed_tokens = sum(s.num_scheduled_tokens for s in seqs)
+        out.num_decode_rows = overlap.count_decode_rows(seqs) if is_prefill else len(seqs)
+        launched = self.model_runner.launch(seqs, is_prefill)
+        if is_prefill:
+            self.prefill_launched(launched.seqs, launched)
+        token_ids, logprobs = launched.result()
+        for seq in seqs:
+            seq.num_cached_tokens += seq.num_scheduled_tokens
+        sampled = launched.seqs
+        want = [s.sampling_params.logprobs for s in sampled]
+        lp = [x if w else None for x, w in zip(logprobs, want)] if logprobs is not None else None
+        out.finished = self._postprocess(sampled, token_ids, lp)
+        out.seqs, out.new_token_ids = sampled, token_ids
+        return out
+
+    def prefill_launched(self, seqs: list[Sequence], launched: LaunchedStep) -> None:
+        if self.on_prefill_launch is not None:
+            self.on_prefill_launch(seqs, launched)
+
+    def _postprocess(self, seqs: list[Sequence], token_ids: list[int], logprobs) -> list[Sequence]:
+        finished = []
+        for i, (seq, token_id) in enumerate(zip(seqs, token_ids)):
+            seq.append_token(token_id, logprobs[i] if logprobs is not None else None)
+            reason = self.scheduler.stop_reason(seq)
+            if seq.prefill_only:
+                self._hold(seq, reason)
+                finished.append(seq)
+            elif reason is not None:
+                self.finish(seq, reason)
+                finished.append(seq)
+        return finished
+
+    def finish(self, seq: Sequence, reason: FinishReason) -> None:
+        self.scheduler.finish(seq, reason)
+        self.requests.pop(seq.request_id, None)
+        self.model_runner.release(seq)
+
+    def _hold(self, seq: Sequence, reason: FinishReason | None = None) -> None:
+        """A prefill-only sequence after its first token: out of the batch, blocks kept (also
+        when that token ends the request, ``reason``: a send of its KV may be reading them)."""
+        if seq in self.scheduler.running:
+            self.scheduler.running.remove(seq)
+        seq.status = SequenceStatus.FINISHED
+        seq.finish_reason = reason
+        self.requests.pop(seq.request_id, None)
+        self.model_runner.release(seq)
+        self.held[seq.request_id] = seq
+
+    def stats(self) -> dict[str, int | float | bool]:
+        bm = self.block_manager
+        return {"num_total_blocks": bm.num_blocks, "num_free_blocks": bm.num_free_blocks,
+                "num_used_blocks": bm.num_used_blocks, "num_cached_blocks": bm.num_cached_blocks,
+                "num_waiting": len(self.scheduler.waiting), "num_running": len(self.scheduler.running),
+                "prefix_cache_hit_tokens": bm.num_hit_tokens, "prefix_cache_query_tokens": bm.num_query_tokens,
+                "num_preemptions": self.scheduler.num_preemptions,
+                "num_waiting_prefill_tokens": self.scheduler.num_waiting_prefill_tokens(),
+                "num_running_context_tokens": sum(s.num_tokens for s in self.scheduler.running),
+                "max_num_batched_tokens": self.scheduler.config.max_num_batched_tokens,
+                "chunked_prefill": self.scheduler.config.enable_chunked_prefill,
+                **self.step_timer.stats()}

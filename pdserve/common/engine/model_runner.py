@@ -1,0 +1,305 @@
+"""Runs the model for one engine step: batch preparation, the forward, sampling.
+
+``prepare_prefill`` / ``prepare_decode`` turn scheduled Sequences into flat tensors
+(``input_ids``, ``positions``) and a ForwardContext (``slot_mapping``, ``context_lens``,
+``block_tables``, ``cu_seqlens_q``). The KV pool is one tensor
+``[num_blocks, num_layers, 2, block_size, num_kv_heads, head_dim]`` (docs/design.md).
+"""
+from __future__ import annotations
+
+import logging
+from typing import TYPE_CHECKING
+
+import numpy as np
+import torch
+
+from pdserve.common.config import EngineConfig, ModelConfig, parse_dtype
+from pdserve.common.context import ForwardContext, forward_context
+from pdserve.common.engine.sequence import Sequence
+from pdserve.common.layers.attention_backends import resolve_backend_name
+from pdserve.common.layers.sampler import Sampler, SamplingBatch, prepare_sampling
+from pdserve.common.loader import ModelSource, build_model
+
+if TYPE_CHECKING:   # imported lazily where used (CUDA graphs only)
+    from pdserve.common.engine.cuda_graph import DecodeGraphRunner
+    from pdserve.common.engine.mixed_graph import MixedGraphRunner
+
+logger = logging.getLogger(__name__)
+CPU_DEFAULT_KV_GB = 1.0
+
+
+def resolve_device(name: str) -> torch.device:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    device = torch.device(name)
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError(f"device: {name!r} asked for but CUDA is not available")
+    return device
+
+
+def resolve_dtype(name: str, model_cfg: ModelConfig, device: torch.device) -> torch.dtype:
+    if name != "auto":
+        return parse_dtype(name)
+    if device.type == "cpu":
+        return torch.float32
+    dtype = parse_dtype(model_cfg.torch_dtype)
+    return torch.bfloat16 if dtype == torch.float32 else dtype
+
+
+class LaunchedStep:
+    """A step's sampled tokens on their way to the host (pinned copy + event on CUDA)."""
+
+    def __init__(self, token_ids: torch.Tensor, logprobs: torch.Tensor | None, device: torch.device,
+                 seqs: list[Sequence] | None = None) -> None:
+        self.seqs = seqs if seqs is not None else []   # row i of the tokens belongs to seqs[i]
+        self.token_ids = token_ids          # [B] int64, on the device (feeds the next step)
+        self.logprobs = logprobs
+        self.event: torch.cuda.Event | None = None
+        if device.type == "cuda":
+            self._host_ids = torch.empty(token_ids.shape, dtype=token_ids.dtype, pin_memory=True)
+            self._host_ids.copy_(token_ids, non_blocking=True)
+            self._host_lp = None
+            if logprobs is not None:
+                self._host_lp = torch.empty(logprobs.shape, dtype=logprobs.dtype, pin_memory=True)
+                self._host_lp.copy_(logprobs, non_blocking=True)
+            self.event = torch.cuda.Event()
+            self.event.record()
+        else:
+            self._host_ids, self._host_lp = token_ids, logprobs
+
+    def result(self) -> tuple[list[int], list[float] | None]:
+        if self.event is not None:
+            self.event.synchronize()
+        return self._host_ids.tolist(), (self._host_lp.tolist() if self._host_lp is not None else None)
+
+
+class ModelRunner:
+    def __init__(self, config: EngineConfig, source: ModelSource) -> None:
+        self.config = config
+        self.model_config = source.config
+        self.device = resolve_device(config.device)
+        self.dtype = resolve_dtype(config.dtype, source.config, self.device)
+        self.block_size = config.block_size
+        self.backend_name = resolve_backend_name(config.attention_backend, self.device.type)
+        self.model = build_model(source, self.dtype, self.device, self.backend_name, config.seed)
+        self.sampler = Sampler()
+        self.generators: dict[int, torch.Generator] = {}
+        self.kv_cache = torch.empty(0)
+        self.num_kv_blocks = 0
+        self.graph_runner: DecodeGraphRunner | None = None
+        self.mixed_graph_runner: MixedGraphRunner | None = None
+        self._sampling_key: tuple[int, ...] | None = None
+        self._sampling_cache: SamplingBatch | None = None
+
+    # ---- KV pool ------------------------------------------------------------------------
+    @property
+    def block_bytes(self) -> int:
+        c = self.model_config
+        return (c.num_hidden_layers * 2 * self.block_size * c.num_key_value_heads * c.head_dim
+                * torch.tensor([], dtype=self.dtype).element_size())
+
+    def _num_blocks_from_memory(self) -> int:
+        if self.config.kv_cache_memory_gb is not None:
+            budget = self.config.kv_cache_memory_gb * 1024 ** 3
+        elif self.device.type == "cuda":
+            free, total = torch.cuda.mem_get_info(self.device)
+            used_elsewhere = total - free
+            budget = total * self.config.gpu_memory_utilization - used_elsewhere - self._activation_reserve()
+        else:
+            budget = CPU_DEFAULT_KV_GB * 1024 ** 3
+        return max(int(budget // self.block_bytes), 0)
+
+    def _activation_reserve(self) -> int:
+        """Bytes kept free for the largest prefill's activations and logits."""
+        c = self.model_config
+        tokens = self.config.max_num_batched_tokens
+        elt = torch.tensor([], dtype=self.dtype).element_size()
+        per_token = (c.hidden_size * 4 + c.intermediate_size * 3
+                     + (c.num_attention_heads + 2 * c.num_key_value_heads) * c.head_dim * 2) * elt
+        logits = self.config.max_num_seqs * c.vocab_size * 4 * 3
+        return tokens * per_token + logits + (512 << 20)
+
+    def allocate_kv_cache(self) -> int:
+        """Allocate the KV pool and bind each layer's views; returns the number of blocks."""
+        num_blocks = self.config.num_kv_blocks or self._num_blocks_from_memory()
+        if num_blocks < 1:
+            raise RuntimeError("not enough memory for a single KV block; lower max_num_batched_tokens "
+                               "or raise the KV memory")
+        c = self.model_config
+        self.kv_cache = torch.zeros(num_blocks, c.num_hidden_layers, 2, self.block_size,
+                                    c.num_key_value_heads, c.head_dim, dtype=self.dtype, device=self.device)
+        for i, attn in enumerate(self.model.attention_layers()):
+            attn.k_cache = self.kv_cache[:, i, 0]
+            attn.v_cache = self.kv_cache[:, i, 1]
+        self.num_kv_blocks = num_blocks
+        logger.info("KV cache: %d blocks of %d tokens (%.2f GiB, %s, %s)", num_blocks, self.block_size,
+                    num_blocks * self.block_bytes / 1024 ** 3, self.dtype, self.device)
+        return num_blocks
+
+    def capture_cuda_graphs(self, max_model_len: int) -> None:
+        """Capture decode graphs, and mixed-step graphs with chunked prefill (CUDA only, unless
+        enforce_eager)."""
+        if self.device.type != "cuda" or self.config.enforce_eager:
+            return
+        from pdserve.common.engine.cuda_graph import DecodeGraphRunner
+        self.graph_runner = DecodeGraphRunner(
+            self.model, min(self.config.max_num_seqs, 512), -(-max_model_len // self.block_size), max_model_len,
+            self.device, use_workspace=self.backend_name == "triton")
+        self.graph_runner.capture()
+        if self.config.enable_chunked_prefill and self.backend_name == "triton":
+            from pdserve.common.engine.mixed_graph import MixedGraphRunner
+            self.mixed_graph_runner = MixedGraphRunner(
+                self.model, min(self.config.max_num_seqs, 512), self.config.max_num_batched_tokens,
+                -(-max_model_len // self.block_size), max_model_len, self.device)
+            self.mixed_graph_runner.capture()
+
+    # ---- batch preparation ----------------------------------------------------------------
+    def _to_device(self, data: list, dtype: torch.dtype) -> torch.Tensor:
+        t = torch.tensor(data, dtype=dtype, pin_memory=self.device.type == "cuda")
+        return t.to(self.device, non_blocking=True)
+
+    def _block_tables(self, seqs: list[Sequence]) -> torch.Tensor:
+        width = max(len(s.block_table) for s in seqs)
+        table = np.full((len(seqs), width), -1, dtype=np.int32)
+        for i, s in enumerate(seqs):
+            table[i, :len(s.block_table)] = s.block_table
+        t = torch.from_numpy(table)
+        if self.device.type == "cuda":
+            t = t.pin_memory()
+        return t.to(self.device, non_blocking=True)
+
+    def _slots(self, seq: Sequence, start: int, end: int) -> list[int]:
+        bs = self.block_size
+        return [seq.block_table[p // bs] * bs + p % bs for p in range(start, end)]
+
+    def prepare_prefill(self, seqs: list[Sequence]) -> tuple[torch.Tensor, torch.Tensor, ForwardContext]:
+        """A step that computes prompt tokens: each sequence's tokens ``[num_cached_tokens,
+        num_cached_tokens + num_scheduled_tokens)``. Leading one-token rows whose earlier KV is all
+        cached (decode rows; the scheduler puts them first) go through decode attention."""
+        nd = _num_decode_rows(seqs)
+        input_ids: list[int] = []
+        positions: list[int] = []
+        slots: list[int] = []
+        cu_q: list[int] = [0]
+        context_lens: list[int] = []
+        for i, seq in enumerate(seqs):
+            start = seq.num_cached_tokens
+            end = start + seq.num_scheduled_tokens
+            input_ids.extend(seq.token_ids[start:end])
+            positions.extend(range(start, end))
+            slots.extend(self._slots(seq, start, end))
+            if i >= nd:
+                cu_q.append(cu_q[-1] + end - start)
+            context_lens.append(end)
+        ctx = ForwardContext(
+            is_prefill=True, slot_mapping=self._to_device(slots, torch.int32),
+            context_lens=self._to_device(context_lens, torch.int32),
+            block_tables=self._block_tables(seqs), cu_seqlens_q=self._to_device(cu_q, torch.int32),
+            max_seqlen_q=max((b - a for a, b in zip(cu_q, cu_q[1:])), default=0),
+            num_decode_tokens=nd, max_context_len=max(context_lens[:nd], default=None))
+        if 0 < nd < len(seqs):
+            ctx.chunk_context_lens = self._to_device(context_lens[nd:], torch.int32)
+            ctx.chunk_block_tables = self._block_tables(seqs[nd:])
+        return self._to_device(input_ids, torch.int64), self._to_device(positions, torch.int64), ctx
+
+    def prepare_decode(self, seqs: list[Sequence]) -> tuple[torch.Tensor, torch.Tensor, ForwardContext]:
+        bs = self.block_size
+        input_ids = [s.last_token for s in seqs]
+        context_lens = [s.num_tokens for s in seqs]
+        positions = [n - 1 for n in context_lens]
+        slots = [s.block_table[p // bs] * bs + p % bs for s, p in zip(seqs, positions)]
+        ctx = ForwardContext(
+            is_prefill=False, slot_mapping=self._to_device(slots, torch.int32),
+            context_lens=self._to_device(context_lens, torch.int32),
+            block_tables=self._block_tables(seqs), max_context_len=max(context_lens))
+        return self._to_device(input_ids, torch.int64), self._to_device(positions, torch.int64), ctx
+
+    # ---- one step -------------------------------------------------------------------------
+    @torch.inference_mode()
+    def run(self, seqs: list[Sequence], is_prefill: bool) -> tuple[list[int], list[float] | None]:
+        """Forward + sampling for one step; returns each sequence's next token (and logprob)."""
+        return self.launch(seqs, is_prefill).result()
+
+    @torch.inference_mode()
+    def launch(self, seqs: list[Sequence], is_prefill: bool, src_rows: list[int] | None = None,
+               prev_tokens: torch.Tensor | None = None) -> LaunchedStep:
+        """Enqueue forward + sampling for one step without waiting for the tokens.
+
+        Each sequence computes its ``num_scheduled_tokens`` tokens (decode steps: one); a token
+        is sampled for the sequences that reach their last token (``LaunchedStep.seqs``, in
+        step order; a prompt chunk that is not the last samples nothing). Decode rows: row ``i``
+        whose ``src_rows[i] >= 0`` takes its input token from ``prev_tokens[src_rows[i]]`` (the
+        previous step's sampled tokens, still on the device), so a step can start before the
+        host has seen the previous one's tokens.
+        """
+        if is_prefill:
+            input_ids, positions, ctx = self.prepare_prefill(seqs)
+        else:
+            input_ids, positions, ctx = self.prepare_decode(seqs)
+        nd = ctx.num_decode_tokens if is_prefill else len(seqs)
+        if src_rows is not None and prev_tokens is not None and nd:
+            src = self._to_device(src_rows[:nd], torch.int64)
+            input_ids[:nd] = torch.where(src >= 0, prev_tokens[src.clamp(min=0)], input_ids[:nd])
+        sampled = [s for s in seqs if s.completes_in_step] if is_prefill else list(seqs)
+        if is_prefill:
+            hidden = self._forward_prefill(input_ids, positions, ctx, seqs)   # [len(sampled), H]
+        elif self.graph_runner is not None and self.graph_runner.can_run(len(seqs)):
+            hidden = self.graph_runner.run(input_ids, positions, ctx)
+        else:
+            with forward_context(ctx):
+                hidden = self.model(input_ids, positions)
+
+        if sampled:
+            out = self.sampler(self.model.compute_logits(hidden), self._sampling_batch(sampled))
+            launched = LaunchedStep(out.token_ids, out.logprobs, self.device, sampled)
+        else:
+            launched = LaunchedStep(hidden.new_empty(0, dtype=torch.int64), None, self.device, sampled)
+        if is_prefill:
+            for seq in sampled:   # a KV sender waits for this step only, not for what is queued after it
+                seq.kv_ready = launched.event
+        return launched
+
+    def _forward_prefill(self, input_ids: torch.Tensor, positions: torch.Tensor, ctx: ForwardContext,
+                         seqs: list[Sequence]) -> torch.Tensor:
+        """Hidden states of the rows to sample of a step with prompt tokens: replayed from a
+        mixed-step graph when one fits, else eager."""
+        rows = self._to_device(_last_rows(seqs), torch.int64)
+        nd = ctx.num_decode_tokens
+        mixed = self.mixed_graph_runner
+        if mixed is not None and mixed.can_run(nd, input_ids.shape[0] - nd, len(seqs) - nd):
+            return mixed.run(input_ids, positions, ctx, rows)
+        with forward_context(ctx):
+            hidden = self.model(input_ids, positions)
+        return hidden[rows]
+
+    def _sampling_batch(self, seqs: list[Sequence]) -> SamplingBatch:
+        """The batch's sampling tensors; reused while the same sequences decode together
+        (their parameters never change; batches with penalties depend on tokens: rebuilt)."""
+        key = tuple(s.seq_id for s in seqs)
+        if key == self._sampling_key and self._sampling_cache is not None:
+            return self._sampling_cache
+        batch = prepare_sampling(seqs, self.model_config.vocab_size, self.device, self.generators)
+        self._sampling_key, self._sampling_cache = (key, batch) if not batch.any_penalty else (None, None)
+        return batch
+
+    def release(self, seq: Sequence) -> None:
+        """Forget per-sequence state (its seeded generator) once it has finished."""
+        self.generators.pop(seq.seq_id, None)
+
+
+def _num_decode_rows(seqs: list[Sequence]) -> int:
+    """Leading sequences that compute one token with all earlier KV cached (decode rows)."""
+    n = 0
+    while n < len(seqs) and seqs[n].num_scheduled_tokens == 1 and seqs[n].completes_in_step:
+        n += 1
+    return n
+
+
+def _last_rows(seqs: list[Sequence]) -> list[int]:
+    """Index of each sampling sequence's last computed token in the step's flat token rows."""
+    rows, end = [], 0
+    for seq in seqs:
+        end += seq.num_scheduled_tokens
+        if seq.completes_in_step:
+            rows.append(end - 1)
+    return rows

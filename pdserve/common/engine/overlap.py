@@ -1,0 +1,124 @@
+"""Overlapped steps: step N+1 is launched before the host has read step N's tokens.
+
+While the GPU runs a decode step, the host would otherwise sit idle until the tokens arrive,
+then schedule and prepare the next step while the GPU idles. Here the next decode step is
+scheduled and launched first — its input tokens are taken on the device from the previous
+step's sampled tokens — and only then are the previous step's tokens read and processed.
+
+A prefill step is launched the same way: the next step (another prefill of waiting sequences,
+or the first decode) is launched before its sampled tokens are read, so the host prepares the
+next batch while the GPU computes this one. With chunked prefill a step mixes decode rows and
+prompt chunks; a prompt's next chunk needs no token from the step before (only its KV, which
+the GPU orders), and a prompt whose last chunk is pending decodes next with a placeholder.
+
+Rules that keep this exact:
+- each launched sequence gets a PLACEHOLDER token; its value is written in when the step is
+  resolved, in order;
+- a sequence that will stop by length after the pending token is left out of the next step
+  (so is a prefill-only sequence, which stops after its first token); one that stops on a token
+  value (EOS, a stop token) is found one step late: the extra token it got is dropped and its
+  blocks freed (later GPU work is ordered after that step);
+- a full block is offered to the prefix cache only once its tokens are known and the step that
+  computes its last token's KV has been launched;
+- a sequence waiting for (re)computation never holds a PLACEHOLDER when it is scheduled: one
+  preempted while a step was pending is resolved in the same engine step, before any later
+  prefill can pick it (a chunked step that preempts admits no waiting sequence);
+- no overlapped decode when a running sequence uses penalties (they need the token history on
+  the host).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from pdserve.common.engine.model_runner import LaunchedStep
+from pdserve.common.engine.sequence import PLACEHOLDER, Sequence, SequenceStatus
+
+
+@dataclass
+class PendingStep:
+    seqs: list[Sequence]      # the sequences that get a token from this step (row order)
+    launched: LaunchedStep
+    positions: list[int]      # where each sequence's placeholder sits
+    is_prefill: bool = False
+    num_computed_tokens: int = 0
+    num_decode_rows: int = 0
+
+
+def can_overlap(engine) -> bool:
+    """May a decode step be launched before the previous step's tokens are read?"""
+    sched = engine.scheduler
+    return (engine.overlap_enabled and sched.running
+            and not any(s.sampling_params.has_penalties for s in sched.running))
+
+
+def launch(engine, seqs: list[Sequence], is_prefill: bool, prev: PendingStep | None) -> PendingStep:
+    """Launch a step; decode rows that were in ``prev`` take their input token on the device."""
+    src_rows = prev_tokens = None
+    if prev is not None and prev.seqs:
+        row = {s.seq_id: i for i, s in enumerate(prev.seqs)}
+        src_rows = [row.get(s.seq_id, -1) for s in seqs]
+        prev_tokens = prev.launched.token_ids
+    computed = sum(s.num_scheduled_tokens for s in seqs)
+    launched = engine.model_runner.launch(seqs, is_prefill, src_rows, prev_tokens)
+    if is_prefill:
+        engine.prefill_launched(launched.seqs, launched)
+    positions = []
+    for s in seqs:
+        s.num_cached_tokens += s.num_scheduled_tokens
+    for s in launched.seqs:
+        positions.append(s.num_tokens)
+        s.append_token(PLACEHOLDER)
+    num_decode = count_decode_rows(seqs) if is_prefill else len(seqs)
+    return PendingStep(launched.seqs, launched, positions, is_prefill, computed, num_decode)
+
+
+def count_decode_rows(seqs: list[Sequence]) -> int:
+    """Rows of a scheduled step that decode one token (the scheduler puts them first)."""
+    return sum(s.num_scheduled_tokens == 1 and s.completes_in_step for s in seqs)
+
+
+def schedule_next(engine, prev: PendingStep) -> PendingStep | None:
+    """Launch the step after ``prev`` if nothing prevents it: without chunking a prefill of
+    waiting sequences first, else a decode; with chunking whatever the scheduler mixes."""
+    if not engine.overlap_enabled:
+        return None
+    sched = engine.scheduler
+    if not sched.config.enable_chunked_prefill and sched.waiting:
+        seqs = sched._schedule_prefill()
+        if seqs:
+            return launch(engine, seqs, True, prev)
+    if not can_overlap(engine):
+        return None
+    ending = {s.seq_id for s, pos in zip(prev.seqs, prev.positions)
+              if s.status == SequenceStatus.RUNNING
+              and (s.prefill_only or sched.stop_reason_at(s, None, pos + 1) is not None)}
+    seqs, is_prefill = sched.schedule(ending)
+    return launch(engine, seqs, is_prefill, prev) if seqs else None
+
+
+def resolve(engine, step: PendingStep, out) -> None:
+    """Write the step's tokens into its sequences, finish those that stop; fills ``out``."""
+    token_ids, logprobs = step.launched.result()
+    bm, sched = engine.block_manager, engine.scheduler
+    for i, (seq, pos) in enumerate(zip(step.seqs, step.positions)):
+        if seq.status == SequenceStatus.FINISHED or pos >= seq.num_tokens:
+            continue                                   # ended earlier: this token is dropped
+        token = token_ids[i]
+        seq.token_ids[pos] = token
+        if pos == seq.num_tokens - 1:
+            seq.last_token = token
+        if logprobs is not None and seq.sampling_params.logprobs:
+            seq.output_logprobs.append(logprobs[i])
+        out.seqs.append(seq)
+        out.new_token_ids.append(token)
+        reason = sched.stop_reason_at(seq, token, pos + 1)
+        if seq.prefill_only:                           # first token out: keep the blocks, stop
+            engine._hold(seq, reason)
+            out.finished.append(seq)
+        elif reason is not None:
+            del seq.token_ids[pos + 1:]                # a speculative next placeholder, if any
+            seq.last_token = token
+            engine.finish(seq, reason)
+            out.finished.append(seq)
+        elif (pos + 1) % bm.block_size == 0 and pos + 1 < seq.num_tokens and seq.block_table:
+            bm.register_block(seq, pos // bm.block_size)

@@ -1,0 +1,120 @@
+"""A request's token sequence and its place in the paged KV cache."""
+from __future__ import annotations
+
+import itertools
+from enum import Enum, auto
+from typing import TYPE_CHECKING
+
+from pdserve.common.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    import torch
+
+PLACEHOLDER = -1   # a token sampled on the device whose value the host has not read yet
+
+
+class SequenceStatus(Enum):
+    WAITING = auto()   # needs (re)computation of its KV before it can decode
+    RUNNING = auto()   # in the decode batch
+    FINISHED = auto()
+
+
+class FinishReason(Enum):
+    STOP = "stop"            # eos or a stop token id
+    LENGTH = "length"        # max_tokens or the model's context
+    CANCELLED = "cancelled"
+    DEADLINE = "deadline"
+    ERROR = "error"
+
+
+class Sequence:
+    """Token ids (prompt + completion) and the KV blocks that hold them.
+
+    ``block_table`` lists the block ids holding tokens ``[i*block_size, (i+1)*block_size)``.
+    ``num_cached_tokens`` counts leading tokens whose KV is already in the cache (prefix hits,
+    KV imported from a prefill worker, or chunks computed by earlier steps) and need not be
+    computed. A step computes tokens ``[num_cached_tokens, num_cached_tokens +
+    num_scheduled_tokens)``; it samples a token for the sequence only when that range ends at
+    ``num_tokens`` (``completes_in_step``): a decode row, or the last chunk of a prompt.
+    """
+
+    _counter = itertools.count()
+
+    def __init__(self, token_ids: list[int], sampling_params: SamplingParams, block_size: int,
+                 request_id: str | None = None) -> None:
+        self.seq_id = next(Sequence._counter)
+        self.request_id = request_id if request_id is not None else str(self.seq_id)
+        self.status = SequenceStatus.WAITING
+        self.token_ids: list[int] = list(token_ids)
+        self.num_prompt_tokens = len(token_ids)
+        self.last_token = self.token_ids[-1]
+        self.sampling_params = sampling_params
+        self.block_size = block_size
+        self.block_table: list[int] = []
+        self.num_cached_tokens = 0
+        self.num_scheduled_tokens = 0    # tokens the current step computes (set by the Scheduler)
+        self.output_logprobs: list[float] = []
+        self.finish_reason: FinishReason | None = None
+        self.num_preemptions = 0
+        self.num_prefix_hit_tokens = 0   # prompt tokens served from the prefix cache at admission
+        self.prefill_only = False        # prefill worker: stop after the first token, keep the KV
+        # CUDA event after the prefill that computed the KV (a sender waits on it); None on CPU
+        self.kv_ready: torch.cuda.Event | None = None
+
+    def __len__(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def num_completion_tokens(self) -> int:
+        return len(self.token_ids) - self.num_prompt_tokens
+
+    @property
+    def prompt_token_ids(self) -> list[int]:
+        return self.token_ids[:self.num_prompt_tokens]
+
+    @property
+    def completion_token_ids(self) -> list[int]:
+        return self.token_ids[self.num_prompt_tokens:]
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status == SequenceStatus.FINISHED
+
+    @property
+    def completes_in_step(self) -> bool:
+        """Whether the scheduled step computes up to the last token (so a token is sampled)."""
+        return self.num_cached_tokens + self.num_scheduled_tokens == self.num_tokens
+
+    @property
+    def num_blocks(self) -> int:
+        return (self.num_tokens + self.block_size - 1) // self.block_size
+
+    @property
+    def num_cached_blocks(self) -> int:
+        return self.num_cached_tokens // self.block_size
+
+    @property
+    def last_block_num_tokens(self) -> int:
+        return self.num_tokens - (self.num_blocks - 1) * self.block_size
+
+    def block(self, i: int) -> list[int]:
+        """Token ids of logical block ``i``."""
+        return self.token_ids[i * self.block_size:(i + 1) * self.block_size]
+
+    def append_token(self, token_id: int, logprob: float | None = None) -> None:
+        self.token_ids.append(token_id)
+        self.last_token = token_id
+        if logprob is not None:
+            self.output_logprobs.append(logprob)
+
+    def finish(self, reason: FinishReason) -> None:
+        self.status = SequenceStatus.FINISHED
+        self.finish_reason = reason
+
+    def __repr__(self) -> str:
+        return (f"Sequence(id={self.seq_id}, req={self.request_id!r}, status={self.status.name}, "
+                f"tokens={self.num_tokens}, cached={self.num_cached_tokens}, blocks={self.block_table})")

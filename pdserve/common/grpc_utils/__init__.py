@@ -1,0 +1,38 @@
+"""gRPC plumbing shared by every pdserve server and client (grpc.aio only; no engine imports).
+
+- :mod:`.errors`: domain exceptions and their status codes;
+- :mod:`.interceptor`: the server interceptor that maps them to statuses;
+- :mod:`.server`: ``build_server`` / ``serve`` (limits, health, reflection, graceful
+  shutdown), ``client_channel`` and ``wait_ready``.
+"""
+from pdserve.common.grpc_utils.errors import (
+    AlreadyExists,
+    Cancelled,
+    DeadlineExceeded,
+    FailedPrecondition,
+    Internal,
+    InvalidArgument,
+    NotFound,
+    PdserveError,
+    ResourceExhausted,
+    Unavailable,
+    from_rpc_error,
+    status_for,
+)
+from pdserve.common.grpc_utils.interceptor import ErrorInterceptor
+from pdserve.common.grpc_utils.server import (
+    DEFAULT_MAX_MESSAGE_BYTES,
+    GrpcServer,
+    Service,
+    build_server,
+    client_channel,
+    serve,
+    wait_ready,
+)
+
+__all__ = [
+    "AlreadyExists", "Cancelled", "DeadlineExceeded", "FailedPrecondition", "Internal",
+    "InvalidArgument", "NotFound", "PdserveError", "ResourceExhausted", "Unavailable",
+    "from_rpc_error", "status_for", "ErrorInterceptor", "DEFAULT_MAX_MESSAGE_BYTES",
+    "GrpcServer", "Service", "build_server", "client_channel", "serve", "wait_ready",
+]

@@ -1,0 +1,99 @@
+"""The one converter between the wire types (pdserve.v1) and the engine's types, used by the
+router and both workers.
+
+Zero values follow one rule, written in common.proto: top_p 0 -> 1.0, top_k 0 -> -1 (off),
+repetition_penalty 0 -> 1.0, max_tokens 0 -> the rest of the context (the caller passes it as
+``rest_of_context``); every other zero is the field's own "off". Every bad field raises
+InvalidArgument naming ``params.<field>``.
+"""
+from __future__ import annotations
+
+import math
+
+from pdserve.common.engine.sequence import FinishReason
+from pdserve.common.grpc_utils.errors import InvalidArgument
+from pdserve.common.sampling_params import InvalidParameter, SamplingParams
+from pdserve.v1 import common_pb2
+
+_FLOAT_FIELDS = ("temperature", "top_p", "min_p", "repetition_penalty", "presence_penalty", "frequency_penalty")
+
+_FINISH_TO_PROTO: dict[FinishReason, common_pb2.FinishReason] = {
+    FinishReason.STOP: common_pb2.FINISH_REASON_STOP,
+    FinishReason.LENGTH: common_pb2.FINISH_REASON_LENGTH,
+    FinishReason.CANCELLED: common_pb2.FINISH_REASON_CANCELLED,
+    FinishReason.DEADLINE: common_pb2.FINISH_REASON_DEADLINE,
+    FinishReason.ERROR: common_pb2.FINISH_REASON_ERROR,
+}
+_FINISH_FROM_PROTO: dict[int, FinishReason] = {v: k for k, v in _FINISH_TO_PROTO.items()}
+
+
+def sampling_params_from_proto(p: common_pb2.SamplingParams, rest_of_context: int,
+                               vocab_size: int | None = None) -> SamplingParams:
+    """The engine's SamplingParams for ``p`` (stop strings are not the engine's: see the
+    router); ``max_tokens`` 0 becomes ``rest_of_context``. Raises InvalidArgument."""
+    for name in _FLOAT_FIELDS:
+        value = getattr(p, name)
+        if not math.isfinite(value):
+            raise InvalidArgument(f"params.{name}", f"must be a finite number, got {value}")
+    if p.top_p < 0:
+        raise InvalidArgument("params.top_p", f"must be in (0, 1], got {p.top_p}")
+    if p.repetition_penalty < 0:
+        raise InvalidArgument("params.repetition_penalty", f"must be > 0, got {p.repetition_penalty}")
+    if vocab_size is not None:
+        for i, tid in enumerate(p.stop_token_ids):
+            if tid >= vocab_size:
+                raise InvalidArgument(f"params.stop_token_ids[{i}]",
+                                      f"{tid} is out of the vocabulary (size {vocab_size})")
+    try:
+        return SamplingParams(
+            temperature=p.temperature,
+            top_p=p.top_p or 1.0,
+            top_k=p.top_k or -1,
+            min_p=p.min_p,
+            repetition_penalty=p.repetition_penalty or 1.0,
+            presence_penalty=p.presence_penalty,
+            frequency_penalty=p.frequency_penalty,
+            seed=p.seed if p.HasField("seed") else None,
+            max_tokens=p.max_tokens or rest_of_context,
+            stop_token_ids=tuple(p.stop_token_ids),
+            ignore_eos=p.ignore_eos,
+            logprobs=p.logprobs,
+        )
+    except InvalidParameter as e:
+        message, prefix = str(e), f"{e.field}: "
+        raise InvalidArgument(f"params.{e.field}",
+                              message[len(prefix):] if message.startswith(prefix) else message) from e
+
+
+def sampling_params_for_prompt(p: common_pb2.SamplingParams, max_model_len: int, num_prompt_tokens: int
+                               ) -> SamplingParams:
+    """A worker's form of :func:`sampling_params_from_proto`: max_tokens 0 fills the worker's
+    context after the prompt (at least 1: a prompt that fills it is the engine's error)."""
+    return sampling_params_from_proto(p, max(1, max_model_len - num_prompt_tokens))
+
+
+def sampling_params_to_proto(s: SamplingParams, *, max_tokens: int | None = None,
+                             stop: list[str] | tuple[str, ...] = ()) -> common_pb2.SamplingParams:
+    """The explicit wire form of ``s`` (no zero-means-default left); ``max_tokens`` overrides
+    ``s.max_tokens``; ``stop``: the router's stop strings (empty toward workers)."""
+    p = common_pb2.SamplingParams(
+        temperature=s.temperature, top_p=s.top_p, top_k=s.top_k, min_p=s.min_p,
+        repetition_penalty=s.repetition_penalty, presence_penalty=s.presence_penalty,
+        frequency_penalty=s.frequency_penalty, max_tokens=s.max_tokens if max_tokens is None else max_tokens,
+        stop_token_ids=list(s.stop_token_ids), ignore_eos=s.ignore_eos, logprobs=s.logprobs, stop=list(stop))
+    if s.seed is not None:
+        p.seed = s.seed
+    return p
+
+
+def finish_reason_to_proto(reason: FinishReason | None) -> common_pb2.FinishReason:
+    return _FINISH_TO_PROTO[reason] if reason is not None else common_pb2.FINISH_REASON_UNSPECIFIED
+
+
+def finish_reason_from_proto(value: int) -> FinishReason | None:
+    return _FINISH_FROM_PROTO.get(value)
+
+
+def deadline_from_proto(deadline_unix_ms: int) -> float | None:
+    """Unix seconds, or None for "no deadline" (0)."""
+    return deadline_unix_ms / 1000.0 if deadline_unix_ms else None

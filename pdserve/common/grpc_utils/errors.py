@@ -1,0 +1,116 @@
+"""Domain exceptions of pdserve and their gRPC status codes.
+
+Servicers and the code they call raise these; the error interceptor
+(:mod:`pdserve.common.grpc_utils.interceptor`) turns them into the mapped status with the exception's
+message. ``ValueError`` also maps to INVALID_ARGUMENT, and a failed downstream call
+(``grpc.aio.AioRpcError``, e.g. router -> worker) that nobody caught keeps its own status. A client that catches a
+``grpc.RpcError`` can turn it back into the matching exception with :func:`from_rpc_error`,
+so that a status crosses a hop (worker -> router -> client) unchanged.
+"""
+from __future__ import annotations
+
+import grpc
+import grpc.aio
+
+
+class PdserveError(Exception):
+    """Base of pdserve's domain exceptions; the message is sent as the status details."""
+
+    code: grpc.StatusCode = grpc.StatusCode.INTERNAL
+
+    def __init__(self, message: str = "") -> None:
+        super().__init__(message)
+        self.message = message
+
+
+class InvalidArgument(PdserveError):
+    """A request field is wrong; the message names the field (``"<field>: <message>"``)."""
+
+    code = grpc.StatusCode.INVALID_ARGUMENT
+
+    def __init__(self, field: str, message: str) -> None:
+        super().__init__(f"{field}: {message}" if field else message)
+        self.field = field
+
+
+class NotFound(PdserveError):
+    """An entity (request id, reservation, worker) does not exist or has expired."""
+
+    code = grpc.StatusCode.NOT_FOUND
+
+
+class AlreadyExists(PdserveError):
+    """An entity with that id already exists (e.g. a request id that is still live)."""
+
+    code = grpc.StatusCode.ALREADY_EXISTS
+
+
+class FailedPrecondition(PdserveError):
+    """The system is not in a state where the call can succeed (e.g. wrong worker role)."""
+
+    code = grpc.StatusCode.FAILED_PRECONDITION
+
+
+class ResourceExhausted(PdserveError):
+    """Out of a resource (KV blocks, queue slots); retrying later may succeed."""
+
+    code = grpc.StatusCode.RESOURCE_EXHAUSTED
+
+
+class Unavailable(PdserveError):
+    """The service or a dependency is not reachable or is draining; retrying may succeed."""
+
+    code = grpc.StatusCode.UNAVAILABLE
+
+
+class DeadlineExceeded(PdserveError):
+    """The request's deadline passed."""
+
+    code = grpc.StatusCode.DEADLINE_EXCEEDED
+
+
+class Cancelled(PdserveError):
+    """The request was cancelled."""
+
+    code = grpc.StatusCode.CANCELLED
+
+
+class Internal(PdserveError):
+    """A bug or an unexpected failure inside pdserve."""
+
+    code = grpc.StatusCode.INTERNAL
+
+
+_BY_CODE: dict[grpc.StatusCode, type[PdserveError]] = {
+    cls.code: cls
+    for cls in (NotFound, AlreadyExists, FailedPrecondition, ResourceExhausted, Unavailable,
+                DeadlineExceeded, Cancelled, Internal)
+}
+
+
+def status_for(exc: BaseException) -> tuple[grpc.StatusCode, str] | None:
+    """The (code, details) that ``exc`` maps to, or None when it is not a domain error."""
+    if isinstance(exc, PdserveError):
+        return exc.code, exc.message or type(exc).__name__
+    if isinstance(exc, ValueError):
+        return grpc.StatusCode.INVALID_ARGUMENT, str(exc) or "invalid argument"
+    if isinstance(exc, grpc.aio.AioRpcError):
+        return exc.code(), exc.details() or exc.code().name
+    return None
+
+
+def from_rpc_error(err: grpc.RpcError) -> PdserveError:
+    """The domain exception matching a failed call's status (INTERNAL for unmapped codes).
+
+    INVALID_ARGUMENT comes back as :class:`InvalidArgument` with an empty ``field`` and the
+    original details (which already name the field).
+    """
+    code = err.code() if hasattr(err, "code") else None
+    details = (err.details() if hasattr(err, "details") else None) or str(code)
+    if code == grpc.StatusCode.INVALID_ARGUMENT:
+        return InvalidArgument("", details)
+    cls = _BY_CODE.get(code)
+    if cls is None:
+        name = code.name if isinstance(code, grpc.StatusCode) else "UNKNOWN"
+        return Internal(f"{name}: {details}")
+    return cls(details)

@@ -1,0 +1,158 @@
+"""Gather / scatter of whole KV blocks of the paged pool, and the chunking of a transfer.
+
+The pool is one tensor per worker, ``kv_cache[num_blocks, num_layers, 2, block_size,
+num_kv_heads, head_dim]`` (docs/design.md, "KV cache layout"): one block of all layers is
+contiguous, so a request's blocks are gathered with one ``index_select`` over dim 0 and cross
+the wire as one message (or a few, when larger than ``max_message_bytes``).
+
+Both sides of a transfer cut it into the same chunks: ``plan_chunks(num_blocks,
+bytes_per_block(kv_cache), max_message_bytes)``, so ``max_message_bytes`` must be the same on
+the prefill and the decode worker of a deployment (the default is). One message beats several:
+each NCCL send/recv from idle pays ~0.1 ms of start-up (bench/nccl_register_probe.py), more than
+the gather and scatter of the same bytes cost.
+"""
+from __future__ import annotations
+
+from collections.abc import Sequence
+from contextlib import nullcontext
+
+import torch
+
+from .errors import KvTransferError
+
+#: Largest single message on a pair channel (bytes); larger transfers are cut along the block
+#: dimension. Both sides of a pair must use the same value.
+DEFAULT_MAX_MESSAGE_BYTES = 512 * 1024 * 1024
+
+BlockIds = Sequence[int] | torch.Tensor
+
+
+def bytes_per_block(kv_cache: torch.Tensor) -> int:
+    """Bytes of one block of all layers (K and V)."""
+    return kv_cache[0].numel() * kv_cache.element_size()
+
+
+def check_pool(kv_cache: torch.Tensor) -> None:
+    """The pool must be a contiguous 6-d ``[num_blocks, layers, 2, block, heads, dim]`` tensor."""
+    if kv_cache.dim() != 6 or kv_cache.shape[2] != 2:
+        raise KvTransferError(
+            "kv_cache must be [num_blocks, num_layers, 2, block_size, num_kv_heads, head_dim], "
+            f"got shape {tuple(kv_cache.shape)}")
+    if not kv_cache.is_contiguous():
+        raise KvTransferError("kv_cache must be contiguous")
+
+
+def as_id_list(block_ids: BlockIds) -> list[int]:
+    if isinstance(block_ids, torch.Tensor):
+        return [int(b) for b in block_ids.flatten().tolist()]
+    return [int(b) for b in block_ids]
+
+
+def check_block_ids(block_ids: BlockIds, num_blocks: int) -> list[int]:
+    """Validated list of block ids: in ``[0, num_blocks)``, no duplicates."""
+    ids = as_id_list(block_ids)
+    for b in ids:
+        if b < 0 or b >= num_blocks:
+            raise KvTransferError(f"block id {b} out of range [0, {num_blocks})")
+    if len(set(ids)) != len(ids):
+        raise KvTransferError("block ids contain duplicates")
+    return ids
+
+
+def plan_chunks(num_blocks: int, block_bytes: int,
+                max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES) -> list[tuple[int, int]]:
+    """``[(start, end), ...]`` slices of the block list, each at most ``max_message_bytes``
+    (but at least one block). Deterministic: both sides of a pair compute the same plan."""
+    if num_blocks <= 0:
+        return []
+    per = max(1, int(max_message_bytes) // max(1, int(block_bytes)))
+    return [(s, min(s + per, num_blocks)) for s in range(0, num_blocks, per)]
+
+
+def contiguous_range(ids: Sequence[int]) -> tuple[int, int] | None:
+    """``(first, end)`` when ``ids`` is ``first, first+1, ..., end-1``; else None."""
+    if not ids:
+        return None
+    first = ids[0]
+    for i, b in enumerate(ids):
+        if b != first + i:
+            return None
+    return first, first + len(ids)
+
+
+def _index_tensor(ids: BlockIds, device: torch.device) -> torch.Tensor:
+    if isinstance(ids, torch.Tensor):
+        return ids.to(device=device, dtype=torch.long, non_blocking=True).flatten()
+    idx = torch.tensor(list(ids), dtype=torch.long)
+    if device.type == "cuda":
+        return idx.pin_memory().to(device, non_blocking=True)
+    return idx
+
+
+def _wide_rows(t: torch.Tensor) -> torch.Tensor:
+    """``t`` ([n, ...], contiguous) as ``[n, k]`` rows of the widest integer type dividing a
+    row: the copy kernels then move 8 bytes per element instead of 2 (bf16), several times
+    faster on a GPU. Bit-exact: only the view's dtype changes."""
+    rows = t.view(t.shape[0], -1)
+    for dtype in (torch.int64, torch.int32, torch.int16):
+        size = torch.empty(0, dtype=dtype).element_size()
+        if (rows.shape[1] * rows.element_size()) % size == 0:
+            return rows.view(torch.uint8).view(dtype) if rows.dtype != dtype else rows
+    return rows.view(torch.uint8)
+
+
+def _stream_ctx(stream):
+    return torch.cuda.stream(stream) if stream is not None else nullcontext()
+
+
+def gather_blocks(kv_cache: torch.Tensor, block_ids: BlockIds,
+                  out: torch.Tensor | None = None,
+                  stream: torch.cuda.Stream | None = None) -> torch.Tensor:
+    """The blocks ``block_ids`` (in that order) as one contiguous tensor
+    ``[len(block_ids), *kv_cache.shape[1:]]``: one ``index_select`` over dim 0.
+
+    ``out``: a reusable staging buffer with at least ``len(block_ids)`` blocks of the pool's
+    shape and dtype (any contiguous tensor of enough elements; its leading part is used).
+    ``stream``: on CUDA, the side stream the copy runs on (the caller orders it after the
+    writes of the KV, e.g. ``stream.wait_stream(compute_stream)``).
+    """
+    n = len(block_ids)
+    block_shape = tuple(kv_cache.shape[1:])
+    with _stream_ctx(stream):
+        idx = _index_tensor(block_ids, kv_cache.device)
+        if out is None:
+            return torch.index_select(_wide_rows(kv_cache), 0, idx).view(kv_cache.dtype).view(
+                n, *block_shape)
+        if out.dtype != kv_cache.dtype or out.device != kv_cache.device:
+            raise KvTransferError(
+                f"staging buffer is {out.dtype} on {out.device}, pool is {kv_cache.dtype} "
+                f"on {kv_cache.device}")
+        need = n * kv_cache[0].numel()
+        if not out.is_contiguous() or out.numel() < need:
+            raise KvTransferError(
+                f"staging buffer too small or not contiguous ({out.numel()} < {need} elements)")
+        view = out.view(-1)[:need].view(n, *block_shape)
+        torch.index_select(_wide_rows(kv_cache), 0, idx, out=_wide_rows(view))
+        return view
+
+
+def scatter_blocks(kv_cache: torch.Tensor, block_ids: BlockIds, buffer: torch.Tensor,
+                   stream: torch.cuda.Stream | None = None) -> None:
+    """Write ``buffer[i]`` into block ``block_ids[i]`` of the pool (``index_copy_`` over dim 0).
+
+    ``buffer``: ``[len(block_ids), *kv_cache.shape[1:]]`` (or any contiguous tensor of exactly
+    that many elements), same dtype and device as the pool. ``stream``: on CUDA, the side
+    stream it runs on.
+    """
+    n = len(block_ids)
+    block_shape = tuple(kv_cache.shape[1:])
+    if buffer.numel() != n * kv_cache[0].numel():
+        raise KvTransferError(
+            f"buffer has {buffer.numel()} elements, {n} blocks need {n * kv_cache[0].numel()}")
+    if buffer.dtype != kv_cache.dtype:
+        raise KvTransferError(f"buffer dtype {buffer.dtype} != pool dtype {kv_cache.dtype}")
+    if n == 0:
+        return
+    with _stream_ctx(stream):
+        idx = _index_tensor(block_ids, kv_cache.device)
+        _wide_rows(kv_cache).index_copy_(0, idx, _wide_rows(buffer.reshape(n, *block_shape)))

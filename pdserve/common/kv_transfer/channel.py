@@ -1,0 +1,467 @@
+"""A 2-rank process group for one (prefill worker, decode worker, epoch): the pair channel.
+
+Rank 0 is the prefill worker (sender), rank 1 the decode worker (receiver). The group is built
+without ``init_process_group`` (no global default group): a client ``TCPStore`` connection to
+the decode worker's store, wrapped in ``PrefixStore(f"pdserve/{prefill_id}/{decode_id}/{epoch}")``,
+then ``ProcessGroupGloo`` (CPU tensors) or ``ProcessGroupNCCL`` (CUDA tensors). Tensors cross
+as raw bytes (a ``uint8`` view): any dtype, no pickle.
+
+Rendezvous authentication: with a ``secret`` (one per channel epoch, chosen by the prefill
+worker with :func:`new_pair_secret` and handed to the decode worker in the authenticated PushKV
+call), the store prefix ends with it, ``pdserve/{prefill_id}/{decode_id}/{epoch}/{secret}``.
+Every rendezvous key (the join key, Gloo's addresses, NCCL's unique id) lives under that
+prefix, and a store client can only read or write keys it can name: a stranger who reaches the
+store cannot find the pair's keys, cannot plant its own address or unique id there, and so
+cannot become the peer of either rank. The secret never appears in logs or error messages
+(``prefix`` is the name without it).
+
+Construction is a rendezvous: it returns once both ranks have joined and exchanged a small
+handshake (which also makes NCCL create its communicator now, outside any CUDA graph and
+outside the first transfer). It raises ``KvTransferError`` after ``timeout`` seconds.
+
+Blocking and streams
+--------------------
+* CPU (Gloo): ``send``/``recv`` block until the message has crossed (or the timeout) and
+  return ``None``.
+* CUDA (NCCL): the operation is enqueued after the caller's current stream (through the
+  channel's side stream ``channel.stream``), the call then waits (polling, the GIL released)
+  until it has completed or the timeout passed, and returns a ``torch.cuda.Event`` recorded on
+  the side stream after the operation. Work that uses the received data on another stream
+  must wait on it: ``torch.cuda.current_stream().wait_event(event)``.
+* A timeout or a failure marks the channel broken: it cannot be used again (``is_broken``);
+  build a new one with a new epoch. On NCCL a timed-out channel is aborted at once
+  (``ProcessGroupNCCL.abort``), which also releases the kernels stuck in it.
+* ``abort()`` may be called from any thread. On NCCL it aborts the communicator, so an
+  operation waiting in another thread fails promptly. Gloo cannot interrupt an operation in
+  flight: it fails when the peer drops its side of the channel (or dies), or at its timeout.
+
+NCCL error handling: a peer that dies must not take this process down, so unless the
+environment already sets it, ``TORCH_NCCL_ASYNC_ERROR_HANDLING`` defaults to ``2`` (clean up
+the communicator only, never kill the process) for the NCCL groups built here. Timeouts are
+enforced by this module (then the group is aborted); the group's own watchdog timeout is set
+longer, as a backstop.
+"""
+from __future__ import annotations
+
+import datetime
+import logging
+import os
+import re
+import secrets
+import threading
+import time
+from collections.abc import Callable, Iterable
+
+import torch
+import torch.distributed as dist
+
+from .errors import KvTransferError
+from .store import connect_store
+
+log = logging.getLogger(__name__)
+
+DEFAULT_TIMEOUT = 30.0
+_HANDSHAKE_MAGIC = 0x5044_4B56  # "PDKV"
+_JOIN_KEY = "pdserve_join/0"
+
+
+_SECRET_RE = re.compile(r"[0-9a-f]{32}")
+
+
+def new_pair_secret() -> str:
+    """A fresh one-time rendezvous secret: 128 random bits as 32 hex characters."""
+    return secrets.token_hex(16)
+
+
+def channel_prefix(prefill_id: str, decode_id: str, epoch: int, secret: str = "") -> str:
+    """The store prefix of one pair channel (with the secret as its last part, when given)."""
+    for name, value in (("prefill_id", prefill_id), ("decode_id", decode_id)):
+        if not value or "/" in value:
+            raise KvTransferError(f"{name} {value!r} must be non-empty and contain no '/'")
+    if secret and not _SECRET_RE.fullmatch(secret):
+        raise KvTransferError("pair secret must be 32 lowercase hex characters")
+    name = f"pdserve/{prefill_id}/{decode_id}/{int(epoch)}"
+    return f"{name}/{secret}" if secret else name
+
+
+def _wire(t: torch.Tensor) -> torch.Tensor:
+    """The tensor's bytes as a flat uint8 view (what crosses the wire)."""
+    if not t.is_contiguous():
+        raise KvTransferError("pair channel tensors must be contiguous")
+    return t.reshape(-1).view(torch.uint8)
+
+
+def _seconds(value: float) -> datetime.timedelta:
+    return datetime.timedelta(seconds=max(0.001, float(value)))
+
+
+def _nccl_available() -> bool:
+    return hasattr(dist, "ProcessGroupNCCL") and dist.is_nccl_available()
+
+
+class Op:
+    """A started send or receive: the torch Work, the tensor it uses (kept alive until the
+    operation is waited), and whether it was waited already (CPU)."""
+
+    __slots__ = ("work", "tensor", "done")
+
+    def __init__(self, work, tensor) -> None:
+        self.work = work
+        self.tensor = tensor
+        self.done = False
+
+
+class PairChannel:
+    """One pair channel. See the module docstring for the blocking and stream rules.
+
+    Args:
+        store: the decode worker's store, ``"host:port"`` (a client connection is opened) or
+            an existing ``torch.distributed.Store``.
+        prefill_id, decode_id, epoch: name the channel (the store prefix).
+        rank: 0 on the prefill worker (sender), 1 on the decode worker (receiver).
+        device: ``cpu`` -> Gloo; ``cuda[:i]`` -> NCCL, bound to that device.
+        timeout: seconds for the rendezvous and for each ``send``/``recv``.
+        stream: CUDA side stream to use (one is created otherwise).
+        cancel: rank 1 only: polled while waiting for rank 0 to join; when it returns True
+            the construction gives up (a newer epoch superseded this one).
+        high_priority: NCCL: run the communication on a high-priority stream.
+        secret: the epoch's one-time rendezvous secret (both ranks must pass the same one;
+            see the module docstring); empty: none.
+    """
+
+    def __init__(self, store: str | dist.Store, prefill_id: str, decode_id: str, epoch: int,
+                 rank: int, device: torch.device | str = "cpu", *,
+                 timeout: float = DEFAULT_TIMEOUT,
+                 stream: torch.cuda.Stream | None = None,
+                 cancel: Callable[[], bool] | None = None,
+                 high_priority: bool = False, secret: str = "") -> None:
+        if rank not in (0, 1):
+            raise KvTransferError(f"rank must be 0 (prefill) or 1 (decode), got {rank}")
+        self.prefix = channel_prefix(prefill_id, decode_id, epoch)   # for logs: no secret
+        self._store_prefix = channel_prefix(prefill_id, decode_id, epoch, secret)
+        self.secret = secret
+        self.prefill_id, self.decode_id = prefill_id, decode_id
+        self.epoch = int(epoch)
+        self.rank = rank
+        self.peer = 1 - rank
+        self.timeout = float(timeout)
+        device = torch.device(device)
+        if device.type == "cuda" and device.index is None:
+            device = torch.device("cuda", torch.cuda.current_device())
+        if device.type not in ("cpu", "cuda"):
+            raise KvTransferError(f"unsupported device {device}")
+        self.device = device
+        self.is_cuda = device.type == "cuda"
+        self.stream: torch.cuda.Stream | None = None    # set exactly when is_cuda
+        if self.is_cuda:
+            if not _nccl_available():
+                raise KvTransferError("CUDA pair channel needs torch.distributed with NCCL")
+            self.stream = stream if stream is not None else torch.cuda.Stream(device)
+        self._broken = False
+        self._closed = False
+        self._reason = ""
+        self._lock = threading.Lock()
+        self._pg = None
+        self._store: dist.Store | None = None
+        self._build(store, cancel, high_priority)
+
+    # ----------------------------------------------------------------- state
+    @property
+    def is_broken(self) -> bool:
+        """True after a failure, a timeout, ``abort()`` or ``close()``."""
+        return self._broken or self._closed
+
+    @property
+    def backend(self) -> str:
+        return "nccl" if self.is_cuda else "gloo"
+
+    def __repr__(self) -> str:
+        state = "broken" if self._broken else ("closed" if self._closed else "open")
+        return f"PairChannel({self.prefix}, rank {self.rank}, {self.backend}, {state})"
+
+    def _error(self, what: str, exc: BaseException | None = None) -> KvTransferError:
+        detail = f": {exc}" if exc is not None else ""
+        return KvTransferError(f"pair channel {self.prefix} (rank {self.rank}, {self.backend}): "
+                               f"{what}{detail}")
+
+    # ----------------------------------------------------------------- set-up
+    def _build(self, store, cancel, high_priority) -> None:
+        deadline = time.monotonic() + self.timeout
+        client = connect_store(store, self.timeout) if isinstance(store, str) else store
+        prefix_store = dist.PrefixStore(self._store_prefix, client)
+        self._store = client
+        if self.rank == 0:
+            prefix_store.set(_JOIN_KEY, "1")
+        else:
+            self._wait_for_sender(prefix_store, deadline, cancel)
+        # The process-group construction and the handshake can block (NCCL's communicator
+        # set-up has no timeout of its own): run them in a helper thread and give up on it at
+        # the deadline.
+        result: dict = {}
+        done = threading.Event()
+        abandoned = threading.Event()
+
+        def build() -> None:
+            pg = None
+            try:
+                if self.is_cuda:
+                    torch.cuda.set_device(self.device)
+                pg = self._make_pg(prefix_store, deadline, high_priority)
+                self._handshake(pg, deadline)
+                result["pg"] = pg
+            except BaseException as e:  # noqa: BLE001 - reported to the caller
+                result["error"] = e
+            finally:
+                done.set()
+                if abandoned.is_set() and "pg" in result:
+                    _abort_pg(result.pop("pg"), self.is_cuda)
+
+        thread = threading.Thread(target=build, name=f"kv-join-{self.prefix}", daemon=True)
+        thread.start()
+        if not done.wait(max(0.0, deadline - time.monotonic()) + 5.0):
+            abandoned.set()
+            self._broken = True
+            raise self._error(f"rendezvous timed out after {self.timeout:.1f}s "
+                              "(the peer did not join)")
+        if "error" in result:
+            self._broken = True
+            raise self._error("rendezvous failed", result["error"]) from result["error"]
+        self._pg = result["pg"]
+
+    def _wait_for_sender(self, prefix_store, deadline: float, cancel) -> None:
+        # Poll with check() (no blocking wait: a store wait that times out logs warnings).
+        delay = 0.001
+        while True:
+            try:
+                if prefix_store.check([_JOIN_KEY]):
+                    return
+            except Exception as e:  # noqa: BLE001 - the store went away
+                raise self._error("KV store failed while waiting for the prefill worker", e) from e
+            if cancel is not None and cancel():
+                raise self._error("superseded by a newer epoch before the peer joined")
+            if time.monotonic() >= deadline:
+                raise self._error(f"the prefill worker did not join within {self.timeout:.1f}s")
+            time.sleep(delay)
+            delay = min(0.02, delay * 2)
+
+    def _make_pg(self, prefix_store, deadline: float, high_priority: bool):
+        left = max(1.0, deadline - time.monotonic())
+        if not self.is_cuda:
+            return dist.ProcessGroupGloo(prefix_store, self.rank, 2, _seconds(left))
+        # Unless set, do not let an NCCL error (a dead peer) kill this process.
+        os.environ.setdefault("TORCH_NCCL_ASYNC_ERROR_HANDLING", "2")
+        # Point-to-point on the eagerly created communicator is serialized with the group's
+        # other operations: that is what a pair channel wants; don't warn about it.
+        os.environ.setdefault("TORCH_NCCL_SHOW_EAGER_INIT_P2P_SERIALIZATION_WARNING", "false")
+        opts = dist.ProcessGroupNCCL.Options()
+        opts.is_high_priority_stream = bool(high_priority)
+        # Backstop only: this module aborts the group itself at its own timeout.
+        opts._timeout = _seconds(2 * self.timeout + 30.0)
+        for attr, value in (("group_name", self.prefix), ("global_ranks_in_group", [0, 1])):
+            try:
+                setattr(opts, attr, value)
+            except Exception:  # noqa: BLE001 - optional fields of some torch versions
+                pass
+        pg = dist.ProcessGroupNCCL(prefix_store, self.rank, 2, opts)
+        eager = getattr(pg, "eager_connect_single_device", None)
+        if eager is not None:
+            # Create the communicator now, bound to this device (not lazily inside a transfer).
+            eager(self.device)
+        return pg
+
+    def _handshake(self, pg, deadline: float) -> None:
+        t = torch.tensor([_HANDSHAKE_MAGIC, self.epoch], dtype=torch.int64)
+        if self.is_cuda:
+            t = t.to(self.device)
+        if self.rank == 0:
+            self._run([lambda: pg.send([t], self.peer, 0)], deadline, pg)
+        else:
+            t.zero_()
+            self._run([lambda: pg.recv([t], self.peer, 0)], deadline, pg)
+            got = t.tolist()
+            if got != [_HANDSHAKE_MAGIC, self.epoch]:
+                raise self._error(f"bad handshake {got}")
+
+    # ----------------------------------------------------------------- operations
+    def _pg_or_raise(self):
+        pg = self._pg
+        if pg is None or self.is_broken:
+            raise self._error(f"channel is {'closed' if self._closed else 'broken'}"
+                              + (f" ({self._reason})" if self._reason else ""))
+        return pg
+
+    def isend(self, tensor: torch.Tensor, tag: int = 0):
+        """Start sending ``tensor`` (its bytes) to the peer; returns an ``Op``. On CUDA it runs
+        after the work already enqueued on ``self.stream``."""
+        pg = self._pg_or_raise()
+        try:
+            if self.is_cuda:
+                with torch.cuda.stream(self.stream):
+                    return Op(pg.send([_wire(tensor)], self.peer, tag), tensor)
+            return Op(pg.send([_wire(tensor)], self.peer, tag), tensor)
+        except Exception as e:
+            self._fail(f"send failed: {e}")
+            raise self._error("send failed", e) from e
+
+    def irecv(self, tensor: torch.Tensor, tag: int = 0):
+        """Start receiving into ``tensor`` (its bytes) from the peer; returns an ``Op``. On CUDA
+        it runs after the work already enqueued on ``self.stream``."""
+        pg = self._pg_or_raise()
+        try:
+            if self.is_cuda:
+                with torch.cuda.stream(self.stream):
+                    return Op(pg.recv([_wire(tensor)], self.peer, tag), tensor)
+            return Op(pg.recv([_wire(tensor)], self.peer, tag), tensor)
+        except Exception as e:
+            self._fail(f"recv failed: {e}")
+            raise self._error("recv failed", e) from e
+
+    def wait(self, work: Op, deadline: float) -> None:
+        """Order what follows after ``work``. CPU: block until it completed (or the deadline,
+        a ``time.monotonic()`` value). CUDA: make ``self.stream`` wait for it (no CPU block)."""
+        try:
+            if self.is_cuda:
+                with torch.cuda.stream(self.stream):
+                    work.work.wait()
+            elif not work.done:  # a Gloo work must be waited once only
+                work.work.wait(_seconds(deadline - time.monotonic()))
+                work.done = True
+        except Exception as e:
+            self._fail(f"transfer failed: {e}")
+            raise self._error("transfer failed", e) from e
+        if self._broken:
+            raise self._error("channel was aborted" + (f" ({self._reason})" if self._reason else ""))
+
+    def synchronize(self, works: Iterable, deadline: float) -> None:
+        """Block until every work has completed, or fail (and break the channel) at the
+        deadline (a ``time.monotonic()`` value)."""
+        works = [w for w in works if w is not None]
+        if not self.is_cuda:
+            for w in works:
+                self.wait(w, deadline)
+            return
+        pending = works
+        t_start = time.monotonic()
+        _fine_timer_slack()
+        while pending:
+            if self._broken:
+                raise self._error("channel was aborted"
+                                  + (f" ({self._reason})" if self._reason else ""))
+            try:
+                pending = [w for w in pending if not w.work.is_completed()]
+            except Exception as e:
+                self._fail(f"transfer failed: {e}")
+                raise self._error("transfer failed", e) from e
+            if not pending:
+                break
+            now = time.monotonic()
+            if now >= deadline:
+                what = f"timed out after {now - t_start:.1f}s"
+                self._fail(what)
+                self.abort(what)
+                raise self._error(f"{what} (peer dead or stalled?)")
+            # Yield (the GIL too) for the first ~2 ms: most transfers end within it; then
+            # sleep in small steps (a receive posted ahead of its prefill waits that long, and
+            # the moment its data lands is the handover latency: see _fine_timer_slack).
+            time.sleep(0 if now - t_start < 0.002 else _POLL_SLEEP_S)
+        for w in works:  # completed; re-raise a recorded error (e.g. communicator aborted)
+            self.wait(w, deadline)
+
+    def _run(self, starts: list[Callable], deadline: float, pg=None):
+        works = [Op(start(), None) for start in starts]
+        self.synchronize(works, deadline)
+        return works
+
+    def send(self, tensor: torch.Tensor, tag: int = 0) -> torch.cuda.Event | None:
+        """Send ``tensor`` and wait until it has crossed (``timeout``). Returns None on CPU; on
+        CUDA an event recorded on the side stream after the send."""
+        deadline = time.monotonic() + self.timeout
+        if self.stream is not None:     # CUDA
+            self.stream.wait_stream(torch.cuda.current_stream(self.device))
+        work = self.isend(tensor, tag)
+        self.synchronize([work], deadline)
+        return self._record()
+
+    def recv(self, tensor: torch.Tensor, tag: int = 0) -> torch.cuda.Event | None:
+        """Receive into ``tensor`` and wait until it has landed (``timeout``). Returns None on
+        CPU; on CUDA an event the caller's streams must wait on before using ``tensor``."""
+        deadline = time.monotonic() + self.timeout
+        if self.stream is not None:     # CUDA
+            self.stream.wait_stream(torch.cuda.current_stream(self.device))
+        work = self.irecv(tensor, tag)
+        self.synchronize([work], deadline)
+        return self._record()
+
+    def _record(self) -> torch.cuda.Event | None:
+        if not self.is_cuda:
+            return None
+        event = torch.cuda.Event()
+        event.record(self.stream)
+        return event
+
+    def record_event(self) -> torch.cuda.Event | None:
+        """CUDA: an event after everything enqueued on the side stream so far; CPU: None."""
+        return self._record()
+
+    # ----------------------------------------------------------------- teardown
+    def _fail(self, reason: str) -> None:
+        with self._lock:
+            if not self._broken:
+                self._reason = reason
+            self._broken = True
+
+    def abort(self, reason: str = "aborted") -> None:
+        """Break the channel now (any thread). NCCL: abort the communicator, so operations
+        stuck in it end. Gloo: mark it broken (an operation in flight ends when the peer drops
+        its side, or at its timeout); the owner thread then calls ``close()``."""
+        self._fail(reason)
+        if not self.is_cuda:
+            # Gloo: only mark it broken here. Destroying the group while another thread waits
+            # in it is not safe; the owner thread calls close() once its operation ended.
+            return
+        with self._lock:
+            pg, self._pg = self._pg, None
+            self._store = None
+        if pg is not None:
+            _abort_pg(pg, self.is_cuda)
+
+    def close(self) -> None:
+        """Release the channel. NCCL communicators are aborted rather than destroyed, so
+        closing never waits for a peer."""
+        with self._lock:
+            self._closed = True
+            pg, self._pg = self._pg, None
+            self._store = None
+        if pg is not None:
+            _abort_pg(pg, self.is_cuda)
+
+
+_POLL_SLEEP_S = 10e-6
+_slack = threading.local()
+
+
+def _fine_timer_slack() -> None:
+    """Linux: let this thread's short sleeps end on time (1 us timer slack instead of the
+    default 50 us), so a completed transfer is seen within ~10-20 us. Once per thread."""
+    if getattr(_slack, "done", False):
+        return
+    _slack.done = True
+    try:
+        import ctypes
+        ctypes.CDLL(None, use_errno=True).prctl(29, 1000, 0, 0, 0)   # PR_SET_TIMERSLACK, ns
+    except Exception:  # noqa: BLE001 - not Linux: the default slack only costs latency
+        pass
+
+
+def _abort_pg(pg, is_cuda: bool) -> None:
+    if not is_cuda:
+        return  # Gloo: dropping the last reference closes its connections
+    for name in ("abort", "_abort", "shutdown"):
+        fn = getattr(pg, name, None)
+        if fn is None:
+            continue
+        try:
+            fn()
+            return
+        except Exception as e:  # noqa: BLE001 - best effort
+            log.debug("ProcessGroupNCCL.%s failed: %s", name, e)

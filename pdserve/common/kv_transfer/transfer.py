@@ -1,0 +1,192 @@
+"""The KV transfer protocol over pair channels and its data path; ``KvSender`` (sender.py,
+prefill) and ``KvReceiver`` (receiver.py, decode) follow it.
+
+Ordering contract (protos/pdserve/v1/worker.proto, PushKV): the decode worker posts its
+receives in PushKV call order; the prefill worker sends in the order its PushKV calls
+returned and never has two PushKV in flight to the same decode worker. Both sides then issue
+the same messages in the same order on the pair channel.
+
+A transfer of ``n`` blocks is cut into ``plan_chunks(n, bytes_per_block, max_message_bytes)``
+messages (one message unless it is larger than ``max_message_bytes``). A run of consecutive
+block ids is sent from / received into the pool directly; other blocks go through a staging
+buffer (``gather_blocks`` / ``scatter_blocks``), double-buffered so that the gather (scatter)
+of one chunk overlaps the transfer of the next (previous) one.
+
+The first token may ride along: 8 bytes (``int32`` token id, ``float32`` log-probability)
+appended to the last message, which both sides then stage even when its blocks are
+consecutive (one more NCCL operation would cost ~0.05-0.1 ms of start-up; a staged copy of one
+chunk costs less). A prefill worker thus starts the transfer as soon as its prefill step is
+launched, before the token exists on the host (the send is ordered after the step on the GPU),
+and the decode worker learns the token from the channel.
+
+Epochs: each (prefill, decode) pair has a current epoch, chosen by the prefill worker and
+carried in PushKV. Any failure of a send makes the prefill worker bump its epoch; a post with a
+newer epoch makes the decode worker abort the old channel (failing the receives still queued
+on it) and join a fresh one. See ``KvSender`` and ``KvReceiver``.
+"""
+from __future__ import annotations
+
+import logging
+import time
+
+import torch
+
+from .blocks import bytes_per_block, contiguous_range, gather_blocks, plan_chunks, scatter_blocks
+from .channel import PairChannel
+
+log = logging.getLogger(__name__)
+
+
+def initial_epoch() -> int:
+    """A fresh epoch for a new sender: microseconds since the Unix epoch, so that a restarted
+    prefill worker always uses a larger epoch than its previous incarnation did."""
+    return time.time_ns() // 1000
+
+
+# ============================================================================ first token
+class FirstTokenRef:
+    """Where a prefill step's sampled token for one sequence will be: row ``row`` of
+    ``token_ids`` ([B] int64) and of ``logprobs`` ([B] fp32, or None), on the pool's device.
+    On CUDA they must be written before the step's ``ready_event``."""
+
+    __slots__ = ("token_ids", "logprobs", "row")
+
+    def __init__(self, token_ids: torch.Tensor, logprobs: torch.Tensor | None, row: int) -> None:
+        self.token_ids, self.logprobs, self.row = token_ids, logprobs, int(row)
+
+    def message(self) -> torch.Tensor:
+        """The 8-byte wire message: ``int32[2]`` = (token id, logprob's fp32 bits)."""
+        tok = self.token_ids[self.row:self.row + 1].to(torch.int32)
+        if self.logprobs is None:
+            lp = torch.zeros(1, dtype=torch.int32, device=tok.device)
+        else:
+            lp = self.logprobs[self.row:self.row + 1].to(torch.float32).view(torch.int32)
+        return torch.cat([tok, lp])
+
+
+def parse_first_token(msg: torch.Tensor) -> tuple[int, float]:
+    """(token id, logprob) from a received ``int32[2]`` first-token message."""
+    host = msg.cpu()
+    return int(host[0]), float(host[1:2].view(torch.float32)[0])
+
+
+# ============================================================================ data path
+_TOKEN_BYTES = 8
+
+
+def _trailer_elems(kv_cache: torch.Tensor) -> int:
+    """Pool elements that hold the 8 first-token bytes at the end of a message."""
+    return -(-_TOKEN_BYTES // kv_cache.element_size())
+
+
+def _staging(slots: list, slot: int, n: int, kv_cache: torch.Tensor, extra: int = 0) -> torch.Tensor:
+    need = n * kv_cache[0].numel() + extra
+    buf = slots[slot]
+    if buf is None or buf.numel() < need:
+        buf = torch.empty(need, dtype=kv_cache.dtype, device=kv_cache.device)
+        slots[slot] = buf
+    return buf
+
+
+def _enqueue_send_on(ch: PairChannel, kv_cache: torch.Tensor, ids: list[int],
+                     max_message_bytes: int, deadline: float,
+                     ready_event: torch.cuda.Event | None = None,
+                     staging: list | None = None,
+                     first_token: FirstTokenRef | None = None) -> list:
+    """Start sending the blocks ``ids`` of ``kv_cache`` (with ``first_token``'s 8 bytes at the
+    end of the last message, if given) over ``ch``; returns the operations, which the caller
+    must ``ch.synchronize`` (each keeps its tensor alive until then). ``staging``: two reusable
+    buffer slots (CPU; on CUDA the caching allocator reuses)."""
+    block_bytes = bytes_per_block(kv_cache)
+    chunks = plan_chunks(len(ids), block_bytes, max_message_bytes)
+    stream = ch.stream
+    if stream is not None:
+        if ready_event is not None:
+            stream.wait_event(ready_event)
+        else:
+            stream.wait_stream(torch.cuda.current_stream(kv_cache.device))
+    slots: list = staging if staging is not None else [None, None]
+    last: list = [None, None]   # the last send from each staging buffer
+    ops: list = []              # every send: each must be waited (a Gloo send is cancelled
+                                # if its Work is dropped before completion)
+    ctx = torch.cuda.stream(stream) if stream is not None else _Null()
+    with ctx:  # staging buffers are allocated on (and freed in the order of) the side stream
+        for i, (s, e) in enumerate(chunks):
+            sub = ids[s:e]
+            slot = i % 2
+            token = first_token if i == len(chunks) - 1 else None
+            rng = contiguous_range(sub)
+            if rng is not None and token is None:
+                ops.append(ch.isend(kv_cache[rng[0]:rng[1]], tag=i))
+                continue
+            if last[slot] is not None:  # the buffer is free once its last send is done
+                ch.wait(last[slot], deadline)
+            extra = _trailer_elems(kv_cache) if token is not None else 0
+            buf = _staging(slots, slot, len(sub), kv_cache, extra)
+            gather_blocks(kv_cache, sub, out=buf, stream=stream)
+            need = len(sub) * kv_cache[0].numel()
+            msg = buf[:need + extra]
+            if token is not None:
+                msg[need:].view(torch.uint8)[:_TOKEN_BYTES].copy_(token.message().view(torch.uint8))
+            last[slot] = ch.isend(msg, tag=i)
+            ops.append(last[slot])
+    return ops
+
+
+def _recv_blocks_on(ch: PairChannel, kv_cache: torch.Tensor, ids: list[int],
+                    max_message_bytes: int, deadline: float,
+                    staging: list | None = None, with_first_token: bool = False,
+                    ) -> tuple[int, tuple[int, float] | None]:
+    """Receive the blocks ``ids`` of ``kv_cache`` over ``ch`` and scatter them into the pool
+    (``with_first_token``: the last message also carries the first token's 8 bytes). Returns
+    ``(num_bytes, (token id, logprob) or None)``. On return the data has landed (CPU) or the
+    scatter is enqueued on ``ch.stream`` after the completed receive (CUDA)."""
+    block_bytes = bytes_per_block(kv_cache)
+    chunks = plan_chunks(len(ids), block_bytes, max_message_bytes)
+    stream = ch.stream
+    slots: list = staging if staging is not None else [None, None]
+    posted: list = [None] * len(chunks)   # (work, buffer or None)
+
+    extra = _trailer_elems(kv_cache) if with_first_token else 0
+
+    def post(i: int) -> None:
+        s, e = chunks[i]
+        sub = ids[s:e]
+        rng = contiguous_range(sub)
+        trailer = extra if i == len(chunks) - 1 else 0
+        if rng is not None and not trailer:
+            posted[i] = (ch.irecv(kv_cache[rng[0]:rng[1]], tag=i), None)
+        else:
+            buf = _staging(slots, i % 2, len(sub), kv_cache, trailer)
+            view = buf[:len(sub) * kv_cache[0].numel() + trailer]
+            posted[i] = (ch.irecv(view, tag=i), view)
+
+    token_msg = None
+    ctx = torch.cuda.stream(stream) if stream is not None else _Null()
+    with ctx:
+        for i in range(min(2, len(chunks))):
+            post(i)
+        for i, (s, e) in enumerate(chunks):
+            work, view = posted[i]
+            ch.wait(work, deadline)
+            if view is not None:
+                need = (e - s) * kv_cache[0].numel()
+                scatter_blocks(kv_cache, ids[s:e], view[:need], stream=stream)
+                if extra and i == len(chunks) - 1:
+                    token_msg = view[need:].view(torch.uint8)[:_TOKEN_BYTES].clone().view(torch.int32)
+            if i + 2 < len(chunks):
+                post(i + 2)   # reuses slot i % 2: ordered after the scatter above
+        ch.synchronize([p[0] for p in posted], deadline)
+        first = parse_first_token(token_msg) if token_msg is not None else None
+    return len(ids) * block_bytes, first
+
+
+class _Null:
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        return False
+
+
+# ============================================================================ sender

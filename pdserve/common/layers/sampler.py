@@ -1,0 +1,357 @@
+"""Token sampling for a batch of sequences, with no host synchronisation on the device.
+
+Once per engine step the engine calls :func:`prepare_sampling` to turn the batch's
+``SamplingParams`` into a :class:`SamplingBatch` of device tensors (plus host-side flags so the
+common case does no extra work), then ``Sampler()(logits, batch)`` picks one token per row.
+
+Order of operations inside :meth:`Sampler.forward` (every step in fp32, whatever the logits'
+dtype; steps whose flag is off for the whole batch are skipped, and an all-greedy batch with no
+penalty and no logprobs is a bare ``argmax``):
+
+1. ``logprobs`` (only when some row asked for them): ``log_softmax`` of the RAW logits — before
+   penalties, temperature and filtering — gathered later at the chosen token.
+2. Penalties: repetition (tokens seen in the prompt or the completion: positive logits divided
+   by the penalty, negative ones multiplied), then presence (subtracted once for tokens seen in
+   the completion) and frequency (subtracted once per occurrence in the completion).
+3. Greedy rows (temperature 0) take the argmax of the penalised logits (ties: lowest index).
+4. Sampled rows: divide by the temperature, then top-k, then top-p (nucleus: keep the smallest
+   set of most likely tokens whose cumulative probability, renormalised after top-k, reaches
+   top_p; the top token is always kept), then min-p (drop tokens whose probability is below
+   ``min_p`` times the largest one). Each filter is a per-row cut-off logit, so tokens tied
+   with the cut-off are kept (as in HF's and vLLM's top-k), and a row is filtered the same
+   whichever path (no sort, partial or full sort) the rest of the batch selects. Then sample
+   with the exponential race:
+   ``argmax(probs / E)`` with ``E ~ Exponential(1)`` i.i.d. per token, which draws from
+   ``probs`` exactly and needs no ``multinomial`` / host sync.
+   Rows with a seed draw their ``E`` from their own ``torch.Generator`` (one draw of ``V``
+   values per step), so a seeded request yields the same tokens whatever else is in the batch
+   and wherever its row sits; the other rows share one batched draw from the global RNG.
+
+Engine contract for seeded requests: ``prepare_sampling`` gets a ``generators`` dict (seq_id ->
+generator) that the engine owns and keeps across steps (also across preemption). The first time
+a seeded, sampled sequence is seen a generator is created on the device, seeded with the
+request's seed, and advanced by one draw per completion token the sequence already has (so a
+decode worker that imports a sequence whose first token the prefill worker sampled continues
+the same random stream). The engine must ``generators.pop(seq.seq_id, None)`` when the sequence
+finishes, and must call ``Sampler.forward`` exactly once per token it appends to a seeded
+sequence (each call advances that sequence's generator).
+"""
+from __future__ import annotations
+
+import itertools
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Protocol
+
+import numpy as np
+import torch
+from torch import nn
+
+from pdserve.common.layers.fused_dispatch import use_fused
+from pdserve.common.sampling_params import SamplingParams
+
+
+class SampledSequence(Protocol):
+    """What sampling reads of a sequence (the engine's Sequence is one)."""
+
+    @property
+    def seq_id(self) -> int: ...
+    @property
+    def sampling_params(self) -> SamplingParams: ...
+    @property
+    def num_completion_tokens(self) -> int: ...
+    @property
+    def prompt_token_ids(self) -> list[int]: ...
+    @property
+    def completion_token_ids(self) -> list[int]: ...
+
+__all__ = ["SamplingBatch", "SamplerOutput", "Sampler", "prepare_sampling"]
+
+_NEG_INF = float("-inf")
+
+
+@dataclass
+class SamplingBatch:
+    """Per-step sampling inputs for ``B`` rows over a vocabulary of ``vocab_size`` tokens.
+
+    Tensors live on the model's device (the six fp32 per-row fields are rows of one [6, B]
+    tensor, copied to the device in one transfer). Rows of greedy sequences carry their
+    parameters too, but the flags only count sampled rows for top-k / top-p / min-p (filtering
+    cannot change an argmax). ``output_counts`` ([B, V] fp32, occurrences of each token in the
+    completion) is built only when ``any_penalty``; ``prompt_mask`` ([B, V] bool, token appears
+    in the prompt) only when ``any_repetition_penalty``. Rows without a penalty have all-zero
+    counts / masks.
+    """
+
+    temperatures: torch.Tensor            # [B] fp32, 0 = greedy
+    top_ks: torch.Tensor                  # [B] int64, V where off
+    top_ps: torch.Tensor                  # [B] fp32, 1.0 where off
+    min_ps: torch.Tensor                  # [B] fp32, 0.0 where off
+    repetition_penalties: torch.Tensor    # [B] fp32, 1.0 where off
+    presence_penalties: torch.Tensor      # [B] fp32, 0.0 where off
+    frequency_penalties: torch.Tensor     # [B] fp32, 0.0 where off
+    output_counts: torch.Tensor | None    # [B, V] fp32 (only when any_penalty)
+    prompt_mask: torch.Tensor | None      # [B, V] bool (only when any_repetition_penalty)
+    generators: list[torch.Generator | None]  # per row; set only for seeded sampled rows
+    vocab_size: int
+    all_greedy: bool
+    any_greedy: bool
+    any_top_k: bool
+    any_top_p: bool
+    any_min_p: bool
+    any_penalty: bool
+    any_repetition_penalty: bool
+    any_additive_penalty: bool            # presence or frequency
+    need_logprobs: bool
+    max_top_k: int        # largest top_k among sampled rows that use top-k (0 if none)
+    sort_k: int           # leading tokens the top-p path sorts (V if a sampled row has no top-k)
+    seeded_rows: list[int]   # rows drawing their noise from their own generator
+    any_unseeded_sampled: bool
+
+    @property
+    def batch_size(self) -> int:
+        return len(self.generators)
+
+
+@dataclass
+class SamplerOutput:
+    token_ids: torch.Tensor               # [B] int64 on the device
+    logprobs: torch.Tensor | None         # [B] fp32 on the device, or None
+
+
+def _advance(generator: torch.Generator, steps: int, vocab_size: int, device: torch.device) -> None:
+    """Consume ``steps`` draws exactly as ``Sampler.forward`` would for one row."""
+    if steps <= 0:
+        return
+    buf = torch.empty(vocab_size, dtype=torch.float32, device=device)
+    for _ in range(steps):
+        buf.exponential_(generator=generator)
+
+
+def _flat_indices(rows: list[list[int]], V: int, pin: bool) -> torch.Tensor:
+    """int64 host tensor of ``r * V + token`` for every token of every row (numpy: fast)."""
+    lens = np.fromiter((len(r) for r in rows), dtype=np.int64, count=len(rows))
+    total = int(lens.sum())
+    flat = np.fromiter(itertools.chain.from_iterable(rows), dtype=np.int64, count=total)
+    flat += np.repeat(np.arange(len(rows), dtype=np.int64) * V, lens)
+    out = torch.from_numpy(flat)
+    return out.pin_memory() if pin else out
+
+
+def prepare_sampling(seqs: Sequence[SampledSequence], vocab_size: int, device: torch.device,
+                     generators: dict[int, torch.Generator]) -> SamplingBatch:
+    """Build the :class:`SamplingBatch` for ``seqs`` (row ``i`` is ``seqs[i]``).
+
+    ``vocab_size`` must equal the width of the logits given to the sampler. ``generators`` is
+    owned by the engine (see the module docstring): generators for seeded sampled sequences are
+    created here on first sight and stored under ``seq.seq_id``; the engine drops them when the
+    sequence finishes.
+    """
+    device = torch.device(device)
+    V = int(vocab_size)
+    pin = device.type == "cuda"
+
+    temps: list[float] = []
+    top_ks: list[int] = []
+    top_ps: list[float] = []
+    min_ps: list[float] = []
+    reps: list[float] = []
+    pres: list[float] = []
+    freqs: list[float] = []
+    gens: list[torch.Generator | None] = []
+    seeded_rows: list[int] = []
+
+    all_greedy = True
+    any_greedy = any_top_k = any_top_p = any_min_p = False
+    any_rep = any_add = need_logprobs = False
+    any_unseeded_sampled = False
+    max_top_k = 0
+    sort_k = 0
+
+    for i, seq in enumerate(seqs):
+        sp = seq.sampling_params
+        greedy = sp.temperature == 0.0
+        k = sp.top_k if 0 < sp.top_k < V else V
+        temps.append(sp.temperature)
+        top_ks.append(k)
+        top_ps.append(sp.top_p)
+        min_ps.append(sp.min_p)
+        reps.append(sp.repetition_penalty)
+        pres.append(sp.presence_penalty)
+        freqs.append(sp.frequency_penalty)
+        any_rep |= sp.repetition_penalty != 1.0
+        any_add |= sp.presence_penalty != 0.0 or sp.frequency_penalty != 0.0
+        need_logprobs |= sp.logprobs
+        gen = None
+        if greedy:
+            any_greedy = True
+        else:
+            all_greedy = False
+            if k < V:
+                any_top_k = True
+                max_top_k = max(max_top_k, k)
+            sort_k = max(sort_k, k)
+            any_top_p |= sp.top_p < 1.0
+            any_min_p |= sp.min_p > 0.0
+            if sp.seed is not None:
+                gen = generators.get(seq.seq_id)
+                if gen is None:
+                    gen = torch.Generator(device=device)
+                    gen.manual_seed(sp.seed)
+                    _advance(gen, seq.num_completion_tokens, V, device)
+                    generators[seq.seq_id] = gen
+                seeded_rows.append(i)
+            else:
+                any_unseeded_sampled = True
+        gens.append(gen)
+
+    def to_dev(t: torch.Tensor) -> torch.Tensor:
+        return t.to(device, non_blocking=True)
+
+    # All fp32 per-row parameters travel in one host-to-device copy; the fields are row views.
+    params = to_dev(torch.tensor([temps, top_ps, min_ps, reps, pres, freqs], dtype=torch.float32,
+                                 pin_memory=pin).reshape(6, len(seqs)))
+    top_ks_t = to_dev(torch.tensor(top_ks, dtype=torch.int64, pin_memory=pin))
+
+    any_penalty = any_rep or any_add
+    output_counts = prompt_mask = None
+    if any_penalty:
+        B = len(seqs)
+        # Completion tokens of the rows with a penalty, as flat indices row * V + token.
+        outs = [seq.completion_token_ids if seq.sampling_params.has_penalties else []
+                for seq in seqs]
+        idx = to_dev(_flat_indices(outs, V, pin))
+        output_counts = torch.zeros(B, V, dtype=torch.float32, device=device)
+        output_counts.view(-1).index_add_(0, idx, torch.ones(idx.shape, dtype=torch.float32,
+                                                              device=device))
+        if any_rep:
+            prompts = [seq.prompt_token_ids if seq.sampling_params.repetition_penalty != 1.0 else []
+                       for seq in seqs]
+            idx = to_dev(_flat_indices(prompts, V, pin))
+            prompt_mask = torch.zeros(B, V, dtype=torch.bool, device=device)
+            prompt_mask.view(-1).index_fill_(0, idx, True)
+
+    return SamplingBatch(
+        temperatures=params[0], top_ps=params[1], min_ps=params[2],
+        repetition_penalties=params[3], presence_penalties=params[4], frequency_penalties=params[5],
+        top_ks=top_ks_t, output_counts=output_counts, prompt_mask=prompt_mask,
+        generators=gens, vocab_size=V,
+        all_greedy=all_greedy, any_greedy=any_greedy,
+        any_top_k=any_top_k, any_top_p=any_top_p, any_min_p=any_min_p,
+        any_penalty=any_penalty, any_repetition_penalty=any_rep, any_additive_penalty=any_add,
+        need_logprobs=need_logprobs, max_top_k=max_top_k, sort_k=sort_k or V,
+        seeded_rows=seeded_rows, any_unseeded_sampled=any_unseeded_sampled,
+    )
+
+
+class Sampler(nn.Module):
+    """Picks one token per row of ``logits`` [B, V]; see the module docstring for the order."""
+
+    @torch.no_grad()
+    def forward(self, logits: torch.Tensor, batch: SamplingBatch) -> SamplerOutput:
+        if batch.all_greedy and not batch.any_penalty and not batch.need_logprobs:
+            # Upcasting is exact and monotone: the argmax of the raw dtype is the same token.
+            return SamplerOutput(token_ids=logits.argmax(dim=-1), logprobs=None)
+        if self._fused_ok(logits, batch):
+            from pdserve.common.ops.sampling import temperature_sample
+            seed = int(torch.randint(0, 2**31 - 1, (1,)))   # host RNG: no device sync
+            return SamplerOutput(token_ids=temperature_sample(logits, batch.temperatures, seed), logprobs=None)
+        raw = logits.float()          # may alias ``logits``: never modified in place
+        lse = torch.logsumexp(raw, dim=-1) if batch.need_logprobs else None
+
+        x = self._apply_penalties(raw, batch) if batch.any_penalty else raw
+
+        if batch.all_greedy:
+            token_ids = x.argmax(dim=-1)
+        else:
+            sampled = self._sample(x, batch)
+            if batch.any_greedy:
+                token_ids = torch.where(batch.temperatures == 0.0, x.argmax(dim=-1), sampled)
+            else:
+                token_ids = sampled
+
+        logprobs = None
+        if lse is not None:
+            logprobs = raw.gather(1, token_ids.unsqueeze(1)).squeeze(1) - lse
+        return SamplerOutput(token_ids=token_ids, logprobs=logprobs)
+
+    @staticmethod
+    def _fused_ok(logits: torch.Tensor, batch: SamplingBatch) -> bool:
+        """Temperature-only rows (greedy or sampled, unseeded), on CUDA: one fused pass
+        (pdserve.common.ops.sampling)."""
+        return (use_fused(logits) and not batch.any_penalty and not batch.need_logprobs
+                and not batch.any_top_k and not batch.any_top_p and not batch.any_min_p
+                and not batch.seeded_rows)
+
+    @staticmethod
+    def _apply_penalties(x: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
+        counts = batch.output_counts
+        assert counts is not None
+        if batch.any_repetition_penalty:
+            assert batch.prompt_mask is not None
+            seen = batch.prompt_mask | (counts > 0)
+            rp = batch.repetition_penalties.unsqueeze(1)
+            x = torch.where(seen, torch.where(x > 0, x / rp, x * rp), x)
+        if batch.any_additive_penalty:
+            x = (x - counts * batch.frequency_penalties.unsqueeze(1)
+                 - (counts > 0).float() * batch.presence_penalties.unsqueeze(1))
+        return x
+
+    @staticmethod
+    def _sample(x: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
+        B, V = x.shape
+        temps = batch.temperatures
+        if batch.any_greedy:   # greedy rows go through here too (result discarded): avoid /0
+            temps = torch.where(temps > 0.0, temps, torch.ones_like(temps))
+        x = x / temps.unsqueeze(1)   # new tensor: in-place edits below are safe
+
+        if batch.any_top_p:
+            _top_k_top_p(x, batch)
+        elif batch.any_top_k:
+            # Threshold at each row's k-th largest logit (ties with it are kept); no full sort.
+            top_vals = x.topk(batch.max_top_k, dim=-1).values
+            idx = (batch.top_ks.clamp(max=batch.max_top_k) - 1).unsqueeze(1)
+            kth = top_vals.gather(1, idx)
+            kth = kth.masked_fill(batch.top_ks.unsqueeze(1) >= V, _NEG_INF)
+            x.masked_fill_(x < kth, _NEG_INF)
+
+        if batch.any_min_p:
+            # p_i < min_p * p_max  <=>  x_i < x_max + log(min_p); min_p = 0 gives -inf (no-op).
+            thresh = x.amax(dim=-1, keepdim=True) + torch.log(batch.min_ps).unsqueeze(1)
+            x.masked_fill_(x < thresh, _NEG_INF)
+
+        probs = torch.softmax(x, dim=-1)
+        noise = torch.empty_like(probs)
+        if batch.any_unseeded_sampled:
+            noise.exponential_()
+        for i in batch.seeded_rows:
+            noise[i].exponential_(generator=batch.generators[i])
+        noise.clamp_min_(torch.finfo(torch.float32).tiny)   # never 0/0 on a filtered token
+        return probs.div_(noise).argmax(dim=-1)
+
+
+def _top_k_top_p(x: torch.Tensor, batch: SamplingBatch) -> None:
+    """Top-k then top-p, in place on ``x``, from the ``sort_k`` largest logits of each row.
+
+    Both filters end as one cut-off logit per row (``x < cutoff`` is dropped), so no scatter
+    back from sorted order is needed and a row's result never depends on the path the rest of
+    the batch sends it down. Tokens tied with the cut-off value are kept.
+    """
+    V = x.shape[1]
+    if batch.sort_k >= V:
+        vals = x.sort(dim=-1, descending=True).values
+    else:   # every sampled row uses top-k <= sort_k: only those tokens can survive
+        vals = x.topk(batch.sort_k, dim=-1, sorted=True).values
+    width = vals.shape[1]
+    if batch.any_top_k:
+        kth = vals.gather(1, (batch.top_ks.clamp(max=width) - 1).unsqueeze(1))
+        vals.masked_fill_(vals < kth, _NEG_INF)
+    # Nucleus over the distribution renormalised after top-k: keep sorted positions
+    # 0..n-1 with n = 1 + #(inclusive cumsum < top_p), so the top token always stays and
+    # the token that reaches top_p is kept. Rows with top_p = 1 keep everything.
+    cum = torch.softmax(vals, dim=-1).cumsum_(dim=-1)
+    n_keep = (cum < batch.top_ps.unsqueeze(1)).sum(dim=-1, keepdim=True) + 1
+    n_keep = torch.where((batch.top_ps < 1.0).unsqueeze(1), n_keep, width)
+    n_keep = torch.minimum(n_keep, (vals > _NEG_INF).sum(dim=-1, keepdim=True)).clamp_(min=1)
+    cutoff = vals.gather(1, n_keep - 1)
+    x.masked_fill_(x < cutoff, _NEG_INF)

@@ -1,0 +1,113 @@
+"""Find a model by name or path and build it: HF checkpoint dirs, presets, dummy weights.
+
+``model`` may be:
+- a directory with ``config.json`` and ``*.safetensors`` (single or sharded): real weights;
+- ``"default"`` or ``"SmolLM2-135M-Instruct"``: the embedded default model (imported once
+  from its GGUF into a cached checkpoint dir, see pdserve/common/default_model.py);
+- a preset name from pdserve/common/presets (e.g. ``qwen3-0.6b``) or a path to a ``config.json``
+  file: that geometry with seeded random ("dummy") weights, for benchmarks and tests.
+"""
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+
+from pdserve.common.config import ModelConfig
+from pdserve.common.models.decoder import DecoderForCausalLM
+
+logger = logging.getLogger(__name__)
+PRESET_DIR = Path(__file__).parent / "presets"
+DEFAULT_ALIASES = ("default", "SmolLM2-135M-Instruct", "smollm2-135m-instruct")
+
+
+@dataclass(frozen=True)
+class ModelSource:
+    config: ModelConfig
+    checkpoint_dir: Path | None    # None: dummy weights
+    tokenizer_dir: Path | None     # None: no tokenizer (token ids only)
+
+
+def available_presets() -> list[str]:
+    return sorted(p.stem for p in PRESET_DIR.glob("*.json"))
+
+
+def resolve_model(model: str) -> ModelSource:
+    """Where ``model`` comes from; raises FileNotFoundError naming the problem otherwise."""
+    if model in DEFAULT_ALIASES:
+        from pdserve.common.default_model import ensure_default_model
+        path = ensure_default_model()
+        return ModelSource(ModelConfig.from_file(path / "config.json"), path, path)
+    path = Path(model).expanduser()
+    if path.is_dir():
+        if not (path / "config.json").is_file():
+            raise FileNotFoundError(f"model: {path} has no config.json")
+        if not list(path.glob("*.safetensors")):
+            raise FileNotFoundError(f"model: {path} has no *.safetensors weights")
+        tokenizer = path if (path / "tokenizer.json").is_file() or (path / "tokenizer_config.json").is_file() else None
+        return ModelSource(ModelConfig.from_file(path / "config.json"), path, tokenizer)
+    if path.suffix == ".json" and path.is_file():
+        return ModelSource(ModelConfig.from_file(path, path.stem), None, None)
+    preset = PRESET_DIR / f"{model}.json"
+    if preset.is_file():
+        return ModelSource(ModelConfig.from_file(preset, model), None, None)
+    raise FileNotFoundError(
+        f"model: {model!r} is neither a checkpoint directory nor a preset "
+        f"(presets: {', '.join(available_presets())}; or 'default' for the embedded model)")
+
+
+def _safetensors_weights(ckpt_dir: Path):
+    for file in sorted(ckpt_dir.glob("*.safetensors")):
+        with safe_open(str(file), framework="pt") as f:
+            for name in f.keys():
+                yield name, f.get_tensor(name)
+
+
+def _init_dummy(model: DecoderForCausalLM, seed: int) -> None:
+    gen = torch.Generator(device=next(model.parameters()).device).manual_seed(seed)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if name.endswith("norm.weight"):
+                param.fill_(1.0)
+            elif name.endswith(".bias"):
+                param.zero_()
+            else:
+                param.normal_(0.0, 0.02, generator=gen)
+
+
+def build_model(source: ModelSource, dtype: torch.dtype, device: torch.device,
+                attention_backend: str, seed: int = 0) -> DecoderForCausalLM:
+    """The model on ``device`` in ``dtype`` with checkpoint or seeded dummy weights."""
+    previous = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        with torch.device(device):
+            model = DecoderForCausalLM(source.config, attention_backend)
+    finally:
+        torch.set_default_dtype(previous)
+    if source.checkpoint_dir is None:
+        _init_dummy(model, seed)
+        logger.info("model %s: dummy weights (seed %d)", source.config.name, seed)
+    else:
+        loaded = model.load_weights(_safetensors_weights(source.checkpoint_dir))
+        _check_all_loaded(model, loaded)
+        logger.info("model %s: weights from %s", source.config.name, source.checkpoint_dir)
+    model.eval()
+    return model
+
+
+def _check_all_loaded(model: DecoderForCausalLM, loaded: set[str]) -> None:
+    expected: set[str] = set()
+    for name, _ in model.named_parameters():
+        merged = name.split(".")[-2] if name.endswith("weight") or name.endswith("bias") else ""
+        if merged in ("qkv_proj", "gate_up_proj"):
+            count = 3 if merged == "qkv_proj" else 2
+            expected.update(f"{name}#{i}" for i in range(count))
+        else:
+            expected.add(name)
+    missing = expected - loaded
+    if missing:
+        raise ValueError(f"checkpoint is missing tensors: {sorted(missing)[:8]}")

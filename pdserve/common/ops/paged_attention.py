@@ -1,0 +1,486 @@
+"""Triton paged-attention kernels: decode (split-KV, GQA-packed) and varlen prefill.
+
+Signatures (docs/design.md, "Attention ops"; the keyword-only arguments are extras):
+
+    paged_attention_decode(q[B,Hq,D], k_cache, v_cache, block_tables[B,max_blocks] int32,
+                           context_lens[B] int32, scale, *, out=None, workspace=None,
+                           num_splits=None, max_context_len=None,
+                           block_n=None, num_warps=None, num_stages=None) -> out[B,Hq,D]
+    paged_attention_prefill(q[T,Hq,D], k_cache, v_cache, cu_seqlens_q[B+1] int32,
+                            context_lens[B] int32, block_tables[B,max_blocks] int32,
+                            max_seqlen_q: int, scale, *, out=None,
+                            block_m=None, block_n=None, num_warps=None,
+                            num_stages=None) -> out[T,Hq,D]
+
+Caches are ``[num_blocks, block_size, Hkv, D]`` views with any strides except a contiguous head
+dim (one layer of ``kv_cache[num_blocks, num_layers, 2, block_size, Hkv, D]``). K/V are read
+through the block table one token row (``D`` contiguous elements) at a time, ``BLOCK_N`` tokens
+(several pages when ``block_size < BLOCK_N``, part of a page otherwise) per loop iteration, so
+any block size works. ``head_dim`` must be a power of two (16..256); ``Hq % Hkv == 0``.
+Softmax statistics and accumulators are fp32 (online softmax in base 2); the output has q's
+dtype. fp32 inputs use IEEE fp32 dot products (no TF32). A sequence with context length 0
+gets zeros.
+
+Decode
+------
+One program handles one (sequence, KV head, split): the ``G = Hq // Hkv`` query heads of the
+group are packed into the rows of one ``tl.dot`` (padded to ``max(16, next_pow2(G))`` rows with
+masks, so G = 3 works), so each K/V tile is loaded once per group. The context of a sequence is
+cut into ``num_splits`` equal ranges of whole ``BLOCK_N`` tiles; with more than one split,
+kernel 1 writes each split's running max / sum / unnormalized accumulator to an fp32 workspace
+and kernel 2 combines them; with one split, kernel 1 writes the output directly. The grid is
+``(Hkv, num_splits, B)``: programs start KV head fastest, so the heads of one sequence run
+together (they read interleaved 256-byte pieces of the same token rows) and, with the rows
+sorted longest context first, the longest sequences start first. The number of
+splits is picked on the host from the batch size, ``Hkv``, the SM count and an upper bound of
+the context (``max_context_len`` when given, otherwise ``block_tables.shape[1] * block_size``):
+no device value is read.
+
+CUDA graphs: pass ``out`` (``[>=B, Hq, D]``, q's dtype), ``workspace`` (from
+``alloc_decode_workspace(max_batch, Hq, D, max_splits, device)``) and a fixed ``num_splits``
+(<= ``max_splits``); then the wrapper allocates nothing, does no host sync and launches the same
+kernels on every replay (the per-sequence split ranges are computed on the device from
+``context_lens``). Even without them the wrapper never syncs; it allocates only ``out`` and,
+when splitting, a workspace.
+
+Prefill
+-------
+Grid ``(cdiv(max_seqlen_q, BLOCK_M), Hq, B)``: each program computes ``BLOCK_M`` queries of one
+head of one sequence, flash-attention style over ``BLOCK_N`` key tiles: first the tiles fully
+below the diagonal (no mask), then the diagonal tiles with the causal-with-offset mask.
+``max_seqlen_q`` (a host int) only sizes the grid. No host sync.
+"""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+__all__ = [
+    "paged_attention_decode",
+    "paged_attention_prefill",
+    "alloc_decode_workspace",
+    "decode_num_splits",
+    "DECODE_MAX_SPLITS",
+]
+
+LOG2E = 1.4426950408889634
+DECODE_MAX_SPLITS = 32          # upper bound of the split heuristic
+_MIN_TOKENS_PER_SPLIT = 128     # do not split a context finer than this
+_WS_PAD = 16                    # workspace row = D accumulators + m + l, padded to 16 floats
+
+
+# ----------------------------------------------------------------------------------------------
+# kernels
+# ----------------------------------------------------------------------------------------------
+
+# Integer arguments that change from batch to batch are not specialised: Triton would compile a
+# new variant (a stall of ~1 s) the first time such a value is 1 or a multiple of 16.
+@triton.jit(do_not_specialize=["num_splits", "stride_btb"])
+def _decode_split_kernel(
+    q_ptr, k_ptr, v_ptr, bt_ptr, cl_ptr, out_ptr, ws_ptr,
+    qk_scale,                               # softmax scale * log2(e)
+    num_splits,
+    stride_qb, stride_qh,
+    stride_kb, stride_kt, stride_kh,
+    stride_vb, stride_vt, stride_vh,
+    stride_btb,
+    stride_ob, stride_oh,
+    stride_wb, stride_wh, stride_ws,
+    GROUP: tl.constexpr, BLOCK_G: tl.constexpr, HEAD_DIM: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr,
+    SINGLE_SPLIT: tl.constexpr, DOT_PRECISION: tl.constexpr,
+):
+    kvh = tl.program_id(0)                  # fastest: a sequence's KV heads start together
+    split = tl.program_id(1)
+    b = tl.program_id(2)
+
+    ctx = tl.load(cl_ptr + b)
+    n_tiles = tl.cdiv(ctx, BLOCK_N)
+    tiles_per_split = tl.cdiv(n_tiles, num_splits)
+    t_begin = split * tiles_per_split * BLOCK_N
+    t_end = tl.minimum(t_begin + tiles_per_split * BLOCK_N, ctx)
+
+    offs_g = tl.arange(0, BLOCK_G)
+    offs_d = tl.arange(0, HEAD_DIM)
+    offs_n = tl.arange(0, BLOCK_N)
+    g_mask = offs_g < GROUP
+    heads = kvh * GROUP + offs_g
+
+    b64 = b.to(tl.int64)
+    q = tl.load(q_ptr + b64 * stride_qb + heads[:, None] * stride_qh + offs_d[None, :],
+                mask=g_mask[:, None], other=0.0)
+
+    m_i = tl.full([BLOCK_G], float("-inf"), dtype=tl.float32)
+    l_i = tl.zeros([BLOCK_G], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_G, HEAD_DIM], dtype=tl.float32)
+
+    bt_row = bt_ptr + b64 * stride_btb
+    k_head = k_ptr + kvh.to(tl.int64) * stride_kh
+    v_head = v_ptr + kvh.to(tl.int64) * stride_vh
+    for t0 in range(t_begin, t_end, BLOCK_N):
+        t = t0 + offs_n
+        t_mask = t < t_end
+        blk = tl.load(bt_row + t // BLOCK_SIZE, mask=t_mask, other=0).to(tl.int64)
+        in_blk = (t % BLOCK_SIZE).to(tl.int64)
+        k = tl.load(k_head + (blk * stride_kb + in_blk * stride_kt)[:, None] + offs_d[None, :],
+                    mask=t_mask[:, None], other=0.0)
+        qk = tl.dot(q, tl.trans(k.to(q.dtype)), input_precision=DOT_PRECISION) * qk_scale
+        qk = tl.where(t_mask[None, :], qk, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(qk, 1))
+        alpha = tl.exp2(m_i - m_new)
+        p = tl.exp2(qk - m_new[:, None])
+        l_i = l_i * alpha + tl.sum(p, 1)
+        v = tl.load(v_head + (blk * stride_vb + in_blk * stride_vt)[:, None] + offs_d[None, :],
+                    mask=t_mask[:, None], other=0.0)
+        acc = acc * alpha[:, None] + tl.dot(p.to(q.dtype), v.to(q.dtype),
+                                            input_precision=DOT_PRECISION)
+        m_i = m_new
+
+    if SINGLE_SPLIT:
+        denom = tl.where(l_i > 0.0, l_i, 1.0)
+        o = acc / denom[:, None]
+        tl.store(out_ptr + b64 * stride_ob + heads[:, None] * stride_oh + offs_d[None, :],
+                 o.to(out_ptr.dtype.element_ty), mask=g_mask[:, None])
+    else:
+        w_row = ws_ptr + b64 * stride_wb + heads * stride_wh + split * stride_ws
+        tl.store(w_row[:, None] + offs_d[None, :], acc, mask=g_mask[:, None])
+        tl.store(w_row + HEAD_DIM, m_i, mask=g_mask)
+        tl.store(w_row + HEAD_DIM + 1, l_i, mask=g_mask)
+
+
+@triton.jit(do_not_specialize=["num_splits"])
+def _decode_reduce_kernel(
+    ws_ptr, out_ptr, num_splits,
+    stride_wb, stride_wh, stride_ws,
+    stride_ob, stride_oh,
+    HEAD_DIM: tl.constexpr, BLOCK_S: tl.constexpr,
+):
+    b = tl.program_id(0).to(tl.int64)
+    h = tl.program_id(1)
+    offs_s = tl.arange(0, BLOCK_S)
+    offs_d = tl.arange(0, HEAD_DIM)
+    s_mask = offs_s < num_splits
+    row = ws_ptr + b * stride_wb + h * stride_wh + offs_s * stride_ws
+    m = tl.load(row + HEAD_DIM, mask=s_mask, other=float("-inf"))
+    l_s = tl.load(row + HEAD_DIM + 1, mask=s_mask, other=0.0)      # per-split softmax sums
+    m_max = tl.max(m, 0)
+    m_max = tl.where(m_max == float("-inf"), 0.0, m_max)   # all splits empty (context 0)
+    w = tl.exp2(m - m_max)                                  # empty split: exp2(-inf) = 0
+    l_sum = tl.sum(w * l_s, 0)
+    acc = tl.load(row[:, None] + offs_d[None, :], mask=s_mask[:, None], other=0.0)
+    o = tl.sum(acc * w[:, None], 0)
+    o = o / tl.where(l_sum > 0.0, l_sum, 1.0)
+    tl.store(out_ptr + b * stride_ob + h * stride_oh + offs_d, o.to(out_ptr.dtype.element_ty))
+
+
+@triton.jit
+def _prefill_tile(
+    acc, l_i, m_i, q, k_base, v_base, bt_row, n_begin, n_end, pos, ctx,
+    stride_kb, stride_kt, stride_vb, stride_vt, qk_scale,
+    HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr,
+    MASKED: tl.constexpr, DOT_PRECISION: tl.constexpr,
+):
+    offs_n = tl.arange(0, BLOCK_N)
+    offs_d = tl.arange(0, HEAD_DIM)
+    for n0 in range(n_begin, n_end, BLOCK_N):
+        t = n0 + offs_n
+        if MASKED:
+            t_mask = t < ctx
+            blk = tl.load(bt_row + t // BLOCK_SIZE, mask=t_mask, other=0).to(tl.int64)
+        else:
+            blk = tl.load(bt_row + t // BLOCK_SIZE).to(tl.int64)
+        in_blk = (t % BLOCK_SIZE).to(tl.int64)
+        k_ptrs = k_base + (blk * stride_kb + in_blk * stride_kt)[:, None] + offs_d[None, :]
+        v_ptrs = v_base + (blk * stride_vb + in_blk * stride_vt)[:, None] + offs_d[None, :]
+        if MASKED:
+            k = tl.load(k_ptrs, mask=t_mask[:, None], other=0.0)
+        else:
+            k = tl.load(k_ptrs)
+        qk = tl.dot(q, tl.trans(k.to(q.dtype)), input_precision=DOT_PRECISION) * qk_scale
+        if MASKED:
+            visible = (t[None, :] <= pos[:, None]) & t_mask[None, :]
+            qk = tl.where(visible, qk, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(qk, 1))
+        alpha = tl.exp2(m_i - m_new)
+        p = tl.exp2(qk - m_new[:, None])
+        l_i = l_i * alpha + tl.sum(p, 1)
+        if MASKED:
+            v = tl.load(v_ptrs, mask=t_mask[:, None], other=0.0)
+        else:
+            v = tl.load(v_ptrs)
+        acc = acc * alpha[:, None] + tl.dot(p.to(q.dtype), v.to(q.dtype),
+                                            input_precision=DOT_PRECISION)
+        m_i = m_new
+    return acc, l_i, m_i
+
+
+@triton.jit(do_not_specialize=["stride_btb"])
+def _prefill_kernel(
+    q_ptr, k_ptr, v_ptr, cu_ptr, cl_ptr, bt_ptr, out_ptr,
+    qk_scale,
+    stride_qt, stride_qh,
+    stride_kb, stride_kt, stride_kh,
+    stride_vb, stride_vt, stride_vh,
+    stride_btb,
+    stride_ot, stride_oh,
+    GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, DOT_PRECISION: tl.constexpr,
+):
+    # Heaviest (last) query tiles first: with causal masking they have the most keys.
+    m_tile = tl.num_programs(0) - 1 - tl.program_id(0)
+    h = tl.program_id(1)
+    b = tl.program_id(2)
+
+    q_start = tl.load(cu_ptr + b)
+    q_len = tl.load(cu_ptr + b + 1) - q_start
+    m0 = m_tile * BLOCK_M
+    if m0 < q_len:
+        ctx = tl.load(cl_ptr + b)
+        offset = ctx - q_len                      # absolute position of query 0
+        kvh = h // GROUP
+        offs_m = m0 + tl.arange(0, BLOCK_M)
+        offs_d = tl.arange(0, HEAD_DIM)
+        m_mask = offs_m < q_len
+        rows = (q_start + offs_m).to(tl.int64)
+        q = tl.load(q_ptr + rows[:, None] * stride_qt + h * stride_qh + offs_d[None, :],
+                    mask=m_mask[:, None], other=0.0)
+        pos = offset + offs_m
+
+        m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
+        l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+        acc = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)
+
+        bt_row = bt_ptr + b.to(tl.int64) * stride_btb
+        k_base = k_ptr + kvh.to(tl.int64) * stride_kh
+        v_base = v_ptr + kvh.to(tl.int64) * stride_vh
+        # keys < offset + m0 are visible to every query of the tile and all < ctx
+        n_full = ((offset + m0) // BLOCK_N) * BLOCK_N
+        acc, l_i, m_i = _prefill_tile(
+            acc, l_i, m_i, q, k_base, v_base, bt_row, 0, n_full, pos, ctx,
+            stride_kb, stride_kt, stride_vb, stride_vt, qk_scale,
+            HEAD_DIM, BLOCK_SIZE, BLOCK_N, False, DOT_PRECISION)
+        n_end = tl.minimum(ctx, offset + m0 + BLOCK_M)
+        acc, l_i, m_i = _prefill_tile(
+            acc, l_i, m_i, q, k_base, v_base, bt_row, n_full, n_end, pos, ctx,
+            stride_kb, stride_kt, stride_vb, stride_vt, qk_scale,
+            HEAD_DIM, BLOCK_SIZE, BLOCK_N, True, DOT_PRECISION)
+
+        denom = tl.where(l_i > 0.0, l_i, 1.0)
+        o = acc / denom[:, None]
+        tl.store(out_ptr + rows[:, None] * stride_ot + h * stride_oh + offs_d[None, :],
+                 o.to(out_ptr.dtype.element_ty), mask=m_mask[:, None])
+
+
+# ----------------------------------------------------------------------------------------------
+# host side
+# ----------------------------------------------------------------------------------------------
+
+_SM_COUNT: dict[int, int] = {}
+
+
+def _sm_count(device: torch.device) -> int:
+    if device.type != "cuda":
+        return 8                                   # interpreter on the CPU: any small number
+    idx = device.index if device.index is not None else torch.cuda.current_device()
+    if idx not in _SM_COUNT:
+        _SM_COUNT[idx] = torch.cuda.get_device_properties(idx).multi_processor_count
+    return _SM_COUNT[idx]
+
+
+def _check_common(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor) -> tuple[int, int, int, int]:
+    Hq, D = q.shape[1], q.shape[2]
+    assert k_cache.dim() == 4 and v_cache.shape == k_cache.shape, (k_cache.shape, v_cache.shape)
+    _, block_size, Hkv, Dk = k_cache.shape
+    assert Dk == D, (k_cache.shape, q.shape)
+    assert Hq % Hkv == 0, f"Hq={Hq} not a multiple of Hkv={Hkv}"
+    assert D >= 16 and D <= 256 and D & (D - 1) == 0, f"head_dim {D} must be a power of 2 in [16, 256]"
+    assert k_cache.stride(-1) == 1 and v_cache.stride(-1) == 1, "cache head dim must be contiguous"
+    return Hq, Hkv, D, block_size
+
+
+def _dot_precision(dtype: torch.dtype) -> str:
+    return "ieee" if dtype == torch.float32 else "tf32"
+
+
+def alloc_decode_workspace(max_batch: int, num_q_heads: int, head_dim: int, max_splits: int,
+                           device: torch.device | str) -> torch.Tensor:
+    """fp32 split workspace for ``paged_attention_decode``: ``[max_batch, Hq, max_splits, D+16]``.
+
+    Row layout per (sequence, head, split): ``D`` unnormalized accumulators, then the running
+    max (base 2) and the running sum; the rest is padding (keeps rows 64-byte aligned).
+    """
+    return torch.empty(max_batch, num_q_heads, max_splits, head_dim + _WS_PAD,
+                       dtype=torch.float32, device=device)
+
+
+def decode_num_splits(batch: int, num_kv_heads: int, max_context_len: int,
+                      device: torch.device | str, max_splits: int = DECODE_MAX_SPLITS) -> int:
+    """Number of KV splits so that ``batch * num_kv_heads * splits`` programs fill the GPU.
+
+    Host-only arithmetic (safe to call while capturing a CUDA graph): about four programs per
+    SM (``4 * SMs / programs``, rounded). Measured on an H100 in CUDA graphs with ragged
+    W-nano contexts (bench/attention_balance.py, attention_balance_graph_h100.json): batch 32 x
+    8 KV heads 81 -> 76 us with 2 splits, batch 16 66 -> 45 us with 4, batch 8 65 -> 27 us
+    with 6; from batch 48 up one split is as fast. Never splits a context below
+    ``_MIN_TOKENS_PER_SPLIT`` tokens.
+    """
+    device = torch.device(device)
+    programs = max(1, batch * num_kv_heads)
+    by_occupancy = (4 * _sm_count(device) + programs // 2) // programs
+    by_length = max(1, max_context_len // _MIN_TOKENS_PER_SPLIT)
+    return int(max(1, min(by_occupancy, by_length, max_splits)))
+
+
+def _decode_config(dtype: torch.dtype, head_dim: int, device: torch.device) -> tuple[int, int, int]:
+    """(BLOCK_N, num_warps, num_stages) defaults for decode."""
+    if device.type != "cuda":
+        return 32, 4, 1
+    if dtype == torch.float32:
+        return 32, 4, 2
+    return (64 if head_dim <= 128 else 32), 4, 3
+
+
+def paged_attention_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                           block_tables: torch.Tensor, context_lens: torch.Tensor, scale: float,
+                           *, out: torch.Tensor | None = None,
+                           workspace: torch.Tensor | None = None,
+                           num_splits: int | None = None,
+                           max_context_len: int | None = None,
+                           block_n: int | None = None, num_warps: int | None = None,
+                           num_stages: int | None = None) -> torch.Tensor:
+    """Decode attention: ``q[B, Hq, D]``, one query per sequence at position ``context_lens-1``.
+
+    ``out``: optional preallocated ``[>=B, Hq, D]`` output (q's dtype); rows ``:B`` are written
+    and ``out[:B]`` is returned. ``workspace``: optional preallocated split workspace from
+    ``alloc_decode_workspace`` (``shape[0] >= B``, ``shape[2] >= num_splits``). ``num_splits``:
+    fixed number of KV splits (default: ``decode_num_splits`` on ``max_context_len``, which
+    defaults to ``block_tables.shape[1] * block_size``). ``block_n`` / ``num_warps`` /
+    ``num_stages``: tuning overrides. With ``out``, ``workspace`` and ``num_splits`` given,
+    nothing is allocated and nothing is synchronized (CUDA-graph capture safe).
+    """
+    B = q.shape[0]
+    Hq, Hkv, D, block_size = _check_common(q, k_cache, v_cache)
+    if out is None:
+        out = torch.empty_like(q, memory_format=torch.contiguous_format)
+    else:
+        assert out.shape[0] >= B and out.shape[1:] == q.shape[1:] and out.stride(-1) == 1, out.shape
+        out = out[:B]
+    if B == 0:
+        return out
+    if q.stride(-1) != 1:
+        q = q.contiguous()
+    assert block_tables.shape[0] >= B and context_lens.shape[0] >= B
+    assert block_tables.stride(-1) == 1
+
+    group = Hq // Hkv
+    if num_splits is None:
+        max_ctx = max_context_len if max_context_len is not None else block_tables.shape[1] * block_size
+        cap = workspace.shape[2] if workspace is not None else DECODE_MAX_SPLITS
+        num_splits = decode_num_splits(B, Hkv, max_ctx, q.device, cap)
+    num_splits = max(1, int(num_splits))
+    cfg_n, cfg_w, cfg_s = _decode_config(q.dtype, D, q.device)
+    block_n = block_n or cfg_n
+    num_warps = num_warps or cfg_w
+    num_stages = num_stages or cfg_s
+    block_g = max(16, triton.next_power_of_2(group))
+    single = num_splits == 1
+    if single:
+        ws = out                                   # unused
+        ws_strides = (0, 0, 0)
+    else:
+        if workspace is None:
+            workspace = alloc_decode_workspace(B, Hq, D, num_splits, q.device)
+        assert (workspace.dtype == torch.float32 and workspace.shape[0] >= B
+                and workspace.shape[1] == Hq and workspace.shape[2] >= num_splits
+                and workspace.shape[3] >= D + 2 and workspace.stride(-1) == 1), workspace.shape
+        ws = workspace
+        ws_strides = (workspace.stride(0), workspace.stride(1), workspace.stride(2))
+    qk_scale = float(scale) * LOG2E
+    _decode_split_kernel[(Hkv, num_splits, B)](
+        q, k_cache, v_cache, block_tables, context_lens, out, ws,
+        qk_scale, num_splits,
+        q.stride(0), q.stride(1),
+        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+        v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
+        block_tables.stride(0),
+        out.stride(0), out.stride(1),
+        *ws_strides,
+        GROUP=group, BLOCK_G=block_g, HEAD_DIM=D, BLOCK_SIZE=block_size, BLOCK_N=block_n,
+        SINGLE_SPLIT=single, DOT_PRECISION=_dot_precision(q.dtype),
+        num_warps=num_warps, num_stages=num_stages,
+    )
+    if not single:
+        _decode_reduce_kernel[(B, Hq)](
+            ws, out, num_splits,
+            *ws_strides,
+            out.stride(0), out.stride(1),
+            HEAD_DIM=D, BLOCK_S=max(2, triton.next_power_of_2(num_splits)),
+            num_warps=4 if D >= 128 else 2,
+        )
+    return out
+
+
+def _prefill_config(dtype: torch.dtype, head_dim: int, max_seqlen_q: int,
+                    device: torch.device) -> tuple[int, int, int, int]:
+    """(BLOCK_M, BLOCK_N, num_warps, num_stages) defaults for prefill."""
+    if device.type != "cuda":
+        return (16 if max_seqlen_q <= 16 else 32), 32, 4, 1
+    if dtype == torch.float32:
+        return (16 if max_seqlen_q <= 16 else 64), 32, 4, 2
+    if max_seqlen_q <= 16:
+        return 16, 64, 4, 3
+    if max_seqlen_q <= 64:
+        return 64, 64, 4, 3
+    if head_dim <= 128:
+        # W-nano's prefill step (16k tokens of 100-1024-token prompts, D=128) on an H100:
+        # 225 us vs 302 us for (128, 64, 8, 3), the best of 36 (prefill_sweep_h100.json)
+        return 64, 32, 4, 2
+    return 128, 64, 8, 3
+
+
+def paged_attention_prefill(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                            cu_seqlens_q: torch.Tensor, context_lens: torch.Tensor,
+                            block_tables: torch.Tensor, max_seqlen_q: int, scale: float,
+                            *, out: torch.Tensor | None = None,
+                            block_m: int | None = None, block_n: int | None = None,
+                            num_warps: int | None = None,
+                            num_stages: int | None = None) -> torch.Tensor:
+    """Varlen prefill over the paged cache, causal with offset ``context_lens[b] - q_len_b``.
+
+    ``q[T, Hq, D]``: the new tokens of the B sequences back to back (``cu_seqlens_q[B+1]``),
+    whose K/V are already stored in the cache. ``max_seqlen_q`` (host int, >= every q_len)
+    sizes the grid. ``out``: optional preallocated ``[T, Hq, D]`` output. Requires
+    ``context_lens[b] >= q_len_b``. No host sync.
+    """
+    T = q.shape[0]
+    Hq, Hkv, D, block_size = _check_common(q, k_cache, v_cache)
+    B = cu_seqlens_q.shape[0] - 1
+    if out is None:
+        out = torch.empty_like(q, memory_format=torch.contiguous_format)
+    else:
+        assert out.shape == q.shape and out.stride(-1) == 1, (out.shape, q.shape)
+    if T == 0 or B <= 0 or max_seqlen_q <= 0:
+        return out
+    if q.stride(-1) != 1:
+        q = q.contiguous()
+    assert block_tables.stride(-1) == 1
+    cfg_m, cfg_n, cfg_w, cfg_s = _prefill_config(q.dtype, D, max_seqlen_q, q.device)
+    block_m = block_m or cfg_m
+    block_n = block_n or cfg_n
+    num_warps = num_warps or cfg_w
+    num_stages = num_stages or cfg_s
+    grid = (triton.cdiv(max_seqlen_q, block_m), Hq, B)
+    _prefill_kernel[grid](
+        q, k_cache, v_cache, cu_seqlens_q, context_lens, block_tables, out,
+        float(scale) * LOG2E,
+        q.stride(0), q.stride(1),
+        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+        v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
+        block_tables.stride(0),
+        out.stride(0), out.stride(1),
+        GROUP=Hq // Hkv, HEAD_DIM=D, BLOCK_SIZE=block_size,
+        BLOCK_M=block_m, BLOCK_N=block_n, DOT_PRECISION=_dot_precision(q.dtype),
+        num_warps=num_warps, num_stages=num_stages,
+    )
+    return out

@@ -1,0 +1,87 @@
+"""Security flags of the router and the workers (each with a ``PDSERVE_*`` environment default).
+
+Public port (router only): ``--tls-cert``/``--tls-key`` (TLS), ``--tls-client-ca`` (also
+require client certificates of that CA), ``--auth-tokens-file`` (bearer tokens, one per line).
+Internal API (router -> workers, prefill -> decode; every worker port):
+``--internal-tls-cert``/``--internal-tls-key``/``--internal-tls-ca`` (mutual TLS: a worker
+accepts only peers whose certificate chains to the CA, and checks nothing else),
+``--internal-tls-server-name`` (the name in the workers' certificates), and
+``--internal-token-file`` (a shared token: sent by callers, accepted by workers; the way to
+authenticate the internal API without TLS). ``--reflection off`` on every service.
+"""
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+from pdserve.common import env
+from pdserve.common.security.config import ClientSecurity, ServerSecurity
+from pdserve.common.security.tls import TlsFiles
+
+
+def _path(value: str | None) -> Path | None:
+    return Path(value).expanduser() if value else None
+
+
+def add_public_arguments(p: argparse.ArgumentParser) -> None:
+    """The router's public-port flags."""
+    p.add_argument("--tls-cert", default=env.get("TLS_CERT"),
+                   help="PEM certificate (chain) of the public port; with --tls-key turns TLS on "
+                        "(env PDSERVE_TLS_CERT)")
+    p.add_argument("--tls-key", default=env.get("TLS_KEY"), help="PEM private key (env PDSERVE_TLS_KEY)")
+    p.add_argument("--tls-client-ca", default=env.get("TLS_CLIENT_CA"),
+                   help="require client certificates that chain to this CA bundle (env PDSERVE_TLS_CLIENT_CA)")
+    p.add_argument("--auth-tokens-file", default=env.get("AUTH_TOKENS_FILE"),
+                   help="bearer tokens accepted on the public API, one per line; re-read when it changes "
+                        "(env PDSERVE_AUTH_TOKENS_FILE)")
+
+
+def add_internal_arguments(p: argparse.ArgumentParser) -> None:
+    """The internal-API flags (router and workers) and --reflection."""
+    p.add_argument("--internal-tls-cert", default=env.get("INTERNAL_TLS_CERT"),
+                   help="PEM certificate this process presents on the internal API (env PDSERVE_INTERNAL_TLS_CERT)")
+    p.add_argument("--internal-tls-key", default=env.get("INTERNAL_TLS_KEY"),
+                   help="its private key (env PDSERVE_INTERNAL_TLS_KEY)")
+    p.add_argument("--internal-tls-ca", default=env.get("INTERNAL_TLS_CA"),
+                   help="CA bundle internal peers' certificates must chain to (env PDSERVE_INTERNAL_TLS_CA)")
+    p.add_argument("--internal-tls-server-name", default=env.get("INTERNAL_TLS_SERVER_NAME"),
+                   help="name the workers' certificates are checked for, instead of the address's host "
+                        "(env PDSERVE_INTERNAL_TLS_SERVER_NAME)")
+    p.add_argument("--internal-token-file", default=env.get("INTERNAL_TOKEN_FILE"),
+                   help="internal API token(s), one per line: the first is sent, any is accepted "
+                        "(env PDSERVE_INTERNAL_TOKEN_FILE)")
+    p.add_argument("--reflection", choices=("on", "off"), default=env.get("REFLECTION", "on"),
+                   help="serve gRPC server reflection (env PDSERVE_REFLECTION)")
+
+
+def _internal_tls(args: argparse.Namespace) -> TlsFiles | None:
+    cert, key, ca = (_path(getattr(args, f"internal_tls_{n}", None)) for n in ("cert", "key", "ca"))
+    if cert is None and key is None and ca is None:
+        return None
+    if cert is None or key is None or ca is None:
+        raise ValueError("internal TLS is mutual: --internal-tls-cert, --internal-tls-key and "
+                         "--internal-tls-ca are needed together")
+    return TlsFiles(cert, key, ca)
+
+
+def public_server_security(args: argparse.Namespace) -> ServerSecurity:
+    cert, key, client_ca = _path(args.tls_cert), _path(args.tls_key), _path(args.tls_client_ca)
+    if client_ca is not None and cert is None:
+        raise ValueError("--tls-client-ca needs --tls-cert and --tls-key")
+    tls = TlsFiles(cert, key, client_ca) if cert or key else None
+    return ServerSecurity(tls=tls, require_client_cert=client_ca is not None,
+                          tokens_file=_path(args.auth_tokens_file),
+                          reflection=args.reflection == "on", label="public port")
+
+
+def internal_server_security(args: argparse.Namespace) -> ServerSecurity:
+    tls = _internal_tls(args)
+    return ServerSecurity(tls=tls, require_client_cert=tls is not None,
+                          tokens_file=_path(args.internal_token_file), accept_peer_cert=tls is not None,
+                          reflection=args.reflection == "on", label="internal port")
+
+
+def internal_client_security(args: argparse.Namespace) -> ClientSecurity:
+    tls = _internal_tls(args)
+    return ClientSecurity(tls=tls, token_file=_path(args.internal_token_file),
+                          server_name=(args.internal_tls_server_name or None) if tls else None)

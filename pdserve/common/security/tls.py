@@ -1,0 +1,139 @@
+"""TLS material from files: server credentials that re-read the files, client credentials.
+
+Certificates and keys are PEM files (a Kubernetes ``kubernetes.io/tls`` Secret mounted as a
+volume: ``tls.crt``, ``tls.key``, ``ca.crt``). A server re-reads them when one of them
+changes (modification time or size), at the next TLS handshake: cert-manager rotates a
+certificate and new connections get the new one without a restart; connections already open
+keep theirs. A changed set that does not load (a key that does not match its certificate, a
+file half written) is logged and the previous set stays in use.
+
+Clients read their files when a channel is created (:func:`channel_credentials`).
+"""
+from __future__ import annotations
+
+import logging
+import ssl
+import threading
+from dataclasses import dataclass
+from pathlib import Path
+
+import grpc
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class TlsFiles:
+    """One party's TLS files.
+
+    ``cert``/``key``: its own certificate chain and private key (both or neither; a client
+    without them does server-only TLS). ``ca``: the CA bundle that peers' certificates must
+    chain to (a server: client certificates are then required; a client: the server's
+    certificate is checked against it, else against the system roots).
+    """
+
+    cert: Path | None = None
+    key: Path | None = None
+    ca: Path | None = None
+
+    def __post_init__(self) -> None:
+        if (self.cert is None) != (self.key is None):
+            raise ValueError("TLS: a certificate needs its key and a key its certificate "
+                             f"(cert={self.cert}, key={self.key})")
+        for name in ("cert", "key", "ca"):
+            value = getattr(self, name)
+            if value is not None:
+                object.__setattr__(self, name, Path(value))
+                if not Path(value).is_file():
+                    raise ValueError(f"TLS {name} file {value} does not exist")
+
+    @property
+    def has_identity(self) -> bool:
+        return self.cert is not None
+
+    def identity(self) -> tuple[Path, Path]:
+        """(cert, key); ValueError when this party has none."""
+        if self.cert is None or self.key is None:
+            raise ValueError("TLS: no certificate and key given")
+        return self.cert, self.key
+
+    def paths(self) -> tuple[Path, ...]:
+        return tuple(p for p in (self.cert, self.key, self.ca) if p is not None)
+
+
+def _read(path: Path | None) -> bytes | None:
+    return None if path is None else path.read_bytes()
+
+
+def check_key_pair(cert: Path, key: Path) -> None:
+    """Raise ``ssl.SSLError``/``OSError`` unless ``key`` is the private key of ``cert``."""
+    ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER).load_cert_chain(str(cert), str(key))
+
+
+class ReloadingServerCredentials:
+    """A server's TLS material, re-read when its files change (see the module docstring).
+
+    ``require_client_cert``: the handshake refuses clients without a certificate that chains
+    to ``files.ca`` (mutual TLS).
+    """
+
+    def __init__(self, files: TlsFiles, require_client_cert: bool) -> None:
+        if not files.has_identity:
+            raise ValueError("a TLS server needs a certificate and a key")
+        if require_client_cert and files.ca is None:
+            raise ValueError("requiring client certificates needs a CA file to check them")
+        self.files = files
+        self.require_client_cert = require_client_cert
+        self._lock = threading.Lock()
+        self._stamp = self._file_stamp()
+        self.reloads = 0
+        self._initial = self._load()
+
+    def _file_stamp(self) -> tuple[tuple[int, int, int] | None, ...]:
+        stamps: list[tuple[int, int, int] | None] = []
+        for p in self.files.paths():
+            try:
+                st = p.stat()
+                stamps.append((st.st_mtime_ns, st.st_size, st.st_ino))
+            except OSError:
+                stamps.append(None)
+        return tuple(stamps)
+
+    def _load(self) -> grpc.ServerCertificateConfiguration:
+        cert, key = self.files.identity()
+        check_key_pair(cert, key)
+        return grpc.ssl_server_certificate_configuration(
+            [(key.read_bytes(), cert.read_bytes())], root_certificates=_read(self.files.ca))
+
+    def fetch(self) -> grpc.ServerCertificateConfiguration | None:
+        """grpc's fetcher: a new configuration when the files changed, else None (keep)."""
+        stamp = self._file_stamp()
+        if stamp == self._stamp:
+            return None
+        with self._lock:
+            if stamp == self._stamp:
+                return None
+            self._stamp = stamp
+            try:
+                config = self._load()
+            except (OSError, ssl.SSLError, ValueError) as e:
+                log.warning("TLS files %s changed but cannot be loaded (%s); keeping the "
+                            "previous certificate", ", ".join(map(str, self.files.paths())), e)
+                return None
+            self.reloads += 1
+            log.info("TLS certificate %s re-read (reload %d)", self.files.cert, self.reloads)
+            return config
+
+    def credentials(self) -> grpc.ServerCredentials:
+        return grpc.dynamic_ssl_server_credentials(
+            self._initial, self.fetch, require_client_authentication=self.require_client_cert)
+
+
+def channel_credentials(files: TlsFiles) -> grpc.ChannelCredentials:
+    """Client credentials: trust ``files.ca`` (system roots when None), present ``cert``/``key``
+    when given (mutual TLS). Files are read now."""
+    if files.has_identity:
+        check_key_pair(*files.identity())
+    return grpc.ssl_channel_credentials(
+        root_certificates=_read(files.ca), private_key=_read(files.key),
+        certificate_chain=_read(files.cert))

@@ -1,0 +1,181 @@
+"""The decode worker's requests: reservations under a lease, KV receives, admission, outputs.
+
+Every method whose first argument is ``engine`` runs on the engine thread (through
+``EngineLoop.call``), so the engine and ``tracked`` are only touched there.
+"""
+from __future__ import annotations
+
+import logging
+import time
+from concurrent.futures import Future
+from dataclasses import dataclass
+
+from pdserve.common.engine.llm_engine import LLMEngine, StepOutput
+from pdserve.common.engine.sequence import FinishReason, Sequence
+from pdserve.common.sampling_params import SamplingParams
+from pdserve.common.serving.broadcast import Broadcast
+from pdserve.common.serving.engine_loop import EngineLoop
+from pdserve.common.serving.metrics import KIND_LOCAL, KIND_REMOTE, RequestTracker, WorkerMetrics
+from pdserve.common.serving.updates import SeqUpdate, finished_update
+
+logger = logging.getLogger(__name__)
+
+RESERVED, RECEIVING, ACTIVE = "reserved", "receiving", "active"
+
+
+class NoSuchRequest(KeyError):
+    """Unknown, expired or cancelled request id."""
+
+
+class BadTransfer(ValueError):
+    """A PushKV that does not match its reservation."""
+
+
+@dataclass
+class Tracked:
+    seq: Sequence
+    router_id: str
+    deadline: float | None         # Unix seconds
+    lease_expires: float | None    # Unix seconds, while RESERVED
+    phase: str
+    cancel_reason: FinishReason | None = None
+    first_sent: bool = False
+
+
+class DecodeState:
+    def __init__(self, outputs: Broadcast, default_lease_ms: int, tracker: RequestTracker | None = None) -> None:
+        self.outputs = outputs
+        self.tracker = tracker or RequestTracker(WorkerMetrics("decode"))   # metrics and spans per request
+        self.default_lease_ms = default_lease_ms
+        self.tracked: dict[str, Tracked] = {}
+        self.loop: EngineLoop | None = None   # set by the service once the loop exists
+        self.num_transfers = 0          # receives completed
+        self.transfer_bytes = 0
+
+    # ---- admission paths -------------------------------------------------------------
+    def reserve(self, engine: LLMEngine, request_id: str, token_ids: list[int], params: SamplingParams,
+                lease_ms: int, deadline: float | None, router_id: str) -> tuple[list[int], int]:
+        seq = engine.reserve(token_ids, params, request_id)
+        lease = (lease_ms or self.default_lease_ms) / 1000.0
+        self.tracked[request_id] = Tracked(seq, router_id, deadline, time.time() + lease, RESERVED)
+        self.tracker.begin(request_id, KIND_REMOTE, "Reserve")
+        return list(seq.block_table), seq.num_cached_tokens
+
+    def submit(self, engine: LLMEngine, request_id: str, token_ids: list[int], params: SamplingParams,
+               deadline: float | None, router_id: str) -> None:
+        seq = engine.add_request(token_ids, params, request_id)
+        self.tracked[request_id] = Tracked(seq, router_id, deadline, None, ACTIVE)
+        self.tracker.begin(request_id, KIND_LOCAL, "Submit")
+
+    def start_receive(self, engine: LLMEngine, request_id: str, block_ids: list[int]) -> Tracked:
+        """Check a PushKV against its reservation and move it to RECEIVING."""
+        t = self.tracked.get(request_id)
+        if t is None or t.phase != RESERVED:
+            raise NoSuchRequest(f"request {request_id!r} has no live reservation here")
+        expected = t.seq.block_table[t.seq.num_cached_tokens // t.seq.block_size:]
+        if list(block_ids) != expected:
+            raise BadTransfer(f"block_ids {list(block_ids)[:8]} do not match the reservation {expected[:8]}")
+        t.phase, t.lease_expires = RECEIVING, None
+        return t
+
+    def finish_receive(self, engine: LLMEngine, request_id: str, first_token: int, logprob: float,
+                       event, error: BaseException | None, num_bytes: int = 0) -> None:
+        """The KV landed (or failed): admit the sequence with its first token, or drop it."""
+        t = self.tracked.get(request_id)
+        if t is None:
+            return
+        if error is not None or t.cancel_reason is not None:
+            reason = t.cancel_reason or FinishReason.ERROR
+            self._drop(engine, t, reason, f"KV transfer failed: {error}" if error else "")
+            return
+        if event is not None:
+            event.wait()   # the decode stream waits for the scatter; no host sync
+        self.num_transfers += 1
+        self.transfer_bytes += num_bytes
+        t.phase = ACTIVE
+        self.tracker.ready(request_id)
+        if not engine.admit_imported(t.seq, first_token, logprob):
+            reason = _finish_reason(t.seq)
+            self.tracker.end(request_id, reason)
+            self._emit(t, finished_update(t.seq, reason))
+            del self.tracked[request_id]
+
+    # ---- endings ---------------------------------------------------------------------
+    def cancel(self, engine: LLMEngine, request_id: str, reason: FinishReason = FinishReason.CANCELLED) -> bool:
+        t = self.tracked.get(request_id)
+        if t is None:
+            return False
+        if t.phase == RECEIVING:       # blocks are being written: free them when the receive ends
+            t.cancel_reason = reason
+            return True
+        self._drop(engine, t, reason)
+        return True
+
+    def cancel_router(self, engine: LLMEngine, router_id: str) -> int:
+        ids = [rid for rid, t in self.tracked.items() if t.router_id == router_id]
+        for rid in ids:
+            self.cancel(engine, rid)
+        return len(ids)
+
+    def _drop(self, engine: LLMEngine, t: Tracked, reason: FinishReason, error: str = "") -> None:
+        engine.abort(t.seq.request_id, reason)
+        self.tracker.end(t.seq.request_id, reason)
+        self.tracked.pop(t.seq.request_id, None)
+        self._emit(t, finished_update(t.seq, reason, error))
+
+    def expire(self, engine: LLMEngine) -> None:
+        """Before each step: end reservations whose lease ran out and requests past their deadline."""
+        now = time.time()
+        for t in list(self.tracked.values()):
+            if t.phase == RESERVED and t.lease_expires is not None and now > t.lease_expires:
+                logger.warning("reservation %s expired before its KV arrived", t.seq.request_id)
+                self.tracker.reservation_expired()
+                self._drop(engine, t, FinishReason.ERROR, "reservation lease expired")
+            elif t.deadline is not None and now > t.deadline:
+                self.cancel(engine, t.seq.request_id, FinishReason.DEADLINE)
+
+    # ---- outputs ---------------------------------------------------------------------
+    def _emit(self, t: Tracked, update: SeqUpdate) -> None:
+        self.outputs.publish(t.router_id, [update])
+
+    def on_step(self, out: StepOutput) -> None:
+        by_router: dict[str, dict[str, SeqUpdate]] = {}
+        for seq, token in zip(out.seqs, out.new_token_ids):
+            t = self.tracked.get(seq.request_id)
+            if t is None:
+                continue
+            u = SeqUpdate(seq.request_id, [token],
+                          [seq.output_logprobs[-1]] if seq.sampling_params.logprobs and seq.output_logprobs else [])
+            if not t.first_sent:
+                u.num_prompt_tokens, u.num_cached_tokens = seq.num_prompt_tokens, seq.num_prefix_hit_tokens
+                t.first_sent = True
+            by_router.setdefault(t.router_id, {})[seq.request_id] = u
+        for seq in out.finished:
+            t = self.tracked.pop(seq.request_id, None)
+            if t is None:
+                continue
+            reason = _finish_reason(seq)
+            u = by_router.setdefault(t.router_id, {}).setdefault(seq.request_id, finished_update(seq, reason))
+            u.finish_reason = reason
+        for router_id, updates in by_router.items():
+            self.outputs.publish(router_id, list(updates.values()))
+
+    def num_reserved(self) -> int:
+        return sum(t.phase in (RESERVED, RECEIVING) for t in self.tracked.values())
+
+
+def _finish_reason(seq: Sequence) -> FinishReason:
+    """The reason of a sequence the engine reported finished (the engine always sets one)."""
+    if seq.finish_reason is None:
+        raise RuntimeError(f"request {seq.request_id!r} finished without a finish reason")
+    return seq.finish_reason
+
+
+def resolve_receive(loop: EngineLoop, state: DecodeState, request_id: str, first_token: int,
+                    logprob: float, future: Future) -> None:
+    """Callback of a KV receive future: hand the result to the engine thread."""
+    error = future.exception()
+    num_bytes, event, on_channel = (0, None, None) if error is not None else future.result()
+    if on_channel is not None:            # the first token came after the blocks
+        first_token, logprob = on_channel
+    loop.call(lambda engine: state.finish_receive(engine, request_id, first_token, logprob, event, error, num_bytes))

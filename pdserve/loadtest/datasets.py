@@ -1,0 +1,285 @@
+"""Serving workloads: lists of :class:`BenchRequest`, deterministic for a seed.
+
+=================  ==========================================================================
+``random``         input / output lengths uniform in the given ranges, random token ids
+``w-nano``         docs/design.md's W-nano (nano-vllm's bench) as a serving load: the 256
+                   prompts of ``randint(0, 10000)`` ids of length ``randint(100, 1024)``, then
+                   ``max_tokens = randint(100, 1024)`` each, all from ``random.seed(0)``;
+                   temperature 0.6, ignore_eos (142,827 prompt / 133,966 output tokens)
+``shared-prefix``  ``num_prefixes`` long system prompts; each request = one of them + a short
+                   random suffix (prefix caching and cache-aware routing)
+``multi-turn``     chat conversations: each turn's prompt is the previous turn's prompt + a reply
+                   + a new user message (prefix reuse across turns of one conversation)
+``prefill-heavy``  long prompts (~2k tokens), short outputs (16..64)
+``decode-heavy``   short prompts (64..128), long outputs (512)
+``jsonl``          a file of ``{"prompt": str, "max_tokens": n}``, ``{"messages": [...]}`` or
+                   ``{"token_ids": [...]}`` lines
+=================  ==========================================================================
+
+Synthetic prompts are token ids (``GenerateRequest.token_ids``) by default. With
+``prompt_format="text"`` they become text made of common English words, one word per token
+for the usual BPE tokenizers (so lengths are close to, not exactly, the target; the router's
+``usage.prompt_tokens`` gives the real count, which the metrics use).
+"""
+from __future__ import annotations
+
+import json
+import random
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+from typing import Any
+
+DATASETS = ("random", "w-nano", "shared-prefix", "multi-turn", "prefill-heavy", "decode-heavy", "jsonl")
+PROMPT_FORMATS = ("ids", "text")
+
+# Per-dataset defaults: (input range, output range, number of prompts).
+DEFAULTS: dict[str, dict[str, Any]] = {
+    "random": {"input_len": (128, 1024), "output_len": (64, 256), "num_prompts": 200},
+    "shared-prefix": {"input_len": (32, 64), "output_len": (64, 128), "num_prompts": 200},
+    "multi-turn": {"input_len": (64, 128), "output_len": (64, 128), "num_prompts": 200},
+    "prefill-heavy": {"input_len": (1792, 2304), "output_len": (16, 64), "num_prompts": 200},
+    "decode-heavy": {"input_len": (64, 128), "output_len": (512, 512), "num_prompts": 200},
+    "w-nano": {"num_prompts": 256},
+    "jsonl": {"output_len": (128, 128), "num_prompts": None},
+}
+# Words that are single tokens with a leading space in GPT-2-style BPE vocabularies.
+_WORDS = ("the of and to in is was for on that with as by at from his it an were are which this be or "
+          "has had not but first one their its new after who they have her she two been other when "
+          "there all during into school time may years more most only over city some world would "
+          "where later up such used many can state about national out known university united then "
+          "made").split()
+
+
+@dataclass
+class BenchRequest:
+    """One request of a workload. Exactly one of ``token_ids``, ``text``, ``messages`` is set."""
+
+    prompt_len: int                          # tokens (exact for ids, estimated for text/messages)
+    output_len: int                          # max_tokens
+    token_ids: list[int] | None = None
+    text: str | None = None
+    messages: list[dict[str, str]] | None = None
+    temperature: float = 0.0
+    ignore_eos: bool = True
+    extra: dict[str, Any] = field(default_factory=dict)   # e.g. {"prefix": 3}
+
+    def to_proto(self, request_id: str = ""):
+        """The ``pdserve.v1.GenerateRequest`` for this request."""
+        from pdserve.v1 import common_pb2, router_pb2
+        params = common_pb2.SamplingParams(temperature=self.temperature, max_tokens=self.output_len,
+                                           ignore_eos=self.ignore_eos)
+        req = router_pb2.GenerateRequest(request_id=request_id, params=params)
+        if self.token_ids is not None:
+            req.token_ids.ids.extend(self.token_ids)
+        elif self.messages is not None:
+            req.chat.messages.extend(router_pb2.ChatMessage(role=m.get("role", "user"), content=m.get("content", ""))
+                                     for m in self.messages)
+        else:
+            req.text = self.text or ""
+        return req
+
+
+RangeArg = str | int | tuple[int, int] | None   # what parse_range accepts
+
+
+def parse_range(value: RangeArg) -> tuple[int, int] | None:
+    """``"512"`` -> (512, 512); ``"100:1024"`` or ``"100-1024"`` -> (100, 1024) (inclusive)."""
+    if value is None or isinstance(value, tuple):
+        return value
+    if isinstance(value, int):
+        return (value, value)
+    s = str(value).strip()
+    for sep in (":", "-", ","):
+        if sep in s:
+            lo, hi = (int(x) for x in s.split(sep, 1))
+            break
+    else:
+        lo = hi = int(s)
+    if lo < 0 or hi < lo:
+        raise ValueError(f"bad length range {value!r}: need 0 <= lo <= hi")
+    return (lo, hi)
+
+
+def _ids(rng: random.Random, n: int, vocab: int) -> list[int]:
+    return [rng.randrange(vocab) for _ in range(n)]
+
+
+def w_nano(num_prompts: int = 256) -> list[BenchRequest]:
+    """docs/design.md W-nano exactly (the same draws as bench/workloads.py, from Random(0))."""
+    rng = random.Random(0)
+    prompts = [[rng.randint(0, 10000) for _ in range(rng.randint(100, 1024))] for _ in range(num_prompts)]
+    return [BenchRequest(len(p), rng.randint(100, 1024), token_ids=p, temperature=0.6, ignore_eos=True)
+            for p in prompts]
+
+
+def random_lengths(num_prompts: int, input_len: tuple[int, int], output_len: tuple[int, int], vocab: int,
+                   seed: int) -> list[BenchRequest]:
+    rng = random.Random(seed)
+    out = []
+    for _ in range(num_prompts):
+        n_in = rng.randint(*input_len)
+        n_out = rng.randint(*output_len)
+        out.append(BenchRequest(n_in, max(1, n_out), token_ids=_ids(rng, n_in, vocab)))
+    return out
+
+
+def shared_prefix(num_prompts: int, num_prefixes: int, prefix_len: int, suffix_len: tuple[int, int],
+                  output_len: tuple[int, int], vocab: int, seed: int) -> list[BenchRequest]:
+    """``num_prefixes`` system prompts of ``prefix_len`` tokens; request i uses prefix i % N plus
+    its own suffix; the order is shuffled (seeded) so prefixes interleave in time."""
+    if num_prefixes < 1:
+        raise ValueError("num_prefixes must be >= 1")
+    rng = random.Random(seed)
+    prefixes = [_ids(rng, prefix_len, vocab) for _ in range(num_prefixes)]
+    out = []
+    for i in range(num_prompts):
+        k = i % num_prefixes
+        suffix = _ids(rng, rng.randint(*suffix_len), vocab)
+        ids = prefixes[k] + suffix
+        out.append(BenchRequest(len(ids), max(1, rng.randint(*output_len)), token_ids=ids, extra={"prefix": k}))
+    rng.shuffle(out)
+    return out
+
+
+def multi_turn(num_prompts: int, num_turns: int, num_prefixes: int, prefix_len: int, user_len: tuple[int, int],
+               output_len: tuple[int, int], vocab: int, seed: int, active: int = 16) -> list[BenchRequest]:
+    """Chat conversations of ``num_turns`` turns (``ceil(num_prompts / num_turns)`` of them, cut
+    to ``num_prompts`` requests). Turn 1 = one of ``num_prefixes`` system prompts of
+    ``prefix_len`` tokens + a user message of ``user_len`` tokens; turn k+1 = turn k's prompt +
+    a reply of turn k's ``max_tokens`` tokens + a new user message. The replies are synthetic
+    (a served reply differs), so what a later turn can find cached is the earlier turns'
+    prompts. Order: conversations go ``active`` at a time; a group's first turns (shuffled),
+    then its second turns, ...: at a rate of R requests/s the turns of one conversation are
+    about ``active / R`` seconds apart. ``extra``: conversation, turn."""
+    if num_turns < 1 or num_prefixes < 1 or active < 1:
+        raise ValueError("num_turns, num_prefixes and active must be >= 1")
+    rng = random.Random(seed)
+    prefixes = [_ids(rng, prefix_len, vocab) for _ in range(num_prefixes)] if prefix_len else [[]]
+    n_conv = -(-num_prompts // num_turns)
+    convs: list[list[BenchRequest]] = []
+    for c in range(n_conv):
+        prompt = list(prefixes[c % len(prefixes)])
+        turns = []
+        for t in range(num_turns):
+            prompt = prompt + _ids(rng, rng.randint(*user_len), vocab)
+            out_len = max(1, rng.randint(*output_len))
+            turns.append(BenchRequest(len(prompt), out_len, token_ids=list(prompt),
+                                      extra={"conversation": c, "turn": t}))
+            prompt = prompt + _ids(rng, out_len, vocab)
+        convs.append(turns)
+    out: list[BenchRequest] = []
+    for g in range(0, n_conv, active):
+        group = convs[g:g + active]
+        for t in range(num_turns):
+            layer = [turns[t] for turns in group]
+            rng.shuffle(layer)
+            out.extend(layer)
+    return out[:num_prompts]
+
+
+def load_jsonl(path: str | Path, num_prompts: int | None, default_output_len: int, seed: int,
+               shuffle: bool = False) -> list[BenchRequest]:
+    """A JSONL file: ``prompt`` (text), ``messages`` (chat) or ``token_ids`` per line, with an
+    optional ``max_tokens`` (else ``default_output_len``). Lines are reused in order when
+    ``num_prompts`` exceeds them. Prompt lengths of text are estimated (4 characters a token)."""
+    rows: list[BenchRequest] = []
+    for lineno, line in enumerate(Path(path).read_text().splitlines(), 1):
+        if not line.strip():
+            continue
+        try:
+            d = json.loads(line)
+        except json.JSONDecodeError as e:
+            raise ValueError(f"{path}:{lineno}: not JSON: {e}") from None
+        max_tokens = int(d.get("max_tokens") or d.get("output_len") or default_output_len)
+        if "token_ids" in d or "prompt_token_ids" in d:
+            ids = [int(x) for x in d.get("token_ids", d.get("prompt_token_ids"))]
+            rows.append(BenchRequest(len(ids), max_tokens, token_ids=ids, ignore_eos=False))
+        elif "messages" in d:
+            msgs = [{"role": str(m.get("role", "user")), "content": str(m.get("content", ""))} for m in d["messages"]]
+            est = sum(len(m["content"]) for m in msgs) // 4 + 4 * len(msgs)
+            rows.append(BenchRequest(est, max_tokens, messages=msgs, ignore_eos=False))
+        elif "prompt" in d:
+            text = str(d["prompt"])
+            rows.append(BenchRequest(max(1, len(text) // 4), max_tokens, text=text, ignore_eos=False))
+        else:
+            raise ValueError(f"{path}:{lineno}: needs 'prompt', 'messages' or 'token_ids'")
+    if not rows:
+        raise ValueError(f"{path}: no requests")
+    if shuffle:
+        random.Random(seed).shuffle(rows)
+    n = len(rows) if num_prompts is None else num_prompts
+    return [replace(rows[i % len(rows)]) for i in range(n)]
+
+
+def to_text(requests: list[BenchRequest]) -> list[BenchRequest]:
+    """Token-id prompts -> text prompts of about as many tokens (one common word per id)."""
+    out = []
+    for r in requests:
+        if r.token_ids is None:
+            out.append(r)
+            continue
+        words = [_WORDS[t % len(_WORDS)] for t in r.token_ids]   # shared id prefixes stay shared
+        out.append(replace(r, token_ids=None, text=" ".join(words)))
+    return out
+
+
+def _need_range(r: tuple[int, int] | None, what: str, dataset: str) -> tuple[int, int]:
+    if r is None:
+        raise ValueError(f"the {dataset} dataset has no default {what}; pass one")
+    return r
+
+
+def build(name: str, *, num_prompts: int | None = None, input_len: RangeArg = None, output_len: RangeArg = None,
+          vocab: int = 10000,
+          seed: int = 0, prompt_format: str = "ids", dataset_path: str | None = None, num_prefixes: int = 8,
+          prefix_len: int = 1024, temperature: float | None = None, ignore_eos: bool | None = None,
+          max_model_len: int | None = None, num_turns: int = 4) -> list[BenchRequest]:
+    """Build a workload by name (see the module docstring). ``input_len``/``output_len`` are
+    ranges (``parse_range``) overriding the dataset's defaults; for ``shared-prefix``
+    ``input_len`` is the suffix length. ``temperature``/``ignore_eos`` override the dataset's
+    (0.0 / True for synthetic data, W-nano 0.6 / True, JSONL 0.0 / False)."""
+    if name not in DATASETS:
+        raise ValueError(f"dataset must be one of {DATASETS}, not {name!r}")
+    if prompt_format not in PROMPT_FORMATS:
+        raise ValueError(f"prompt format must be one of {PROMPT_FORMATS}")
+    d = DEFAULTS[name]
+    n = num_prompts if num_prompts is not None else d["num_prompts"]
+    in_r = parse_range(input_len) or d.get("input_len")
+    out_r = parse_range(output_len) or d.get("output_len")
+    if name == "w-nano":
+        reqs = w_nano(n)
+    elif name == "jsonl":
+        if not dataset_path:
+            raise ValueError("the jsonl dataset needs --dataset-path")
+        reqs = load_jsonl(dataset_path, n, _need_range(out_r, "output_len", name)[1], seed)
+    elif name == "shared-prefix":
+        reqs = shared_prefix(n, num_prefixes, prefix_len, _need_range(in_r, "input_len", name),
+                             _need_range(out_r, "output_len", name), vocab, seed)
+    elif name == "multi-turn":
+        reqs = multi_turn(n, num_turns, num_prefixes, prefix_len, _need_range(in_r, "input_len", name),
+                          _need_range(out_r, "output_len", name), vocab, seed)
+    else:
+        reqs = random_lengths(n, _need_range(in_r, "input_len", name), _need_range(out_r, "output_len", name),
+                              vocab, seed)
+    if temperature is not None:
+        reqs = [replace(r, temperature=temperature) for r in reqs]
+    if ignore_eos is not None:
+        reqs = [replace(r, ignore_eos=ignore_eos) for r in reqs]
+    if max_model_len:
+        too_long = sum(1 for r in reqs if r.token_ids is not None and r.prompt_len + r.output_len > max_model_len)
+        if too_long:
+            raise ValueError(f"{too_long} of {len(reqs)} requests exceed the model's context of {max_model_len} "
+                             "tokens (prompt + max_tokens): choose shorter lengths")
+    if prompt_format == "text":
+        reqs = to_text(reqs)
+    return reqs
+
+
+def summary(requests: list[BenchRequest]) -> dict[str, Any]:
+    return {"num_prompts": len(requests),
+            "total_prompt_tokens": sum(r.prompt_len for r in requests),
+            "total_max_tokens": sum(r.output_len for r in requests),
+            "prompt_len_min": min((r.prompt_len for r in requests), default=0),
+            "prompt_len_max": max((r.prompt_len for r in requests), default=0),
+            "output_len_min": min((r.output_len for r in requests), default=0),
+            "output_len_max": max((r.output_len for r in requests), default=0)}

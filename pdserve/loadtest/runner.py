@@ -1,0 +1,284 @@
+"""A serving run = a workload + an arrival process + a rate; a sweep = one run per rate (and per
+concurrency limit). Results go to ``<result-dir>/<name>.json`` (config + one vLLM-style metrics
+dict per point, rewritten after every point) with two PNGs beside it: ``<name>_latency_cdf.png``
+(TTFT, TPOT, E2E CDFs, one line per point) and ``<name>_throughput.png`` (throughput and goodput
+against the rate).
+"""
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import logging
+import math
+import os
+import platform
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Collection, Sequence
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+from pdserve.loadtest import arrivals, datasets, metrics
+from pdserve.loadtest.client import run_load
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class RunOptions:
+    burstiness: float = 1.0
+    seed: int = 0
+    normalize_arrivals: bool = False
+    percentiles: tuple[float, ...] = metrics.DEFAULT_PERCENTILES
+    slo: dict[str, float] = field(default_factory=dict)
+    itl_mode: str = "chunk"
+    num_procs: int = 1
+    channels_per_proc: int = 4
+    request_timeout: float = 600.0
+    disable_tqdm: bool = False
+    save_detailed: bool = False
+    quiet: bool = False
+    http: Any = None    # pdserve.loadtest.openai_client.HttpTarget: the OpenAI HTTP API instead of gRPC
+
+
+# ---- environment --------------------------------------------------------------------------
+def git_commit() -> str:
+    """HEAD, or ``PDSERVE_GIT_COMMIT`` where the tree has no .git (the device machines)."""
+    from pdserve.common import env
+    commit = env.get("GIT_COMMIT")
+    if commit:
+        return commit
+    try:
+        return subprocess.check_output(["git", "rev-parse", "HEAD"], text=True, stderr=subprocess.DEVNULL,
+                                       cwd=Path(__file__).resolve().parents[2]).strip()
+    except (OSError, subprocess.CalledProcessError):
+        return "unknown"
+
+
+def host_info() -> dict[str, Any]:
+    return {"hostname": socket.gethostname(), "platform": platform.platform(), "cpus": os.cpu_count(),
+            "python": platform.python_version(), "gpus": gpu_names()}
+
+
+def gpu_names() -> list[str]:
+    """``nvidia-smi -L`` lines (empty without NVIDIA GPUs); no CUDA import in the load generator."""
+    try:
+        out = subprocess.check_output(["nvidia-smi", "-L"], text=True, stderr=subprocess.DEVNULL, timeout=10)
+    except (OSError, subprocess.SubprocessError):
+        return []
+    return [line.split(" (UUID")[0] for line in out.splitlines() if line.strip()]
+
+
+def model_info(router: str, timeout: float = 60.0) -> dict[str, Any]:
+    """The router's GetModelInfo (retried until ``timeout``: the router may still be starting)."""
+    import grpc
+    from google.protobuf.json_format import MessageToDict
+
+    from pdserve.v1 import router_pb2, router_pb2_grpc
+    end = time.monotonic() + timeout
+    last: Exception | None = None
+    with grpc.insecure_channel(router.split(",")[0]) as ch:     # the first of several replicas
+        stub = router_pb2_grpc.GenerationStub(ch)
+        while time.monotonic() < end:
+            try:
+                info = stub.GetModelInfo(router_pb2.GetModelInfoRequest(), timeout=5.0, wait_for_ready=True)
+                if info.num_decode_workers > 0:
+                    return MessageToDict(info, preserving_proto_field_name=True,
+                                         always_print_fields_with_no_presence=True)
+                last = RuntimeError("the router reports no decode worker yet")
+            except grpc.RpcError as e:
+                last = e
+            time.sleep(0.2)
+    raise RuntimeError(f"router {router} not ready in {timeout:.0f} s: {last}")
+
+
+# ---- workload -----------------------------------------------------------------------------
+def build_requests(args: argparse.Namespace, info: dict[str, Any]) -> list[datasets.BenchRequest]:
+    vocab = args.vocab_size or int(info.get("vocab_size") or 10000)
+    return datasets.build(
+        args.dataset, num_prompts=args.num_prompts, input_len=args.input_len, output_len=args.output_len,
+        vocab=vocab, seed=args.seed, prompt_format=args.prompt_format, dataset_path=args.dataset_path,
+        num_prefixes=args.num_prefixes, prefix_len=args.prefix_len, temperature=args.temperature,
+        num_turns=getattr(args, "num_turns", 4),
+        ignore_eos=args.ignore_eos, max_model_len=int(info.get("max_model_len") or 0) or None)
+
+
+def sweep_points(rates: Sequence[float], concurrencies: Sequence[int | None]) -> list[tuple[float, int | None]]:
+    return [(r, c) for c in concurrencies for r in rates]
+
+
+def parse_concurrency(spec: str | None) -> list[int | None]:
+    if not spec:
+        return [None]
+    out: list[int | None] = []
+    for x in str(spec).split(","):
+        x = x.strip().lower()
+        if x in ("", "none", "0"):
+            out.append(None)
+        else:
+            n = int(x)
+            if n < 1:
+                raise ValueError(f"max concurrency must be >= 1, not {x}")
+            out.append(n)
+    return out
+
+
+def load(router: str, http: Any, requests: Sequence[datasets.BenchRequest], offsets: Collection[float],
+         **kw: Any):
+    """gRPC Generate streams to ``router`` (run_load), or the OpenAI HTTP API when ``http`` is set."""
+    if http is None:
+        return run_load(router, requests, offsets, **kw)
+    from pdserve.loadtest import openai_client
+    return openai_client.run_load(http, requests, offsets, max_concurrency=kw.get("max_concurrency"),
+                                  timeout=kw.get("timeout"), pbar=kw.get("pbar"))
+
+
+def warmup(router: str, requests: Sequence[datasets.BenchRequest], n: int, timeout: float, http: Any = None) -> None:
+    """``n`` requests (the first of the workload, at most 16 output tokens) that must succeed."""
+    if n <= 0 or not requests:
+        return
+    from dataclasses import replace
+    req = replace(requests[0], output_len=min(requests[0].output_len, 16))
+    res = load(router, http, [req] * n, [0.0] * n, timeout=timeout, channels_per_proc=1)
+    bad = [r for r in res.records if not r.success]
+    if bad:
+        raise RuntimeError(f"warm-up request failed: {bad[0].status} {bad[0].error}")
+
+
+# ---- runs ---------------------------------------------------------------------------------
+def run_point(router: str, requests: Sequence[datasets.BenchRequest], rate: float, concurrency: int | None,
+              opts: RunOptions, desc: str = "") -> tuple[dict[str, Any], dict[str, list[float]]]:
+    """One run at one rate: its result dict (vLLM keys + config + client) and latency samples."""
+    offsets = arrivals.arrival_times(len(requests), rate, opts.burstiness, opts.seed, opts.normalize_arrivals)
+    pbar = None
+    if not opts.disable_tqdm:
+        from tqdm import tqdm
+        pbar = tqdm(total=len(requests), desc=desc or f"rate {arrivals.rate_label(rate)}", unit="req",
+                    leave=True, file=sys.stderr)
+    try:
+        result = load(router, opts.http, requests, offsets, max_concurrency=concurrency, num_procs=opts.num_procs,
+                      timeout=opts.request_timeout, channels_per_proc=opts.channels_per_proc, pbar=pbar)
+    finally:
+        if pbar is not None:
+            pbar.close()
+    res: dict[str, Any] = {"request_rate": arrivals.rate_label(rate) if math.isinf(rate) else rate,
+                           "burstiness": opts.burstiness if not math.isinf(opts.burstiness) else "inf",
+                           "max_concurrency": concurrency}
+    res.update(metrics.compute_metrics(result.records, result.duration, opts.percentiles, opts.slo or None,
+                                       opts.itl_mode))
+    res["client"] = result.client
+    if result.client["max_cpu_util"] > 0.8:
+        res["client_warning"] = (f"a client process used {result.client['max_cpu_util']:.0%} of a core: "
+                                 "the client may limit this run (raise --num-client-procs)")
+        log.warning("%s", res["client_warning"])
+    if opts.save_detailed:
+        res["detailed"] = metrics.detailed_lists(result.records, opts.itl_mode)
+    if not opts.quiet:
+        title = f" rate {arrivals.rate_label(rate)}" + (f", concurrency {concurrency}" if concurrency else "") + " "
+        print(metrics.format_table(res, opts.percentiles, title=title), flush=True)
+    return res, metrics.latency_samples(result.records)
+
+
+def run_sweep(router: str, requests: Sequence[datasets.BenchRequest], points: Sequence[tuple[float, int | None]],
+              opts: RunOptions, on_point=None, label: str = "") -> tuple[list[dict], list[dict[str, list[float]]]]:
+    results, samples = [], []
+    for rate, conc in points:
+        desc = (f"{label} " if label else "") + f"rate {arrivals.rate_label(rate)}" + (f" conc {conc}" if conc else "")
+        res, smp = run_point(router, requests, rate, conc, opts, desc)
+        results.append(res)
+        samples.append(smp)
+        if on_point is not None:
+            on_point(results, samples)
+    return results, samples
+
+
+def run_config(args: argparse.Namespace) -> dict[str, Any]:
+    return _redacted({k: (v if not isinstance(v, float) or math.isfinite(v) else "inf")
+                      for k, v in sorted(vars(args).items()) if not k.startswith("_") and not callable(v)})
+
+
+def _redacted(d: dict[str, Any]) -> dict[str, Any]:
+    """``d`` without secrets (an API key is never written into a result file)."""
+    out = {k: (_redacted(v) if isinstance(v, dict) else v) for k, v in d.items()}
+    if out.get("api_key"):
+        out["api_key"] = "<redacted>"
+    return out
+
+
+def write_json(path: Path, payload: dict[str, Any]) -> Path:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(".json.tmp")
+    tmp.write_text(json.dumps(payload, indent=2, default=str))
+    tmp.replace(path)
+    return path
+
+
+def write_plots(stem: Path, results: Sequence[dict], samples: Sequence[dict], title: str) -> dict[str, str]:
+    from pdserve.loadtest import plots
+    vary_conc = len({r["max_concurrency"] for r in results}) > 1 and len({r["request_rate"] for r in results}) == 1
+    labels = [plots.point_label(r, vary_conc) for r in results]
+    cdf = plots.latency_cdfs(list(zip(labels, samples)), stem.parent / f"{stem.name}_latency_cdf.png", title)
+    thr = plots.throughput_vs_rate(results, stem.parent / f"{stem.name}_throughput.png", title, vary_conc)
+    return {"latency_cdf": cdf.name, "throughput": thr.name}
+
+
+def opts_from_args(args: argparse.Namespace) -> RunOptions:
+    return RunOptions(
+        burstiness=float(args.burstiness), seed=args.seed, normalize_arrivals=args.normalize_arrivals,
+        percentiles=tuple(float(p) for p in str(args.percentiles).split(",") if p.strip()),
+        slo=metrics.parse_slo([*(args.slo or []), *(args.goodput or [])]), itl_mode=args.itl_mode,
+        num_procs=args.num_client_procs, channels_per_proc=args.channels_per_proc,
+        request_timeout=args.request_timeout, disable_tqdm=args.disable_tqdm, save_detailed=args.save_detailed)
+
+
+def result_stem(args: argparse.Namespace, prefix: str = "serve") -> Path:
+    name = args.result_filename or f"{prefix}-{args.label or args.dataset}-" \
+        f"{datetime.datetime.now().strftime('%Y%m%d-%H%M%S')}"
+    name = name[:-5] if name.endswith(".json") else name
+    return Path(args.result_dir) / name
+
+
+def run_serve(args: argparse.Namespace) -> int:
+    """``pdserve bench serve``."""
+    opts = opts_from_args(args)
+    rates = arrivals.parse_rates(args.request_rate)
+    points = sweep_points(rates, parse_concurrency(args.max_concurrency))
+    target = args.router
+    if getattr(args, "backend", "grpc") == "openai":
+        from dataclasses import replace
+
+        from pdserve.loadtest import openai_client
+        info = openai_client.model_info(args.base_url, args.api_key, args.ready_timeout)
+        opts = replace(opts, http=openai_client.HttpTarget(args.base_url, args.endpoint, info["model"], args.api_key))
+        target = f"{args.base_url} ({args.endpoint})"
+        if args.num_client_procs > 1:
+            log.warning("--backend openai runs one client process; --num-client-procs %d is ignored",
+                        args.num_client_procs)
+    else:
+        info = model_info(args.router, args.ready_timeout)
+    requests = build_requests(args, info)
+    warmup(args.router, requests, args.num_warmups, opts.request_timeout, opts.http)
+    stem = result_stem(args)
+    json_path = stem.parent / f"{stem.name}.json"
+    payload: dict[str, Any] = {
+        "benchmark": "pdserve bench serve", "label": args.label or args.dataset,
+        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(), "command": " ".join(sys.argv),
+        "commit": git_commit(), "host": host_info(), "router": target, "model_info": info,
+        "config": run_config(args), "options": _redacted(asdict(opts)), "dataset": datasets.summary(requests),
+        "results": []}
+
+    def checkpoint(results, samples) -> None:
+        payload["results"] = results
+        write_json(json_path, payload)
+
+    results, samples = run_sweep(args.router, requests, points, opts, checkpoint)
+    if not args.no_plots:
+        payload["plots"] = write_plots(stem, results, samples,
+                                       f"{payload['label']} via {target} ({len(requests)} requests)")
+    write_json(json_path, payload)
+    print(f"results: {json_path}" + (f" (+ {', '.join(payload['plots'].values())})" if "plots" in payload else ""))
+    return 0 if all(r["completed"] for r in results) else 1

@@ -1,0 +1,198 @@
+"""Prefill for another worker: compute a prompt's KV here, stream its first token, ship the KV
+into the decode worker's reserved blocks over the pair channel (from the step's launch).
+
+Served by the prefill worker and by a worker of role both (which is then a KV sender as well
+as a receiver): each builds one :class:`KvExport` beside its engine and passes its hooks
+(``on_step``, ``expire``, ``on_launch``: :class:`pdserve.prefill_worker.state.PrefillState`) to the
+engine thread.
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+
+import grpc
+
+from pdserve.common import telemetry
+from pdserve.common.engine.llm_engine import DuplicateRequest
+from pdserve.common.engine.sequence import FinishReason
+from pdserve.common.grpc_utils.channels import RenewingChannels
+from pdserve.common.grpc_utils.convert import deadline_from_proto, finish_reason_to_proto, sampling_params_for_prompt
+from pdserve.common.grpc_utils.errors import AlreadyExists, Cancelled, DeadlineExceeded, InvalidArgument, Unavailable
+from pdserve.common.kv_transfer import KvTransferError
+from pdserve.common.serving.worker_runtime import WorkerRuntime
+from pdserve.prefill_worker.state import LaunchedPrefill, PrefillAborted, PrefillState
+from pdserve.v1 import worker_pb2, worker_pb2_grpc
+
+logger = logging.getLogger(__name__)
+PUSH_KV_TIMEOUT_S = 10.0
+
+
+class KvExport:
+    def __init__(self, runtime: WorkerRuntime, state: PrefillState, sender) -> None:
+        self.runtime = runtime
+        self.state = state
+        self.sender = sender
+        self.draining = False
+        self.in_flight = 0
+        self._decode_channels = RenewingChannels()      # to decode workers, for PushKV
+        self._pair_locks: dict[str, asyncio.Lock] = {}
+        self.num_transfers = 0
+        self.transfer_bytes = 0
+
+    @classmethod
+    def create(cls, runtime: WorkerRuntime, kv_timeout_s: float) -> KvExport:
+        """Its state (on the runtime's request tracker) and a KV sender (one pair secret per channel)."""
+        from pdserve.common.kv_transfer import KvSender
+        sender = KvSender(runtime.worker_id, timeout=kv_timeout_s, pair_secrets=True)
+        return cls(runtime, PrefillState(runtime.aio_loop, runtime.requests), sender)
+
+    def close(self) -> None:
+        self.sender.close()
+
+    def transfer_counts(self) -> tuple[int, int]:
+        return self.num_transfers, self.transfer_bytes
+
+    def _decode_stub(self, address: str) -> worker_pb2_grpc.WorkerStub:
+        return worker_pb2_grpc.WorkerStub(self._decode_channels.get(address))
+
+    def _validate(self, request) -> None:
+        if self.draining:
+            raise Unavailable(f"worker {self.runtime.worker_id} is draining")
+        if not request.request_id:
+            raise InvalidArgument("request_id", "must not be empty")
+        if not request.token_ids:
+            raise InvalidArgument("token_ids", "must not be empty")
+        t = request.kv_target
+        if not t.decode_address or not t.decode_worker_id:
+            raise InvalidArgument("kv_target", "decode_address and decode_worker_id are required")
+        block_size = self.runtime.engine_config.block_size
+        needed = -(-len(request.token_ids) // block_size)
+        if len(t.block_ids) != needed:
+            raise InvalidArgument("kv_target.block_ids", f"{len(t.block_ids)} ids for a prompt of {needed} blocks")
+        if t.num_cached_tokens % block_size or t.num_cached_tokens >= len(request.token_ids):
+            raise InvalidArgument("kv_target.num_cached_tokens",
+                                  f"{t.num_cached_tokens} must be a multiple of {block_size} below the prompt's "
+                                  f"{len(request.token_ids)} tokens")
+
+    async def prefill(self, request, context):
+        """The Prefill rpc: compute the prompt's KV, stream the first token, ship the KV."""
+        self._validate(request)
+        deadline = deadline_from_proto(request.deadline_unix_ms)
+        if deadline is not None and deadline <= time.time():
+            raise DeadlineExceeded(f"request {request.request_id!r} is past its deadline")
+        params = sampling_params_for_prompt(request.params, self.runtime.engine.max_model_len,
+                                            len(request.token_ids))
+        rid = request.request_id
+        telemetry.bind_request(rid)
+        loop = asyncio.get_running_loop()
+        first, launched = loop.create_future(), loop.create_future()
+        try:
+            await self.runtime.call(lambda e: self.state.start(e, rid, list(request.token_ids), params, deadline,
+                                                               first, launched))
+        except DuplicateRequest as e:
+            raise AlreadyExists(str(e)) from e
+        self.in_flight += 1
+        ship = None                  # from its start, the blocks are freed only after it ended
+        try:
+            ship = asyncio.ensure_future(self.runtime.metrics.observe_send(
+                rid, self._ship(request, await self._wait(rid, launched))))
+            result = await self._wait(rid, first)
+            yield worker_pb2.PrefillResponse(first_token=worker_pb2.FirstToken(
+                token_id=result.token_id, logprob=result.logprob, num_cached_tokens=result.num_cached_tokens,
+                finish_reason=finish_reason_to_proto(result.finish_reason)))
+            if result.finish_reason is not None:
+                return               # the router cancels the decode side; the send may still end
+            done = await asyncio.shield(ship)
+            yield worker_pb2.PrefillResponse(transfer_done=done)
+        finally:
+            self.in_flight -= 1
+            self._release_after(rid, ship)
+
+    async def _wait(self, rid: str, future: asyncio.Future):
+        """The request's launch or first token; its end (cancel, deadline) as a gRPC error."""
+        try:
+            return await future
+        except PrefillAborted as e:
+            if e.reason == FinishReason.DEADLINE:
+                raise DeadlineExceeded(f"request {rid!r} passed its deadline before prefill") from e
+            raise Cancelled(f"request {rid!r} was cancelled") from e
+        except asyncio.CancelledError:   # the caller left: end the request in the engine
+            self.runtime.loop.call(lambda e: self.state.cancel(e, rid))
+            raise
+
+    async def _ship(self, request, launched: LaunchedPrefill) -> worker_pb2.TransferDone:
+        """PushKV, then send the blocks the decode worker lacks and the first token after them.
+
+        Runs from the moment the prefill step is launched: the send is enqueued behind the step
+        on the GPU, so the KV moves as soon as it exists. One transfer per decode worker is
+        announced and enqueued at a time (its pair channel orders sends as PushKV
+        calls were answered); the wait for the data to cross is outside that lock, so the next
+        request's PushKV overlaps this transfer. There is always a block to send: a decode
+        worker's prefix-cache hit never covers the prompt's last token.
+        """
+        t = request.kv_target
+        block_size = self.runtime.engine_config.block_size
+        first_block = t.num_cached_tokens // block_size
+        src, dst = launched.block_table[first_block:], list(t.block_ids)[first_block:]
+        block_bytes = self.runtime.engine.model_runner.block_bytes
+        lock = self._pair_locks.setdefault(t.decode_worker_id, asyncio.Lock())
+        async with lock:            # PushKV order == send order on the channel
+            epoch = self.sender.next_epoch(t.decode_worker_id)
+            await self._push_kv(request, epoch, dst, block_bytes)
+            started = time.perf_counter()
+            try:
+                pending = await asyncio.to_thread(
+                    self.sender.start_send, t.decode_worker_id, t.kv_store_address, epoch,
+                    self.runtime.engine.model_runner.kv_cache, src, ready_event=launched.kv_ready,
+                    first_token=launched.first_token)
+            except KvTransferError as e:
+                raise Unavailable(f"KV transfer to {t.decode_worker_id} failed: {e}") from e
+        try:                        # the next request's PushKV may go out meanwhile
+            await asyncio.to_thread(pending.wait)
+        except KvTransferError as e:
+            raise Unavailable(f"KV transfer to {t.decode_worker_id} failed: {e}") from e
+        elapsed_ms = (time.perf_counter() - started) * 1000
+        self.num_transfers += 1
+        self.transfer_bytes += len(src) * block_bytes
+        return worker_pb2.TransferDone(bytes=len(src) * block_bytes, transfer_ms=elapsed_ms, num_blocks=len(src))
+
+    async def _push_kv(self, request, epoch: int, dst: list[int], block_bytes: int) -> None:
+        """Announce the send (the first token follows the blocks on the channel)."""
+        t = request.kv_target
+        try:
+            await self._decode_stub(t.decode_address).PushKV(worker_pb2.PushKVRequest(
+                request_id=request.request_id, prefill_worker_id=self.runtime.worker_id, channel_epoch=epoch,
+                num_blocks=len(dst), block_ids=dst, num_bytes=len(dst) * block_bytes,
+                first_token_on_channel=True, pair_secret=self.sender.pair_secret(t.decode_worker_id)),
+                timeout=PUSH_KV_TIMEOUT_S)
+        except grpc.aio.AioRpcError as e:
+            if e.code() not in (grpc.StatusCode.NOT_FOUND, grpc.StatusCode.INVALID_ARGUMENT):
+                # the receive may have been posted, or the decode worker refused this epoch:
+                # either way the pair starts a new epoch
+                await asyncio.to_thread(self.sender.mark_broken, t.decode_worker_id, f"PushKV {e.code().name}")
+            raise Unavailable(f"decode worker {t.decode_worker_id} refused the KV: "
+                              f"{e.code().name}: {e.details()}") from e
+
+    def _release_after(self, rid: str, transfer: asyncio.Future | None) -> None:
+        """Free the request's blocks once no send reads them any more."""
+        def release(done: asyncio.Future | None = None) -> None:
+            if done is not None and not done.cancelled() and done.exception() is not None:
+                logger.info("KV transfer of %s ended without its caller: %s", rid, done.exception())
+            self.runtime.loop.call(lambda e: self.state.release(e, rid))
+        if transfer is None or transfer.done():
+            release()
+        else:
+            transfer.add_done_callback(release)
+
+    async def cancel(self, request_id: str) -> bool:
+        return await self.runtime.call(lambda e: self.state.cancel(e, request_id))
+
+    async def drain(self, grace_s: float) -> None:
+        """Refuse new prefills; wait (up to grace_s - 1 s) for those in flight; cancel the rest."""
+        self.draining = True
+        deadline = time.monotonic() + max(grace_s - 1.0, 0.0)
+        while self.in_flight and time.monotonic() < deadline:
+            await asyncio.sleep(0.1)
+        await self.runtime.call(lambda e: [self.state.cancel(e, rid) for rid in list(self.state.pending)])

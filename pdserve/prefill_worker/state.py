@@ -1,0 +1,126 @@
+"""The prefill worker's requests: queued for a batched prefill, launched (the KV can start
+shipping), first token out, KV held until the send has crossed.
+
+Methods whose first argument is ``engine`` run on the engine thread, like ``on_launch`` and
+``on_step``. Once a request's prefill step is launched its blocks may be read by a KV send at
+any time, so from then on only the servicer frees them (``release``, after the send ended);
+``cancel`` then only ends the request's wait.
+"""
+from __future__ import annotations
+
+import asyncio
+import time
+from dataclasses import dataclass
+
+from pdserve.common.engine.llm_engine import LLMEngine, StepOutput
+from pdserve.common.engine.model_runner import LaunchedStep
+from pdserve.common.engine.sequence import FinishReason, Sequence
+from pdserve.common.kv_transfer import FirstTokenRef
+from pdserve.common.sampling_params import SamplingParams
+from pdserve.common.serving.metrics import KIND_PREFILL, RequestTracker, WorkerMetrics
+
+
+class PrefillAborted(Exception):
+    """The request ended before its first token (cancel or deadline); ``reason`` says which."""
+
+    def __init__(self, reason: FinishReason) -> None:
+        super().__init__(reason.value)
+        self.reason = reason
+
+
+@dataclass
+class FirstTokenResult:
+    token_id: int
+    logprob: float
+    num_cached_tokens: int
+    finish_reason: FinishReason | None   # set when the first token ends the request
+
+
+@dataclass
+class LaunchedPrefill:
+    """A request's prefill step is on the device: what a KV send needs, snapshot on the engine
+    thread. ``kv_ready``: CUDA event after the step (None on CPU, where it is already done)."""
+    block_table: list[int]
+    kv_ready: object
+    first_token: FirstTokenRef
+
+
+@dataclass
+class Pending:
+    seq: Sequence
+    deadline: float | None
+    first: asyncio.Future       # -> FirstTokenResult, or PrefillAborted
+    launched: asyncio.Future    # -> LaunchedPrefill, or PrefillAborted if it ends before
+    is_launched: bool = False   # engine thread's view: its blocks may be read by a send
+
+
+class PrefillState:
+    def __init__(self, aio_loop: asyncio.AbstractEventLoop, tracker: RequestTracker | None = None) -> None:
+        self.aio_loop = aio_loop
+        self.tracker = tracker or RequestTracker(WorkerMetrics("prefill"))   # metrics and spans per request
+        self.pending: dict[str, Pending] = {}   # waiting for the first token
+
+    def start(self, engine: LLMEngine, request_id: str, token_ids: list[int], params: SamplingParams,
+              deadline: float | None, first: asyncio.Future, launched: asyncio.Future) -> None:
+        seq = engine.add_request(token_ids, params, request_id, prefill_only=True)
+        self.pending[request_id] = Pending(seq, deadline, first, launched)
+        self.tracker.begin(request_id, KIND_PREFILL, "Prefill")
+
+    def _set(self, future: asyncio.Future, result=None, error: BaseException | None = None) -> None:
+        def set_() -> None:
+            if future.done():
+                return
+            if error is not None:
+                future.set_exception(error)
+                future.exception()   # its Prefill call may be gone: not an unhandled error
+            else:
+                future.set_result(result)
+        self.aio_loop.call_soon_threadsafe(set_)
+
+    def _resolve(self, p: Pending, result=None, error: BaseException | None = None) -> None:
+        self._set(p.first, result, error)
+        if error is not None:
+            self._set(p.launched, error=error)   # a no-op once launched
+
+    def on_launch(self, seqs: list[Sequence], launched: LaunchedStep) -> None:
+        """Engine hook: a prefill step was launched; its requests may start shipping."""
+        for row, seq in enumerate(seqs):
+            p = self.pending.get(seq.request_id)
+            if p is None or p.seq is not seq:
+                continue
+            self._set(p.launched, LaunchedPrefill(
+                list(seq.block_table), seq.kv_ready,
+                FirstTokenRef(launched.token_ids, launched.logprobs, row)))
+            p.is_launched = True
+            self.tracker.launched(seq.request_id)
+
+    def on_step(self, out: StepOutput) -> None:
+        for seq in out.finished:
+            p = self.pending.pop(seq.request_id, None)
+            if p is None:
+                continue
+            logprob = seq.output_logprobs[-1] if seq.output_logprobs else 0.0
+            self._resolve(p, FirstTokenResult(seq.last_token, logprob, seq.num_prefix_hit_tokens, seq.finish_reason))
+
+    def cancel(self, engine: LLMEngine, request_id: str, reason: FinishReason = FinishReason.CANCELLED) -> bool:
+        """End a request before its first token. Before its step is launched its blocks are
+        freed here; after, ``release`` frees them (a send may be reading them)."""
+        p = self.pending.pop(request_id, None)
+        if p is None:
+            return False
+        if not p.is_launched:
+            engine.abort(request_id, reason)
+        self._resolve(p, error=PrefillAborted(reason))
+        self.tracker.end(request_id, reason)
+        return True
+
+    def release(self, engine: LLMEngine, request_id: str) -> None:
+        """Free the request's blocks (after its KV send ended, or when none will run); a no-op
+        when they are already free."""
+        engine.abort(request_id)
+
+    def expire(self, engine: LLMEngine) -> None:
+        now = time.time()
+        for rid, p in list(self.pending.items()):
+            if p.deadline is not None and now > p.deadline:
+                self.cancel(engine, rid, FinishReason.DEADLINE)

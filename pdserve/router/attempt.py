@@ -1,0 +1,362 @@
+"""One try of one request on chosen workers: the worker-facing half of the request flow.
+
+Remote prefill (``prefill`` set: a worker of role prefill or both, chosen by pdserve.router.pd_policy)::
+
+    Reserve(decode) -> Prefill(prefill, kv_target) -> FirstToken (a step of its own)
+    -> the decode worker's outputs from the Subscribe stream (the first token not repeated)
+
+Local prefill (``prefill`` None; or the decode worker has no room for the KV: Reserve
+RESOURCE_EXHAUSTED): Submit(decode), then the outputs (first token included) from the
+Subscribe stream. Until its first token a local prompt counts in the decode worker's queued
+prompt tokens (``inflight_prompt_tokens``), as a remote one does on its prefill worker; what
+counts is the prompt tokens that worker must compute (the placement's figure: the prompt minus
+the prefix it caches), the same measure as the workers' ``num_waiting_prefill_tokens``, so a
+worker holding a conversation's prefix does not look busier than it is.
+
+``next()`` returns the next :class:`Step` (several queued outputs are merged into one). Before
+the first token every failure is raised as :class:`Retry` (the flow tries again on other
+workers, up to ``pdserve.router.flow.MAX_ATTEMPTS`` tries); after it, as the mapped domain error.
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+from dataclasses import dataclass, field
+
+import grpc
+import grpc.aio
+
+from pdserve.common.grpc_utils import DeadlineExceeded, Internal, PdserveError, Unavailable, from_rpc_error
+from pdserve.router.pd_policy import PdDecision
+from pdserve.router.subscription import OutputBuffer, Subscription
+from pdserve.router.worker_client import WorkerClient
+from pdserve.v1 import common_pb2, worker_pb2
+
+log = logging.getLogger(__name__)
+
+UNSPECIFIED = common_pb2.FINISH_REASON_UNSPECIFIED
+FINAL_OK = (common_pb2.FINISH_REASON_STOP, common_pb2.FINISH_REASON_LENGTH)
+_NORMAL = (UNSPECIFIED, *FINAL_OK)
+_NOT_RETRYABLE = (grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.OUT_OF_RANGE)
+
+
+@dataclass(slots=True)
+class Step:
+    token_ids: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+    finish_reason: common_pb2.FinishReason = common_pb2.FINISH_REASON_UNSPECIFIED
+
+
+class Retry(Exception):
+    """A failure before the first token: ``cause`` is what the client gets if no retry is left."""
+
+    def __init__(self, cause: PdserveError, worker_key: str) -> None:
+        super().__init__(str(cause))
+        self.cause = cause
+        self.worker_key = worker_key
+
+
+class Attempt:
+    def __init__(self, flow, job, decode: WorkerClient, prefill: WorkerClient | None,
+                 worker_request_id: str, decision: PdDecision | None = None) -> None:
+        self.flow = flow
+        self.job = job
+        self.decode = decode
+        self.prefill = prefill
+        self.rid = worker_request_id
+        self.decision = decision         # pdserve.router.pd_policy's placement (its estimates), if any
+        self.prompt_len = len(job.prompt.token_ids)
+        self.queue: OutputBuffer | asyncio.Queue | None = None
+        self.first_seen = False
+        self.cached_tokens = 0
+        self.expired = False
+        self.prefill_call: grpc.aio.UnaryStreamCall | None = None
+        self._prefill_task: asyncio.Task | None = None
+        self._pending: BaseException | None = None
+        self._decode_broken: BaseException | None = None   # decode stream error before the first token
+        self._prefill_req: worker_pb2.PrefillRequest | None = None   # built early (after_send)
+        self._subscription: Subscription | None = None
+        self._decode_load = 0
+        self._prefill_load = False
+        self._local_prompt = 0           # prompt tokens counted in the decode worker's queued prompt tokens
+        self._prefill_queued = 0         # prompt tokens counted in the prefill worker's
+        self.timer: asyncio.TimerHandle | None = None   # the deadline timer (set by the flow)
+        self.closed = False
+
+    # ---- start ------------------------------------------------------------------------
+    def _timeout(self) -> float:
+        t = self.flow.settings.worker_timeout_s
+        remaining = self.job.remaining()
+        return t if remaining is None else max(0.001, min(t, remaining))
+
+    def _fail(self, err: BaseException, worker: WorkerClient, where: str) -> BaseException:
+        """Map ``err`` (an rpc error or a domain error) and decide whether to retry."""
+        if isinstance(err, grpc.aio.AioRpcError):
+            code = err.code()
+            if code == grpc.StatusCode.UNAVAILABLE:
+                worker.mark_down(f"{where}: {err.details()}")
+            if code == grpc.StatusCode.DEADLINE_EXCEEDED and self.job.expired():
+                return DeadlineExceeded(f"deadline passed during {where}")
+            mapped: PdserveError = from_rpc_error(err)
+            mapped.message = f"{where} on {worker.key}: {mapped.message}"
+            retryable = code not in _NOT_RETRYABLE
+        else:
+            mapped = err if isinstance(err, PdserveError) else Internal(f"{where}: {err}")
+            retryable = not isinstance(err, DeadlineExceeded)
+        if self.expired or self.job.expired():
+            return DeadlineExceeded("deadline passed")
+        if retryable and not self.first_seen:
+            return Retry(mapped, worker.key)
+        return mapped
+
+    async def start(self) -> None:
+        sub = self.decode.subscription
+        if sub is None or not sub.open:
+            raise Retry(Unavailable(f"decode worker {self.decode.key} has no open output stream"), self.decode.key)
+        self._subscription = sub
+        self.queue = sub.register(self.rid)
+        self._decode_load = self.prompt_len
+        self.decode.add_load(1, self._decode_load)
+        job = self.job
+        if self.prefill is None:
+            await self._submit()
+            return
+        req = worker_pb2.ReserveRequest(request_id=self.rid, token_ids=job.prompt.wire_ids,
+                                        params=job.wire_params, lease_ms=self.flow.settings.lease_ms,
+                                        deadline_unix_ms=job.deadline_unix_ms,
+                                        router_id=self.flow.settings.router_id)
+        call = self.decode.stub.Reserve(req, timeout=self._timeout(), wait_for_ready=False)
+        self.flow.dispatched(self)
+        try:
+            res = await call
+        except grpc.aio.AioRpcError as e:
+            if e.code() == grpc.StatusCode.RESOURCE_EXHAUSTED:
+                # no room for the prompt's KV on the decode worker right now: let it queue the
+                # request and prefill it locally when its scheduler has room (no transfer)
+                self.prefill = None
+                self.flow.metrics.pd.decisions.labels("local", "reserve-refused").inc()
+                await self._submit()
+                return
+            raise self._fail(e, self.decode, "Reserve") from e
+        self._start_prefill(res)
+
+    def _start_prefill(self, res: worker_pb2.ReserveResponse) -> None:
+        prefill = self._remote()
+        q = self.queue
+        if type(q) is OutputBuffer:
+            # The decode worker's output stream broke while Reserve was in flight: fail now;
+            # later breaks cancel the Prefill call (see _on_decode_output).
+            broken = [x for x in q.items if isinstance(x, BaseException)] if q.items else None
+            if broken:
+                raise self._fail(broken[0], self.decode, "output stream")
+            q.on_put = self._on_decode_output
+        preq = self._prefill_req or self._new_prefill_request()
+        target = preq.kv_target
+        target.decode_worker_id = res.worker_id or self.decode.worker_id
+        target.kv_store_address = res.kv_store_address
+        target.decode_address = self.decode.address
+        target.block_ids.extend(res.block_ids)
+        target.num_cached_tokens = res.num_cached_tokens
+        self._prefill_queued = self._prefill_tokens(local=False)
+        prefill.add_load(1, prompt_tokens=self._prefill_queued, computed=self._prefill_queued)
+        self._prefill_load = True
+        self.prefill_call = prefill.stub.Prefill(preq, timeout=self.job.remaining(), wait_for_ready=False)
+
+    def _remote(self) -> WorkerClient:
+        """The prefill worker of a remote prefill (called only on that path)."""
+        if self.prefill is None:
+            raise RuntimeError(f"request {self.rid}: a remote prefill step without a prefill worker")
+        return self.prefill
+
+    def after_send(self) -> None:
+        """Run by the flow right after the first rpc's send: the Prefill request (the prompt's ids
+        copied) is built while Reserve is in flight, not after its answer."""
+        if self.prefill is not None and self._prefill_req is None:
+            self._prefill_req = self._new_prefill_request()
+
+    def _new_prefill_request(self) -> worker_pb2.PrefillRequest:
+        job = self.job
+        return worker_pb2.PrefillRequest(request_id=self.rid, token_ids=job.prompt.wire_ids, params=job.wire_params,
+                                         deadline_unix_ms=job.deadline_unix_ms)
+
+    def _prefill_tokens(self, local: bool) -> int:
+        """Prompt tokens the prefilling worker computes: the policy's figure for the place it
+        chose, else the whole prompt."""
+        d = self.decision
+        if d is not None and (d.kind == "local") == local and d.prefill_tokens:
+            return d.prefill_tokens
+        return self.prompt_len
+
+    def _release_local_prompt(self) -> None:
+        if self._local_prompt:
+            self.decode.add_load(prompt_tokens=-self._local_prompt)
+            self._local_prompt = 0
+
+    async def _submit(self) -> None:
+        job = self.job
+        self._local_prompt = self._prefill_tokens(local=True)
+        self.decode.add_load(prompt_tokens=self._local_prompt, computed=self._local_prompt)
+        req = worker_pb2.SubmitRequest(request_id=self.rid, token_ids=job.prompt.wire_ids,
+                                       params=job.wire_params, deadline_unix_ms=job.deadline_unix_ms,
+                                       router_id=self.flow.settings.router_id)
+        call = self.decode.stub.Submit(req, timeout=self._timeout(), wait_for_ready=False)
+        self.flow.dispatched(self)
+        try:
+            await call
+        except grpc.aio.AioRpcError as e:
+            raise self._fail(e, self.decode, "Submit") from e
+
+    # ---- steps ------------------------------------------------------------------------
+    async def next(self) -> Step:
+        call = self.prefill_call
+        if not self.first_seen and call is not None:
+            return await self._first_token(call)
+        if self._pending is not None:
+            raise self._pending
+        q = self.queue
+        if q is None:
+            raise RuntimeError(f"request {self.rid}: next() before start()")
+        if type(q) is OutputBuffer:
+            if not q.items:
+                await q.wait()
+            items = q.take_all()           # everything that came since the last step
+        else:                              # an asyncio.Queue
+            items = [await q.get()]
+            while not q.empty():
+                items.append(q.get_nowait())
+        step = Step()
+        for item in items:                 # merged into one step (one client message)
+            if isinstance(item, BaseException):
+                if step.token_ids:         # deliver the tokens first, fail on the next call
+                    self.first_seen = True     # (so not as a Retry: tokens went out)
+                    self._pending = self._fail(item, self.decode, "output stream")
+                    break
+                raise self._fail(item, self.decode, "output stream")
+            self._merge(step, item)
+            if step.finish_reason != UNSPECIFIED or self._pending is not None:
+                break
+        n = len(step.token_ids)
+        if n:
+            self._decode_load += n
+            self.decode.add_load(0, n)
+            self.first_seen = True
+            self._release_local_prompt()
+        return step
+
+    def _merge(self, step: Step, out: worker_pb2.SequenceOutput) -> None:
+        if out.num_prompt_tokens and self.prefill is None:
+            self.cached_tokens = out.num_cached_tokens
+        reason = out.finish_reason
+        if reason not in _NORMAL:
+            name = common_pb2.FinishReason.Name(reason)
+            if reason == common_pb2.FINISH_REASON_DEADLINE:
+                err: PdserveError = DeadlineExceeded(f"request {self.rid}: deadline passed on {self.decode.key}")
+            elif reason == common_pb2.FINISH_REASON_CANCELLED:
+                err = Unavailable(f"request {self.rid} was cancelled by worker {self.decode.key}")
+            else:
+                err = Internal(f"request {self.rid} failed on worker {self.decode.key} ({name}): {out.error}")
+            if step.token_ids:
+                self.first_seen = True
+                self._pending = self._fail(err, self.decode, "decode")
+                step.finish_reason = common_pb2.FINISH_REASON_UNSPECIFIED
+                return
+            raise self._fail(err, self.decode, "decode")
+        step.token_ids.extend(out.token_ids)
+        step.logprobs.extend(out.logprobs)
+        step.finish_reason = reason
+
+    def _on_decode_output(self, item) -> None:
+        """The decode worker's stream, while the first token is awaited from the Prefill call:
+        an error there (the decode worker died) cancels the Prefill call at once, rather than
+        waiting for the prefill worker's KV hand-over to time out."""
+        if (isinstance(item, BaseException) and self._decode_broken is None and not self.first_seen
+                and not self.expired):       # a deadline: expire() cancels the call itself
+            self._decode_broken = item
+            if self.prefill_call is not None:
+                self.prefill_call.cancel()
+
+    async def _first_token(self, call: grpc.aio.UnaryStreamCall) -> Step:
+        # A plain read() of the Prefill stream: the decode stream's watch is a callback
+        # (_on_decode_output), so the first token costs no extra task or loop iteration.
+        try:
+            msg = await call.read()
+        except grpc.aio.AioRpcError as e:
+            raise self._fail(e, self._remote(), "Prefill") from e
+        except asyncio.CancelledError:
+            if self._decode_broken is not None:
+                raise self._fail(self._decode_broken, self.decode, "output stream") from None
+            if self.expired:
+                raise DeadlineExceeded("deadline passed before the first token") from None
+            raise
+        finally:
+            if type(self.queue) is OutputBuffer:
+                self.queue.on_put = None
+        if msg is grpc.aio.EOF or msg.WhichOneof("event") != "first_token":
+            raise self._fail(Internal("Prefill stream did not start with a FirstToken"), self._remote(), "Prefill")
+        ft = msg.first_token
+        self.first_seen = True
+        self.cached_tokens = ft.num_cached_tokens
+        self._decode_load += 1
+        self.decode.add_load(tokens=1)
+        step = Step([ft.token_id], [ft.logprob] if self.job.sampling.logprobs else [], ft.finish_reason)
+        if ft.finish_reason != common_pb2.FINISH_REASON_UNSPECIFIED:
+            self._release_prefill()
+            self._cancel(self.decode)          # the reservation is not needed
+        else:
+            self._prefill_task = asyncio.create_task(self._rest_of_prefill(call))
+        return step
+
+    async def _rest_of_prefill(self, call: grpc.aio.UnaryStreamCall) -> None:
+        try:
+            while True:     # read() only: an rpc's read API and its iterator may not be mixed
+                msg = await call.read()
+                if msg is grpc.aio.EOF:
+                    break
+                if msg.WhichOneof("event") == "transfer_done":
+                    log.debug("%s: KV transfer done: %d blocks, %.2f ms", self.rid,
+                              msg.transfer_done.num_blocks, msg.transfer_done.transfer_ms)
+        except asyncio.CancelledError:
+            raise
+        except grpc.aio.AioRpcError as e:   # after the first token: the request fails
+            if self.queue is not None and not self.expired:
+                self.queue.put_nowait(self._fail(e, self._remote(), "Prefill (KV transfer)"))
+        finally:
+            self._release_prefill()
+
+    # ---- endings ----------------------------------------------------------------------
+    def expire(self) -> None:
+        """The request's deadline passed: the waiting ``next()`` raises DEADLINE_EXCEEDED."""
+        self.expired = True
+        if self.queue is not None:
+            self.queue.put_nowait(DeadlineExceeded("deadline passed"))
+        if self.prefill_call is not None and not self.first_seen:
+            self.prefill_call.cancel()
+
+    def _cancel(self, worker: WorkerClient) -> None:
+        self.flow.spawn(self.flow.cancel_on(worker, self.rid))
+
+    def _release_prefill(self) -> None:
+        if self._prefill_load and self.prefill is not None:
+            self._prefill_load = False
+            self.prefill.add_load(-1, prompt_tokens=-self._prefill_queued)
+
+    def close(self, cancel_workers: bool) -> None:
+        """Release everything; with ``cancel_workers`` also Cancel the request on its workers."""
+        self.closed = True
+        if self.timer is not None:
+            self.timer.cancel()
+            self.timer = None
+        if self._subscription is not None:
+            self._subscription.unregister(self.rid)
+            self._subscription = None
+            self.decode.add_load(-1, -self._decode_load)
+        if self.prefill_call is not None and not self.prefill_call.done():
+            self.prefill_call.cancel()
+        if self._prefill_task is not None and not self._prefill_task.done():
+            self._prefill_task.cancel()
+        self._release_prefill()
+        self._release_local_prompt()
+        if cancel_workers:
+            self._cancel(self.decode)
+            if self.prefill is not None:
+                self._cancel(self.prefill)

@@ -1,0 +1,352 @@
+"""One request end to end: choose workers, run an :class:`~pdserve.router.attempt.Attempt` (retrying
+on other workers when it fails before the first token, up to ``MAX_ATTEMPTS`` tries in all), turn its steps into
+``GenerateResponse`` messages (incremental detokenization, stop strings), enforce the deadline,
+and make sure the workers hear about every early end (stop string, deadline, client gone).
+
+One ``GenerateResponse`` per step (:meth:`~pdserve.router.attempt.Attempt.next`): everything the
+worker sent for the request since the last message, merged (tokens, logprobs, one text delta,
+the finish reason), so a router or client that falls behind sends fewer, larger messages, not
+more of them late. The last message carries the finish reason and usage.
+
+Latency: between a request's arrival and its first worker rpc the flow does only what that rpc
+needs (validation, placement, the request message); the rest (response headers to the client,
+the deadline timer, the output processor, metrics, the Prefill request of a disaggregated
+attempt) runs right after the rpc's send (:meth:`Flow.dispatched`), while the worker works.
+"""
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+import time
+from collections.abc import AsyncGenerator, Callable
+from dataclasses import dataclass, replace
+
+import grpc
+import grpc.aio
+
+from pdserve.common.grpc_utils import PdserveError, Unavailable
+from pdserve.common.sampling_params import SamplingParams
+from pdserve.router.attempt import Attempt, Retry, Step
+from pdserve.router.metrics import RouterMetrics
+from pdserve.router.output import OutputProcessor
+from pdserve.router.pd_policy import REMOTE, DecodePlace, PdDecision, PrefillPlace, decide, uncached_tokens
+from pdserve.router.policy import DecodeCandidate, PrefillCandidate, pick_decode, pick_prefill
+from pdserve.router.prefix_index import PrefixIndex
+from pdserve.router.settings import CANCEL_TIMEOUT_S, RouterSettings
+from pdserve.router.tokenization import Prompt
+from pdserve.router.worker_client import WorkerClient
+from pdserve.router.workers import WorkerRegistry
+from pdserve.v1 import common_pb2, router_pb2, worker_pb2
+
+log = logging.getLogger(__name__)
+
+UNSPECIFIED = common_pb2.FINISH_REASON_UNSPECIFIED
+# Tries of one request before its first token (each on workers not tried yet, within the
+# request's deadline): a worker killed or drained under load can fail a request's first try and
+# a stalled peer its second; nothing has reached the client yet, so trying again is safe.
+MAX_ATTEMPTS = 4
+GenerateResponse = router_pb2.GenerateResponse
+
+
+@dataclass
+class Job:
+    """A validated request, ready to run."""
+
+    request_id: str                  # as the client sees it
+    prompt: Prompt
+    sampling: SamplingParams
+    wire_params: common_pb2.SamplingParams
+    stop: tuple[str, ...] = ()
+    include_stop: bool = False
+    skip_special_tokens: bool = True
+    deadline: float | None = None    # time.monotonic()
+    deadline_unix_ms: int = 0
+    hash_chain: list[int] | None = None   # block hashes of the prompt, computed when needed
+    matched: dict[str, int] | None = None  # worker -> leading blocks it holds (one index match per try)
+    # Called once the request's first worker rpc is on its way (the servicer sends the client
+    # its response headers then, off the path of the first token); may be called again on a retry.
+    on_dispatch: Callable[[], None] | None = None
+    output: OutputProcessor | None = None  # made once the first worker rpc is sent (Flow._after_send)
+
+    def dispatched(self) -> None:
+        if self.on_dispatch is not None:
+            self.on_dispatch()
+
+    def chain(self, index: PrefixIndex, block_size: int) -> list[int]:
+        if self.hash_chain is None:
+            self.hash_chain = index.hasher.chain(self.prompt.token_ids, block_size) if block_size else []
+        return self.hash_chain
+
+    def match(self, index: PrefixIndex, block_size: int) -> dict[str, int]:
+        """Every worker's cached prefix of the prompt (``PrefixIndex.match``), once per try: the
+        decode pick and the prefill placement share it."""
+        if self.matched is None:
+            self.matched = index.match(self.chain(index, block_size)) if index else {}
+        return self.matched
+
+    def remaining(self) -> float | None:
+        return None if self.deadline is None else max(0.0, self.deadline - time.monotonic())
+
+    def expired(self) -> bool:
+        return self.deadline is not None and time.monotonic() >= self.deadline
+
+
+class Flow:
+    def __init__(self, registry: WorkerRegistry, settings: RouterSettings, tokenizer, metrics: RouterMetrics) -> None:
+        self.registry = registry
+        self.settings = settings
+        self.tokenizer = tokenizer
+        self.metrics = metrics
+        self._ids = itertools.count(1)
+        self._turn = itertools.count()
+        self._background: set[asyncio.Task] = set()
+        self.inflight = 0
+        self.draining = False
+
+    def new_request_id(self) -> str:
+        return f"{self.settings.router_id}-{next(self._ids)}"
+
+    def make_job(self, request_id: str, prompt: Prompt, sampling: SamplingParams,
+                 wire_params: common_pb2.SamplingParams, stop: tuple[str, ...], include_stop: bool,
+                 skip_special_tokens: bool, time_remaining: float | None) -> Job:
+        deadline = deadline_ms = None
+        if time_remaining is not None:
+            deadline = time.monotonic() + time_remaining
+            deadline_ms = int((time.time() + time_remaining) * 1000)
+        return Job(request_id, prompt, sampling, wire_params, stop, include_stop, skip_special_tokens,
+                   deadline, deadline_ms or 0)
+
+    # ---- background cancels -----------------------------------------------------------
+    def spawn(self, coro) -> None:
+        task = asyncio.ensure_future(coro)
+        self._background.add(task)
+        task.add_done_callback(self._background.discard)
+
+    async def cancel_on(self, worker: WorkerClient, request_id: str) -> None:
+        try:
+            await worker.stub.Cancel(worker_pb2.CancelRequest(request_id=request_id),
+                                     timeout=CANCEL_TIMEOUT_S, wait_for_ready=False)
+        except grpc.aio.AioRpcError as e:
+            log.debug("Cancel %s on %s failed: %s", request_id, worker.key, e.code().name)
+
+    # ---- placement --------------------------------------------------------------------
+    def _choose(self, job: Job, excluded: set[str]) -> tuple[WorkerClient, WorkerClient | None, PdDecision]:
+        """The decode worker (pdserve.router.policy), then where to prefill (pdserve.router.pd_policy)."""
+        decoders = self.registry.decode_workers(excluded)
+        if not decoders:
+            known = [c for c in self.registry.clients.values() if c.can_decode or not c.info]
+            why = "; ".join(f"{c.key}: {c.last_error or 'down'}" for c in known[:4])
+            raise Unavailable("no decode worker is up" + (f" ({why})" if why else ""))
+        turn = next(self._turn)     # one per request: round-robin covers every worker of each pool
+        decode = self._choose_decode(job, decoders, turn)
+        prefillers = [c for c in self.registry.prefill_workers(excluded) if c is not decode]
+        decision = self._place_prefill(job, decode, prefillers, turn)
+        prefill = self.registry.clients[decision.prefill_key] if decision.prefill_key else None
+        return decode, prefill, decision
+
+    def _choose_decode(self, job: Job, decoders: list[WorkerClient], turn: int) -> WorkerClient:
+        """pdserve.router.policy over snapshots of the decode workers. The prompt's block hashes only
+        matter when there is a choice: one decode worker is picked without them."""
+        if len(decoders) == 1:
+            return decoders[0]
+        bs = self.registry.block_size
+        matched = job.match(self.registry.prefix_index, bs).get
+        cands = []
+        for c in decoders:
+            s = c.stats
+            cands.append(DecodeCandidate(c.key, matched(c.key, 0), c.inflight_tokens, c.inflight,
+                                         s.num_used_blocks if s is not None else 0,
+                                         s.num_total_blocks if s is not None else 0, c.other_tokens))
+        key = pick_decode(cands, len(job.prompt.token_ids), bs, self.settings.load_alpha, turn, self.settings.routing)
+        if key is None:     # only without candidates, which _choose rules out
+            raise Unavailable("no decode worker is up")
+        return self.registry.clients[key]
+
+    def _place_prefill(self, job: Job, decode: WorkerClient, prefillers: list[WorkerClient],
+                       turn: int) -> PdDecision:
+        """Local or remote, from snapshots of the decode worker and the prefill-capable workers;
+        the ``--routing`` baselines keep their own choice of the prefill worker."""
+        cfg, bs, n = self.settings.pd, self.registry.block_size, len(job.prompt.token_ids)
+        index = self.registry.prefix_index
+        everyone = [decode, *prefillers]
+        hashed = index is not None and cfg.mode != "never" and any(c.kv_wanted for c in everyone)
+        matches = job.match(index, bs) if hashed else {}
+
+        def place(c: WorkerClient) -> PrefillPlace:
+            s = c.stats
+            return PrefillPlace(c.key, uncached_tokens(n, matches.get(c.key, 0), bs),
+                                c.inflight_prompt_tokens + c.other_prompt_tokens,
+                                s.prefill_tokens_per_s if s is not None else 0.0)
+
+        s = decode.stats
+        d = DecodePlace(place(decode), decode.role == common_pb2.ROLE_BOTH, s.decode_step_ms if s else 0.0,
+                        s.mixed_step_ms if s else 0.0, s.max_num_batched_tokens if s else 0,
+                        s.chunked_prefill if s else True, decode.prefill_rate())
+        decision = decide(d, [place(c) for c in prefillers] if cfg.mode != "never" else [], cfg)
+        if decision.kind == REMOTE and self.settings.routing != "kv" and len(prefillers) > 1:
+            pc = [PrefillCandidate(c.key, 0, c.inflight_prompt_tokens, c.inflight, c.other_prompt_tokens)
+                  for c in prefillers]
+            key = pick_prefill(pc, n, bs, turn, self.settings.routing)
+            if key is not None:     # None only without candidates
+                decision = replace(decision, prefill_key=key,
+                                   prefill_tokens=uncached_tokens(n, matches.get(key, 0), bs))
+        return decision
+
+    async def _start(self, job: Job) -> tuple[Attempt, Step]:
+        """Start the request and wait for its first step; retried on other workers (each failed
+        worker excluded) up to MAX_ATTEMPTS tries, while workers remain and the deadline allows."""
+        excluded: set[str] = set()
+        last: Retry | None = None
+        for attempt_no in range(MAX_ATTEMPTS):
+            job.matched = None          # the index may have changed since the last try
+            try:
+                t0 = time.perf_counter()
+                decode, prefill, decision = self._choose(job, excluded)
+                self.metrics.decision.observe(time.perf_counter() - t0)
+                self.metrics.pd.decided(decision.kind, decision.reason, decision.ttft_ms, decision.tpot_ms)
+            except Unavailable:
+                if last is not None:
+                    raise last.cause from None
+                raise
+            att = Attempt(self, job, decode, prefill, self.new_request_id(), decision)
+            try:
+                await att.start()
+                return att, await att.next()
+            except Retry as r:
+                att.close(cancel_workers=True)
+                final = attempt_no == MAX_ATTEMPTS - 1 or job.expired()
+                log.info("request %s: %s; %s", job.request_id, r.cause.message,
+                         "giving up" if final else "retrying on another worker")
+                excluded.add(r.worker_key)
+                last = r
+                if final:
+                    break
+                self.metrics.retries.inc()
+            except BaseException:
+                att.close(cancel_workers=True)
+                raise
+        assert last is not None
+        raise last.cause
+
+    def dispatched(self, att: Attempt) -> None:
+        """``att``'s first worker rpc was just started (its send is the next thing the loop runs)."""
+        att.job.dispatched()
+        asyncio.get_running_loop().call_soon(self._after_send, att)
+
+    def _after_send(self, att: Attempt) -> None:
+        """Per-request set-up that the worker rpc does not need, run right after its send: on a
+        CPU that idled before the request, every step of the path costs ~10x its warm time
+        (cold caches), so whatever can wait for the worker does."""
+        if att.closed:
+            return
+        att.after_send()
+        job = att.job
+        if att.timer is None:       # the worker rpcs carry their own timeouts until now
+            att.timer = self._arm_deadline(job, att)
+        self._open_output(job)
+
+    def _open_output(self, job: Job) -> OutputProcessor:
+        """The request's OutputProcessor, made (and the request counted in flight) once."""
+        if job.output is None:
+            job.output = OutputProcessor(self.tokenizer, job.stop, job.include_stop, job.skip_special_tokens)
+            self.metrics.in_flight.inc()
+            self.metrics.prompt_tokens.inc(len(job.prompt.token_ids))
+        return job.output
+
+    def _arm_deadline(self, job: Job, att: Attempt) -> asyncio.TimerHandle | None:
+        remaining = job.remaining()
+        if remaining is None:
+            return None
+        return asyncio.get_running_loop().call_later(remaining, att.expire)
+
+    # ---- the request ------------------------------------------------------------------
+    async def generate(self, job: Job, method: str = "Generate"
+                       ) -> AsyncGenerator[router_pb2.GenerateResponse, None]:
+        if self.draining:
+            raise Unavailable("the router is shutting down")
+        started = time.monotonic()
+        status = "UNKNOWN"
+        att: Attempt | None = None
+        cancel_workers = True
+        self.inflight += 1
+        try:
+            att, step = await self._start(job)
+            out = self._open_output(job)     # made by _after_send, normally
+            first = True
+            while True:
+                answer = self._respond(job, out, att, step)
+                if answer is not None:
+                    resp, done, stop_hit = answer
+                    if first:       # observed after the yield: the message goes out first
+                        first = False
+                        ttft = time.monotonic() - started
+                        yield resp
+                        self.metrics.ttft.observe(ttft)
+                    else:
+                        yield resp
+                    if done:
+                        cancel_workers = stop_hit
+                        reason = common_pb2.FinishReason.Name(resp.finish_reason)
+                        self.metrics.finish.labels(reason).inc()
+                        break
+                step = await att.next()
+            status = "OK"
+        except asyncio.CancelledError:
+            status = "DEADLINE_EXCEEDED" if job.expired() else "CANCELLED"
+            raise
+        except Retry as r:          # a failure on a step that carried no token yet: no retry now
+            status = r.cause.code.name
+            raise r.cause from None
+        except PdserveError as e:
+            status = e.code.name
+            raise
+        except grpc.aio.AioRpcError as e:
+            status = e.code().name
+            raise
+        finally:
+            if att is not None:
+                att.close(cancel_workers=cancel_workers)
+            self.inflight -= 1
+            if job.output is not None:      # counted in (see _after_send)
+                self.metrics.in_flight.dec()
+                self.metrics.output_tokens.inc(job.output.num_tokens)
+            self.metrics.requests.labels(method, status).inc()
+            self.metrics.e2e.observe(time.monotonic() - started)
+
+    def _respond(self, job: Job, out: OutputProcessor, att: Attempt, step: Step
+                 ) -> tuple[router_pb2.GenerateResponse, bool, bool] | None:
+        """(message to send, request finished, finished by a stop string); None: nothing to send
+        (and not finished)."""
+        toks = step.token_ids
+        text, matched = out.step(toks)
+        reason = step.finish_reason
+        done = reason != UNSPECIFIED or matched is not None
+        if done and matched is None:
+            tail = out.finish()
+            text, matched = text + tail.text, tail.matched_stop
+        if matched is not None:
+            reason = common_pb2.FINISH_REASON_STOP_STRING
+        if not done and not toks and not text:
+            return None
+        if job.sampling.logprobs:
+            resp = GenerateResponse(request_id=job.request_id, token_ids=toks, text=text, logprobs=step.logprobs)
+        else:
+            resp = GenerateResponse(request_id=job.request_id, token_ids=toks, text=text)
+        if done:
+            resp.finish_reason = reason
+            resp.usage.prompt_tokens = len(job.prompt.token_ids)
+            resp.usage.completion_tokens = out.num_tokens
+            resp.usage.cached_tokens = att.cached_tokens
+            self.metrics.cached_tokens.inc(att.cached_tokens)
+            if matched is not None:
+                resp.matched_stop = matched
+        stop_hit = matched is not None and step.finish_reason == UNSPECIFIED
+        return resp, done, stop_hit
+
+    async def drain(self, grace_s: float) -> None:
+        """Refuse new requests; wait (up to grace_s) for those in flight."""
+        self.draining = True
+        end = time.monotonic() + grace_s
+        while self.inflight and time.monotonic() < end:
+            await asyncio.sleep(0.05)

@@ -1,0 +1,102 @@
+"""OpenAI response objects: whole responses, stream chunks, usage and logprobs (pure functions
+over plain values, no I/O)."""
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+
+from pdserve.router.openai_api.requests import CHAT
+from pdserve.v1 import common_pb2
+
+FINISH_REASONS = {
+    common_pb2.FINISH_REASON_STOP: "stop",
+    common_pb2.FINISH_REASON_STOP_STRING: "stop",
+    common_pb2.FINISH_REASON_LENGTH: "length",
+}
+DONE = b"data: [DONE]\n\n"
+
+
+@dataclass
+class Choice:
+    """What one choice (one prompt) has produced so far."""
+
+    index: int
+    prompt_tokens: int
+    texts: list[str] = field(default_factory=list)
+    token_ids: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+    finish_reason: str | None = None
+    matched_stop: str | None = None
+    cached_tokens: int = 0
+
+    @property
+    def completion_tokens(self) -> int:
+        return len(self.token_ids)
+
+
+def sse(obj: dict) -> bytes:
+    """One server-sent event carrying ``obj`` as JSON."""
+    return b"data: " + json.dumps(obj, separators=(",", ":"), ensure_ascii=False).encode() + b"\n\n"
+
+
+def usage(choices: list[Choice]) -> dict:
+    p = sum(c.prompt_tokens for c in choices)
+    n = sum(c.completion_tokens for c in choices)
+    return {"prompt_tokens": p, "completion_tokens": n, "total_tokens": p + n,
+            "prompt_tokens_details": {"cached_tokens": sum(c.cached_tokens for c in choices)}}
+
+
+def chat_logprobs(tokens: list[str], logprobs: list[float]) -> dict:
+    return {"content": [{"token": t, "logprob": lp, "bytes": list(t.encode()), "top_logprobs": []}
+                        for t, lp in zip(tokens, logprobs)]}
+
+
+def completion_logprobs(tokens: list[str], logprobs: list[float], offset: int) -> dict:
+    offsets = []
+    for t in tokens:
+        offsets.append(offset)
+        offset += len(t)
+    return {"tokens": tokens, "token_logprobs": logprobs, "top_logprobs": None, "text_offset": offsets}
+
+
+def _envelope(kind: str, api_id: str, created: int, model: str, chunk: bool) -> dict:
+    obj = "chat.completion.chunk" if kind == CHAT and chunk else kind
+    return {"id": api_id, "object": obj, "created": created, "model": model}
+
+
+def response(kind: str, api_id: str, created: int, model: str, choices: list[Choice],
+             logprobs: list[dict | None]) -> dict:
+    """The whole (non-streamed) response."""
+    out = _envelope(kind, api_id, created, model, chunk=False)
+    items = []
+    for c, lp in zip(choices, logprobs):
+        text = "".join(c.texts)
+        if kind == CHAT:
+            items.append({"index": c.index, "message": {"role": "assistant", "content": text},
+                          "logprobs": lp, "finish_reason": c.finish_reason})
+        else:
+            items.append({"index": c.index, "text": text, "logprobs": lp, "finish_reason": c.finish_reason})
+    out["choices"] = items
+    out["usage"] = usage(choices)
+    return out
+
+
+def chunk(kind: str, api_id: str, created: int, model: str, index: int, text: str, first: bool,
+          finish_reason: str | None, logprobs: dict | None) -> dict:
+    """One streamed chunk of one choice."""
+    out = _envelope(kind, api_id, created, model, chunk=True)
+    if kind == CHAT:
+        delta = {"role": "assistant", "content": text} if first else {"content": text}
+        item = {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish_reason}
+    else:
+        item = {"index": index, "text": text, "logprobs": logprobs, "finish_reason": finish_reason}
+    out["choices"] = [item]
+    return out
+
+
+def usage_chunk(kind: str, api_id: str, created: int, model: str, choices: list[Choice]) -> dict:
+    """The last chunk of a stream with ``stream_options.include_usage``: no choices, the usage."""
+    out = _envelope(kind, api_id, created, model, chunk=True)
+    out["choices"] = []
+    out["usage"] = usage(choices)
+    return out

@@ -1,0 +1,155 @@
+"""The router's gRPC servicers: thin layers of validate -> convert -> flow -> convert.
+
+Errors are raised as pdserve.common.grpc_utils domain exceptions; the server's error interceptor maps
+them to statuses (INVALID_ARGUMENT naming the field, UNAVAILABLE, ...).
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+from typing import Any
+
+import pdserve
+from pdserve.common import telemetry
+from pdserve.router.flow import Flow, Job
+from pdserve.router.tokenization import ModelSpec, RouterTokenizer, build_prompt, check_context
+from pdserve.router.validation import DEFAULT_MAX_TOKEN_CHARS, ParamsCache, PromptBounds, max_token_chars
+from pdserve.router.workers import DECODE_ROLES, PROTOCOL_VERSION, WorkerRegistry
+from pdserve.v1 import common_pb2, common_pb2_grpc, router_pb2, router_pb2_grpc
+
+PREFILL_CAPABLE = {common_pb2.ROLE_PREFILL, common_pb2.ROLE_BOTH}
+log = logging.getLogger(__name__)
+
+try:
+    from importlib.metadata import version as _pkg_version
+    VERSION = _pkg_version("pdserve")
+except Exception:  # noqa: BLE001 - not installed (running from a checkout)
+    VERSION = getattr(pdserve, "__version__", "0.1.0")
+
+
+class EarlyHeaders:
+    """A Generate stream's response headers, sent as soon as its first worker rpc is on the way.
+
+    A grpc.aio client reads a stream's headers and its first message as two events, one after
+    the other; sent with the first token, the headers cost the client one more wake-up after it.
+    Sent while the workers prefill, they are read by then. The headers go out as a task that
+    must be finished before the first write (or an abort) on the call: see :meth:`settle`.
+    """
+
+    __slots__ = ("context", "task")
+
+    def __init__(self, context: Any) -> None:
+        self.context = context
+        self.task: asyncio.Task | None = None
+
+    def send(self) -> None:
+        """Start sending them (once; a retry calls again)."""
+        if self.task is None:
+            self.task = asyncio.ensure_future(self.context.send_initial_metadata(()))
+            self.task.add_done_callback(_headers_sent)
+
+    async def settle(self) -> None:
+        """Wait until the headers are sent (or failed: the call is gone then)."""
+        task = self.task
+        if task is not None and not task.done():
+            try:
+                await task
+            except Exception:  # noqa: BLE001 - reported by _headers_sent; the write or abort follows
+                pass
+
+
+def _headers_sent(task: asyncio.Task) -> None:
+    if not task.cancelled() and task.exception() is not None:
+        log.debug("response headers not sent: %r", task.exception())
+
+
+class GenerationServicer(router_pb2_grpc.GenerationServicer):
+    def __init__(self, flow: Flow, registry: WorkerRegistry, spec: ModelSpec,
+                 tokenizer: RouterTokenizer | None) -> None:
+        self.flow = flow
+        self.registry = registry
+        self.spec = spec
+        self.tokenizer = tokenizer
+        self.params = ParamsCache(spec.vocab_size, tokenizer is not None)
+        # Prompts that can never fit are refused before tokenization (pdserve.router.validation).
+        self.bounds = PromptBounds(spec.max_model_len, max_token_chars(tokenizer.hf) if tokenizer
+                                   else DEFAULT_MAX_TOKEN_CHARS)
+
+    def _job(self, request: router_pb2.GenerateRequest, context: Any, method: str) -> Job:
+        try:
+            return self.job(request, context.time_remaining())
+        except Exception as e:
+            self.flow.metrics.rejected(method, e)      # refused before it ran: counted by status
+            raise
+
+    def job(self, request: router_pb2.GenerateRequest, time_remaining: float | None) -> Job:
+        """Validate, tokenize and size ``request``: the one request path of both front doors
+        (gRPC Generate and the OpenAI HTTP API, pdserve.router.openai_api)."""
+        key, params = self.params.validate(request.params)
+        self.bounds.check(request)
+        with telemetry.span("tokenize", request.request_id):
+            prompt = build_prompt(request, self.tokenizer, self.spec, self.spec.vocab_size)
+        max_tokens = check_context(prompt, params.max_tokens, self.registry.max_model_len())
+        sampling, wire = self.params.resolve(key, params, max_tokens)
+        return self.flow.make_job(
+            request.request_id or self.flow.new_request_id(), prompt, sampling, wire,
+            params.stop, request.include_stop_str_in_output, not request.keep_special_tokens,
+            time_remaining)
+
+    async def Generate(self, request: router_pb2.GenerateRequest, context: Any):
+        job = self._job(request, context, "Generate")
+        headers = EarlyHeaders(context)
+        job.on_dispatch = headers.send
+        pending: EarlyHeaders | None = headers
+        try:
+            async for response in self.flow.generate(job, "Generate"):
+                if pending is not None:         # done long ago, normally: no wait
+                    await pending.settle()
+                    pending = None
+                yield response
+        except Exception:
+            await headers.settle()      # the error interceptor's abort must not race the headers
+            raise
+
+    async def GenerateUnary(self, request: router_pb2.GenerateRequest, context: Any) -> router_pb2.GenerateResult:
+        job = self._job(request, context, "GenerateUnary")
+        result = router_pb2.GenerateResult(request_id=job.request_id)
+        texts: list[str] = []
+        async for r in self.flow.generate(job, "GenerateUnary"):
+            texts.append(r.text)
+            result.token_ids.extend(r.token_ids)
+            result.logprobs.extend(r.logprobs)
+            if r.finish_reason:
+                result.finish_reason = r.finish_reason
+                result.usage.CopyFrom(r.usage)
+                result.matched_stop = r.matched_stop
+        result.text = "".join(texts)
+        return result
+
+    async def Tokenize(self, request: router_pb2.TokenizeRequest, context: Any) -> router_pb2.TokenizeResponse:
+        self.bounds.check(request)
+        prompt = build_prompt(request, self.tokenizer, self.spec, self.spec.vocab_size)
+        return router_pb2.TokenizeResponse(token_ids=prompt.token_ids, count=len(prompt.token_ids),
+                                           rendered_prompt=prompt.rendered)
+
+    async def GetModelInfo(self, request: router_pb2.GetModelInfoRequest, context: Any) -> router_pb2.ModelInfo:
+        return router_pb2.ModelInfo(
+            model=self.spec.name, max_model_len=self.registry.max_model_len(), vocab_size=self.spec.vocab_size,
+            block_size=self.registry.block_size, eos_token_ids=list(self.spec.eos_token_ids),
+            has_chat_template=bool(self.tokenizer is not None and self.tokenizer.has_chat_template),
+            num_prefill_workers=self.registry.count_up(PREFILL_CAPABLE),
+            num_decode_workers=self.registry.count_up(DECODE_ROLES))
+
+
+class InfoServicer(common_pb2_grpc.InfoServiceServicer):
+    def __init__(self, registry: WorkerRegistry, spec: ModelSpec, router_id: str) -> None:
+        self.registry = registry
+        self.spec = spec
+        self.router_id = router_id
+
+    async def Info(self, request: common_pb2.InfoRequest, context: Any) -> common_pb2.ServerInfo:
+        return common_pb2.ServerInfo(
+            protocol_version=PROTOCOL_VERSION, role=common_pb2.ROLE_ROUTER, model=self.spec.name,
+            dtype=self.registry.dtype(), block_size=self.registry.block_size,
+            max_model_len=self.registry.max_model_len(), num_kv_blocks=0, worker_id=self.router_id,
+            version=VERSION, vocab_size=self.spec.vocab_size)

@@ -1,0 +1,348 @@
+"""The router's client of one worker: channel, identity, health, load, output and KV streams.
+
+A supervisor task per worker: while the worker is down it probes ``Info`` (backoff
+RECONNECT_MIN_S .. RECONNECT_MAX_S); once the identity is accepted by the registry it opens the
+``Subscribe`` stream (decode/both) and marks the worker up; while up it polls ``GetStats``
+every STATS_INTERVAL_S (the load figure; a failed poll with UNAVAILABLE or DEADLINE_EXCEEDED
+marks it down). The request flow marks it down too on UNAVAILABLE, and a broken Subscribe
+stream does. The ``StreamKvEvents`` consumer (feeds the prefix index) runs while the registry
+says the index needs it (``kv_wanted``: the worker has a peer of its kind; see
+:meth:`pdserve.router.workers.WorkerRegistry.update_kv_wanted`); when the index finds a gap in the
+stream's sequence numbers (or a view larger than the worker's pool) the stream is re-opened,
+and its snapshot repairs the view. A worker is marked up only while its health says SERVING
+(a draining worker stays down once a refused request marked it so).
+
+Load of other router replicas: every GetStats answer is kept with this router's own load at
+the time of the poll; :attr:`WorkerClient.other_tokens` / :attr:`other_prompt_tokens` are the
+worker's figure minus that own share (never below 0), stale by at most STATS_INTERVAL_S plus a
+round trip. This router's own load is counted live (``add_load``).
+Every call uses ``wait_for_ready=False`` and a timeout, so a dead worker fails fast.
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Callable
+from collections.abc import Set as AbstractSet
+
+import grpc
+import grpc.aio
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from pdserve.common.grpc_utils import Unavailable, client_channel
+from pdserve.common.grpc_utils.channels import RenewingChannels
+from pdserve.common.grpc_utils.protocol import DECODE_ROLES
+from pdserve.router.pd_policy import decayed_rate
+from pdserve.router.prefix_index import PrefixIndex
+from pdserve.router.settings import (
+    KV_RESUBSCRIBE_S,
+    NO_BDP_OPTIONS,
+    RECONNECT_MAX_S,
+    RECONNECT_MIN_S,
+    STATS_INTERVAL_S,
+    STATS_MISSES_DOWN,
+    SUBSCRIBE_WINDOW_BYTES,
+    RouterSettings,
+)
+from pdserve.router.subscription import Subscription
+from pdserve.v1 import common_pb2, common_pb2_grpc, worker_pb2, worker_pb2_grpc
+
+log = logging.getLogger(__name__)
+
+DOWN_CODES = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED)
+LOADING = "loading its model"    # last_error while a starting worker loads its model
+
+# The Subscribe stream has a connection of its own with a fixed, small HTTP/2 window (no BDP
+# probing, which would grow it to megabytes): when the router reads slower than the worker
+# steps, at most SUBSCRIBE_WINDOW_BYTES of outputs wait in the router, and the rest waits in the
+# worker, which merges the queued steps into one StepOutputs (one SequenceOutput per request).
+# So a router that falls behind gets fewer, larger messages instead of a growing backlog of
+# one-token ones; control rpcs (Submit, Reserve, ...) never queue behind that stream.
+SUBSCRIBE_CHANNEL_OPTIONS = (
+    ("grpc.http2.bdp_probe", 0),
+    ("grpc.http2.lookahead_bytes", SUBSCRIBE_WINDOW_BYTES),
+    ("grpc.use_local_subchannel_pool", 1),
+)
+
+
+class WorkerClient:
+    def __init__(self, address: str, expected_roles: AbstractSet[int], settings: RouterSettings,
+                 prefix_index: PrefixIndex, check_info: Callable[[WorkerClient, common_pb2.ServerInfo], str | None],
+                 on_change: Callable[[], None] = lambda: None) -> None:
+        self.key = address
+        self.address = address
+        self.expected_roles = set(expected_roles)
+        self.settings = settings
+        self.prefix_index = prefix_index
+        self.check_info = check_info
+        self.on_change = on_change
+        self.channels = RenewingChannels(options=NO_BDP_OPTIONS)   # new ones after a certificate rotation
+        self._bind_stubs()
+        self.sub_channel: grpc.aio.Channel | None = None     # the Subscribe stream's own connection
+        self.info: common_pb2.ServerInfo | None = None
+        self.stats: worker_pb2.WorkerStats | None = None
+        self.subscription: Subscription | None = None
+        self.up = False
+        self.retired = False            # left DNS: no new requests; closed once idle
+        self.dns_source: str | None = None  # the dns:/// target that found it (None: static)
+        self.last_error = ""
+        # Load from this router, live.
+        self.inflight = 0
+        self.inflight_tokens = 0        # decode: prompt + tokens generated so far
+        self.inflight_prompt_tokens = 0 # prefill: prompts being prefilled
+        # Other routers' load, from the last GetStats (see the module docstring).
+        self.other_tokens = 0
+        self.other_prompt_tokens = 0
+        # Prompt tokens this router sent here to compute, as a decayed counter (pdserve.router.pd_policy).
+        self._prefill_counter = 0.0
+        self._prefill_counter_at = 0.0
+        self.num_kv_resyncs = 0         # KV event streams re-opened after a gap
+        self._task: asyncio.Task | None = None
+        self._kv_task: asyncio.Task | None = None
+        self._health_task: asyncio.Task | None = None
+        self._kv_unimplemented = False
+        self.kv_wanted = False          # whether the prefix index needs this worker's KV events
+        self.stats_misses = 0           # GetStats timeouts in a row
+        self.first_attempt = asyncio.Event()
+
+    # ---- identity ---------------------------------------------------------------------
+    @property
+    def role(self) -> int:
+        return self.info.role if self.info is not None else common_pb2.ROLE_UNSPECIFIED
+
+    @property
+    def worker_id(self) -> str:
+        return self.info.worker_id if self.info is not None else ""
+
+    @property
+    def can_decode(self) -> bool:
+        return self.role in DECODE_ROLES
+
+    @property
+    def usable(self) -> bool:
+        return self.up and not self.retired
+
+    def describe(self) -> str:
+        role = common_pb2.Role.Name(self.role) if self.info else "?"
+        return f"{self.key} ({self.worker_id or '?'}, {role})"
+
+    def _bind_stubs(self) -> None:
+        self.channel = self.channels.get(self.address)
+        self.stub = worker_pb2_grpc.WorkerStub(self.channel)
+        self.info_stub = common_pb2_grpc.InfoServiceStub(self.channel)
+        self.health_stub = health_pb2_grpc.HealthStub(self.channel)
+
+    # ---- lifecycle --------------------------------------------------------------------
+    def start(self) -> None:
+        self._task = asyncio.create_task(self._supervise(), name=f"worker-{self.key}")
+
+    async def close(self) -> None:
+        for task in (self._task, self._kv_task):
+            if task is not None:
+                task.cancel()
+        self.mark_down("closed", quiet=True)
+        await self.channels.close()
+        if self.sub_channel is not None:
+            await self.sub_channel.close(grace=None)
+
+    async def _supervise(self) -> None:
+        backoff = RECONNECT_MIN_S
+        while True:
+            if not self.up:
+                ok = await self._connect()
+                self.first_attempt.set()
+                if not ok:
+                    await asyncio.sleep(backoff)
+                    backoff = min(backoff * 2, RECONNECT_MAX_S)
+                    continue
+                backoff = RECONNECT_MIN_S
+            await asyncio.sleep(STATS_INTERVAL_S)
+            if self.channels.renew_if_rotated():
+                self._bind_stubs()
+            if self.up:
+                await self._poll_stats()
+
+    async def _connect(self) -> bool:
+        timeout = self.settings.worker_timeout_s
+        try:
+            info = await self.info_stub.Info(common_pb2.InfoRequest(), timeout=timeout, wait_for_ready=False)
+        except grpc.aio.AioRpcError as e:
+            # the normal start of a worker, said once: it answers "loading", or is too busy
+            # loading to answer in time before it was ever up
+            if ((e.code() == grpc.StatusCode.UNAVAILABLE and LOADING in (e.details() or ""))
+                    or (e.code() == grpc.StatusCode.DEADLINE_EXCEEDED and self.info is None)):
+                if self.last_error != LOADING:
+                    log.info("waiting for worker %s to load its model", self.key)
+                self.last_error = LOADING
+            else:
+                self._note_error(f"Info: {e.code().name}: {e.details()}")
+            return False
+        problem = self.check_info(self, info)
+        if problem:
+            self._note_error(problem, level=logging.ERROR)
+            return False
+        if not await self._serving(timeout):
+            return False
+        self.info = info
+        if self.can_decode:
+            if self.sub_channel is None:
+                self.sub_channel = client_channel(self.address, options=SUBSCRIBE_CHANNEL_OPTIONS)
+            sub = Subscription(self.key, worker_pb2_grpc.WorkerStub(self.sub_channel), self.settings.router_id,
+                               self.mark_down)
+            try:
+                await sub.start()
+            except Unavailable as e:
+                self._note_error(str(e))
+                return False
+            self.subscription = sub
+        self.up = True
+        self.last_error = ""
+        self._health_task = asyncio.create_task(self._watch_health(), name=f"health-{self.key}")
+        if self.kv_wanted:
+            self._start_kv_events()
+        log.info("worker %s is up (block_size %d, max_model_len %d, %d KV blocks)", self.describe(),
+                 info.block_size, info.max_model_len, info.num_kv_blocks)
+        self.on_change()
+        return True
+
+    async def _serving(self, timeout: float) -> bool:
+        """Whether the worker's health says SERVING (a draining worker answers NOT_SERVING);
+        a worker without the health service counts as serving."""
+        try:
+            reply = await self.health_stub.Check(health_pb2.HealthCheckRequest(), timeout=timeout,
+                                                 wait_for_ready=False)
+        except grpc.aio.AioRpcError as e:
+            if e.code() == grpc.StatusCode.UNIMPLEMENTED:
+                return True
+            self._note_error(f"health: {e.code().name}: {e.details()}")
+            return False
+        if reply.status != health_pb2.HealthCheckResponse.SERVING:
+            self._note_error(f"health: {health_pb2.HealthCheckResponse.ServingStatus.Name(reply.status)}")
+            return False
+        return True
+
+    async def _watch_health(self) -> None:
+        """While up: the worker's health stream; NOT_SERVING (SIGTERM: draining) marks it down at
+        once, before a request is refused there."""
+        try:
+            async for reply in self.health_stub.Watch(health_pb2.HealthCheckRequest(), wait_for_ready=False):
+                if reply.status != health_pb2.HealthCheckResponse.SERVING and self.up:
+                    self.mark_down("health: NOT_SERVING (draining)")
+                    return
+        except grpc.aio.AioRpcError as e:
+            log.debug("health watch of %s ended: %s", self.key, e.code().name)
+
+    def _note_error(self, message: str, level: int = logging.INFO) -> None:
+        if message != self.last_error:
+            log.log(level, "worker %s: %s", self.key, message)
+        self.last_error = message
+
+    async def _poll_stats(self) -> None:
+        own_tokens, own_prompt = self.inflight_tokens, self.inflight_prompt_tokens
+        try:
+            self.stats = await self.stub.GetStats(worker_pb2.GetStatsRequest(),
+                                                  timeout=self.settings.worker_timeout_s, wait_for_ready=False)
+        except grpc.aio.AioRpcError as e:
+            if e.code() == grpc.StatusCode.DEADLINE_EXCEEDED:
+                self.stats_misses += 1
+                if self.stats_misses < STATS_MISSES_DOWN:
+                    log.info("worker %s: GetStats timed out (%d in a row)", self.key, self.stats_misses)
+                    return
+            if e.code() in DOWN_CODES:
+                self.mark_down(f"GetStats: {e.code().name}: {e.details()}"
+                               + (f" ({self.stats_misses} times in a row)" if self.stats_misses > 1 else ""))
+            return
+        self.stats_misses = 0
+        self._note_others(self.stats, own_tokens, own_prompt)
+        if self.kv_wanted and not self._kv_unimplemented and (self._kv_task is None or self._kv_task.done()):
+            self._start_kv_events()
+
+    def _note_others(self, stats: worker_pb2.WorkerStats, own_tokens: int, own_prompt: int) -> None:
+        """Other routers' load = the worker's figure minus this router's share at the poll."""
+        bs = self.info.block_size if self.info is not None else 0
+        held = max(stats.num_running_context_tokens + stats.num_waiting_prefill_tokens,
+                   stats.num_used_blocks * bs)
+        self.other_tokens = max(0, held - own_tokens)
+        self.other_prompt_tokens = max(0, stats.num_waiting_prefill_tokens - own_prompt)
+
+    def mark_down(self, reason: str, quiet: bool = False) -> None:
+        """Stop routing here; requests on its output stream get UNAVAILABLE; reconnect later."""
+        was_up, self.up = self.up, False
+        self.stats_misses = 0
+        if self._health_task is not None and self._health_task is not asyncio.current_task():
+            self._health_task.cancel()
+        self._health_task = None
+        if self.subscription is not None:
+            sub, self.subscription = self.subscription, None
+            sub.close(reason)
+        self._stop_kv_events()
+        if was_up:
+            log.log(logging.INFO if quiet else logging.WARNING, "worker %s is down: %s", self.describe(), reason)
+            self.on_change()
+
+    # ---- prefix-cache events ----------------------------------------------------------
+    def set_kv_wanted(self, wanted: bool) -> None:
+        """Start or stop consuming the worker's KV events (a stream starts with a snapshot,
+        so a late start misses nothing)."""
+        if wanted == self.kv_wanted:
+            return
+        self.kv_wanted = wanted
+        if not wanted:
+            self._stop_kv_events()
+        elif self.up and not self._kv_unimplemented and (self._kv_task is None or self._kv_task.done()):
+            self._start_kv_events()
+
+    def _stop_kv_events(self) -> None:
+        if self._kv_task is not None:
+            self._kv_task.cancel()
+            self._kv_task = None
+        self.prefix_index.remove_worker(self.key)
+
+    def _start_kv_events(self) -> None:
+        self._kv_task = asyncio.create_task(self._kv_events(), name=f"kv-events-{self.key}")
+
+    async def _kv_events(self) -> None:
+        """Feed the index from the worker's stream; re-open the stream (a new snapshot) when
+        the index says the view cannot be trusted, at most every KV_RESUBSCRIBE_S."""
+        capacity = self.info.num_kv_blocks if self.info is not None else 0
+        while True:
+            call = self.stub.StreamKvEvents(worker_pb2.KvEventsRequest(), wait_for_ready=False)
+            try:
+                async for ev in call:
+                    if not self.prefix_index.apply(self.key, ev.stored, ev.evicted, ev.snapshot, ev.seq,
+                                                   ev.num_total_blocks or capacity):
+                        break
+                else:
+                    break                    # the stream ended
+            except asyncio.CancelledError:
+                call.cancel()
+                raise
+            except grpc.aio.AioRpcError as e:
+                if e.code() == grpc.StatusCode.UNIMPLEMENTED:
+                    self._kv_unimplemented = True
+                log.debug("StreamKvEvents of %s ended: %s", self.key, e.code().name)
+                break
+            call.cancel()
+            self.num_kv_resyncs += 1
+            log.info("worker %s: KV events lost or inconsistent; re-subscribing for a snapshot", self.key)
+            await asyncio.sleep(KV_RESUBSCRIBE_S)
+        self.prefix_index.remove_worker(self.key)
+
+    # ---- load accounting --------------------------------------------------------------
+    def add_load(self, requests: int = 0, tokens: int = 0, prompt_tokens: int = 0, computed: int = 0) -> None:
+        """``computed``: prompt tokens this router just gave the worker to compute (its prefill rate)."""
+        self.inflight += requests
+        self.inflight_tokens += tokens
+        self.inflight_prompt_tokens += prompt_tokens
+        if computed:
+            now, window = time.monotonic(), self.settings.pd.rate_window_s
+            decayed = decayed_rate(self._prefill_counter, self._prefill_counter_at, now, window)
+            self._prefill_counter = decayed + computed
+            self._prefill_counter_at = now
+
+    def prefill_rate(self) -> float:
+        """Prompt tokens per second this router has had the worker compute lately: an
+        exponentially decayed counter over ``rate_window_s`` (pdserve.router.pd_policy's lam)."""
+        window = self.settings.pd.rate_window_s
+        return decayed_rate(self._prefill_counter, self._prefill_counter_at, time.monotonic(), window) / window
