@@ -252,7 +252,11 @@ def _guidellm(dep, data, out_dir) -> dict:
     r = subprocess.run(cmd, capture_output=True, text=True, timeout=300, cwd=out_dir, env=env)
     assert r.returncode == 0, f"guidellm failed:\n{r.stdout[-3000:]}\n{r.stderr[-3000:]}"
     m = json.loads(out.read_text())["benchmarks"][0]["metrics"]
-    assert m["request_totals"]["successful"] == len(LOADGEN_QUESTIONS), m["request_totals"]
+    # guidellm's max_requests constraint sometimes ends the run one request early (seen: total 9 of
+    # 10, none errored or incomplete): what it did send must all have succeeded
+    totals = m["request_totals"]
+    assert totals["errored"] == 0 and totals["incomplete"] == 0, totals
+    assert len(LOADGEN_QUESTIONS) - 1 <= totals["successful"] <= len(LOADGEN_QUESTIONS), totals
     return {"ttft": m["time_to_first_token_ms"]["successful"]["median"],
             "itl": m["inter_token_latency_ms"]["successful"]["mean"]}
 

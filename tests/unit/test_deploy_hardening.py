@@ -172,7 +172,8 @@ def test_license_everywhere():
 
 def test_make_run_installs_only_the_runtime():
     make = (REPO / "Makefile").read_text()
-    assert re.search(r"^run: setup$", make, re.M) and re.search(r"^test: setup-dev$", make, re.M)
+    assert re.search(r"^run: setup$", make, re.M) and re.search(r"^test: lint$", make, re.M)
+    assert re.search(r"^lint: setup-dev$", make, re.M)
     assert re.search(r"^setup:\n\t.*bash scripts/setup.sh$", make, re.M)
     assert re.search(r"^setup-dev:\n\t.*EXTRAS=dev bash scripts/setup.sh$", make, re.M)
     script = (REPO / "scripts" / "setup.sh").read_text()
