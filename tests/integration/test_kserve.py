@@ -24,6 +24,7 @@ from grpc_tools import protoc
 
 from bench import deployment as services
 from pdserve.v1 import common_pb2, router_pb2
+from tests.kserve_requests import infer_request
 
 ROOT = Path(__file__).resolve().parents[2]
 PROMPT = "The capital of France is"
@@ -69,21 +70,7 @@ def model(dep) -> str:
 
 
 def _request(kserve, model: str, text: str, request_id: str = "", **params):
-    pb = kserve.pb
-    req = pb.ModelInferRequest(model_name=model, id=request_id)
-    t = req.inputs.add(name="text_input", datatype="BYTES", shape=[1])
-    t.contents.bytes_contents.append(text.encode())
-    for name, value in params.items():
-        p = req.parameters[name]
-        if isinstance(value, bool):
-            p.bool_param = value
-        elif isinstance(value, int):
-            p.int64_param = value
-        elif isinstance(value, float):
-            p.double_param = value
-        else:
-            p.string_param = value
-    return req
+    return infer_request(kserve.pb, model, text, request_id, **params)
 
 
 def _text(response) -> str:

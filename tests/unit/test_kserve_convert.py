@@ -10,23 +10,11 @@ from pdserve.kserve import grpc_predict_v2_pb2 as pb
 from pdserve.router.kserve.convert import finish_name, to_generate, to_infer_response
 from pdserve.router.kserve.tensors import decode
 from pdserve.v1 import common_pb2, router_pb2
+from tests.kserve_requests import infer_request
 
 
 def _req(text: str | None = "hi", **params) -> pb.ModelInferRequest:
-    req = pb.ModelInferRequest(model_name="m", id="r1")
-    if text is not None:
-        req.inputs.add(name="text_input", datatype="BYTES", shape=[1]).contents.bytes_contents.append(text.encode())
-    for name, value in params.items():
-        p = req.parameters[name]
-        if isinstance(value, bool):
-            p.bool_param = value
-        elif isinstance(value, int):
-            p.int64_param = value
-        elif isinstance(value, float):
-            p.double_param = value
-        else:
-            p.string_param = value
-    return req
+    return infer_request(pb, "m", text, "r1", **params)
 
 
 def test_parameters_become_sampling_params():
