@@ -26,8 +26,9 @@ import statistics
 import time
 from dataclasses import dataclass
 
+from pdserve.common.hashing import block_hash_chain
 from pdserve.router.flow import Flow, Job
-from pdserve.router.prefix_index import PrefixIndex, PromptHasher, hash_chain
+from pdserve.router.prefix_index import PrefixIndex, PromptHasher
 from pdserve.router.settings import RouterSettings
 from pdserve.router.tokenization import ModelSpec, Prompt
 from pdserve.router.worker_client import WorkerClient
@@ -97,7 +98,7 @@ def _fill(index: PrefixIndex, key: str, blocks: int, prompts: list[list[int]], r
     """A snapshot as the worker would send it: some of the workload's prompts, up to its pool."""
     held: list[int] = []
     for p in rng.sample(prompts, min(len(prompts), 64)):
-        held.extend(hash_chain(p, BLOCK))
+        held.extend(block_hash_chain(p, BLOCK))
         if len(held) >= blocks:
             break
     index.apply(key, held[:blocks], snapshot=True, seq=1, capacity=blocks)
@@ -156,7 +157,7 @@ def time_parts(flow: Flow, prompts: list[list[int]]) -> dict:
     (pdserve.router.pd_policy), each run alone."""
     registry = flow.registry
     index = registry.prefix_index
-    chains = [hash_chain(p, BLOCK) for p in prompts]
+    chains = [block_hash_chain(p, BLOCK) for p in prompts]
     jobs = [_job(p) for p in prompts]
     for j, c in zip(jobs, chains):
         j.hash_chain = c

@@ -15,9 +15,11 @@ import xxhash
 NO_PARENT = -1
 
 _U64 = struct.Struct("<Q")
+_xxh3 = xxhash.xxh3_64_intdigest
 
 
-def _token_bytes(token_ids: Seq[int]) -> bytes:
+def token_bytes(token_ids: Seq[int]) -> bytes:
+    """The ids as little-endian int32 bytes: what a block hash covers."""
     arr = array("i", token_ids)
     if arr.itemsize != 4:  # pragma: no cover - all supported platforms have 4-byte int
         raise RuntimeError("array('i') is not 32-bit on this platform")
@@ -26,18 +28,22 @@ def _token_bytes(token_ids: Seq[int]) -> bytes:
 
 def block_hash(token_ids: Seq[int], parent_hash: int = NO_PARENT) -> int:
     """Hash of one full block given its parent's hash (``NO_PARENT`` for the first block)."""
-    h = xxhash.xxh3_64()
-    if parent_hash != NO_PARENT:
-        h.update(_U64.pack(parent_hash))
-    h.update(_token_bytes(token_ids))
-    return h.intdigest()
+    data = token_bytes(token_ids)
+    return _xxh3(data if parent_hash == NO_PARENT else _U64.pack(parent_hash) + data)
+
+
+def extend_chain(data: bytes, block_size: int, num_blocks: int, chain: list[int]) -> list[int]:
+    """Extends ``chain`` (the hashes of the first ``len(chain)`` blocks of ``data``, the prompt's
+    ``token_bytes``) to ``num_blocks`` blocks, in place; returns it."""
+    step = block_size * 4
+    parent = chain[-1] if chain else NO_PARENT
+    for start in range(len(chain) * step, num_blocks * step, step):
+        block = data[start:start + step]
+        parent = _xxh3(block if parent == NO_PARENT else _U64.pack(parent) + block)
+        chain.append(parent)
+    return chain
 
 
 def block_hash_chain(token_ids: Seq[int], block_size: int) -> list[int]:
     """Hashes of every *full* block of ``token_ids``, in order (a partial tail is not hashed)."""
-    hashes: list[int] = []
-    parent = NO_PARENT
-    for start in range(0, len(token_ids) - block_size + 1, block_size):
-        parent = block_hash(token_ids[start:start + block_size], parent)
-        hashes.append(parent)
-    return hashes
+    return extend_chain(token_bytes(token_ids), block_size, len(token_ids) // block_size, [])

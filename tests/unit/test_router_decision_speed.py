@@ -15,7 +15,7 @@ from pdserve.common.grpc_utils import Unavailable
 from pdserve.common.hashing import block_hash_chain
 from pdserve.router.attempt import Retry, Step
 from pdserve.router.policy import DecodeCandidate, decode_score, pick_decode
-from pdserve.router.prefix_index import PrefixIndex, PromptHasher, hash_chain
+from pdserve.router.prefix_index import PrefixIndex, PromptHasher
 
 BS = 4
 
@@ -35,7 +35,7 @@ def _walk(index_views: dict[str, set[int]], chain: list[int]) -> dict[str, int]:
 def test_bitmask_match_equals_the_per_worker_walk() -> None:
     rng = random.Random(7)
     prompts = [[rng.randrange(50) for _ in range(rng.randrange(4, 40))] for _ in range(30)]
-    chains = [hash_chain(p, BS) for p in prompts]
+    chains = [block_hash_chain(p, BS) for p in prompts]
     idx, views = PrefixIndex(), {}
     for step in range(400):
         w = f"w{rng.randrange(12)}"
