@@ -124,7 +124,8 @@ def start(log_dir: Path, model: str = "default", decode_blocks: int = 0, decode_
                            *_metrics_port(dep, "router", metrics), "--model", model, "--decode", ",".join(dep.decode),
                            "--prefill", ",".join(dep.prefill), *router_args],
            dep.router)
-    _wait(dep, timeout, num_prefill, num_decode)
+    # the router counts a worker of role both as prefill-capable too: wait for every worker started
+    _wait(dep, timeout, num_prefill + (num_decode if decode_role == "both" else 0), num_decode)
     return dep
 
 

@@ -180,7 +180,7 @@ def test_tracing_off_installs_nothing():
     """Without OTEL_* / PDSERVE_TRACE_FILE: no OpenTelemetry module loaded, no gRPC interceptor."""
     out = _python(
         "import sys, grpc.aio\n"
-        "from common import telemetry\n"
+        "from pdserve.common import telemetry\n"
         "from pdserve.common.grpc_utils.server import build_server\n"
         "original = grpc.aio.server\n"
         "assert telemetry.setup_tracing('router') is False and not telemetry.enabled()\n"
@@ -195,7 +195,7 @@ def test_tracing_off_installs_nothing():
 def test_json_logs_carry_request_and_trace_ids(tmp_path):
     out = _python(
         "import logging\n"
-        "from common import telemetry\n"
+        "from pdserve.common import telemetry\n"
         "telemetry.configure_logging('INFO', 'json')\n"
         "assert telemetry.setup_tracing('router')\n"
         "with telemetry.span('tokenize', 'req-7'):\n"
