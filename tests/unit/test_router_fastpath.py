@@ -5,17 +5,15 @@ worker's outbox (queued steps merged into one SequenceOutput per request)."""
 from __future__ import annotations
 
 import asyncio
-import random
 from types import SimpleNamespace
 
 import pytest
 
 from pdserve.common.grpc_utils import InvalidArgument, Unavailable  # noqa: E402
-from pdserve.common.hashing import block_hash_chain  # noqa: E402
 from pdserve.loadtest.scripted_worker import Outbox  # noqa: E402
 from pdserve.router.attempt import Attempt  # noqa: E402
 from pdserve.router.output import OutputProcessor  # noqa: E402
-from pdserve.router.prefix_index import PrefixIndex, hash_chain  # noqa: E402
+from pdserve.router.prefix_index import PrefixIndex  # noqa: E402
 from pdserve.router.subscription import OutputBuffer  # noqa: E402
 from pdserve.router.tokenization import build_prompt, resolve_spec  # noqa: E402
 from pdserve.v1 import common_pb2, router_pb2, worker_pb2  # noqa: E402
@@ -24,13 +22,6 @@ from pdserve.v1 import common_pb2, router_pb2, worker_pb2  # noqa: E402
 class CharTokenizer:
     def decode(self, ids, skip_special_tokens=True):
         return "".join(chr(i) for i in ids if not (skip_special_tokens and i >= 1000))
-
-
-@pytest.mark.parametrize("n,bs", [(0, 16), (15, 16), (16, 16), (1000, 16), (1024, 16), (777, 32), (64, 1)])
-def test_fast_hash_chain_matches_common(n: int, bs: int) -> None:
-    rng = random.Random(n)
-    ids = [rng.randrange(2**31 - 1) for _ in range(n)]
-    assert hash_chain(ids, bs) == block_hash_chain(ids, bs)
 
 
 def test_prefix_index_truthiness() -> None:
