@@ -21,7 +21,7 @@ from pdserve.common.grpc_utils.errors import (
     Unavailable,
 )
 from pdserve.common.kv_transfer import KvTransferError
-from pdserve.common.serving.updates import SeqUpdate
+from pdserve.common.outputs import SequenceOutput
 from pdserve.common.serving.worker_runtime import WorkerRuntime
 from pdserve.common.serving.worker_servicer import BaseWorkerServicer
 from pdserve.decode_worker.state import BadTransfer, DecodeState, NoSuchRequest, resolve_receive
@@ -176,7 +176,7 @@ class DecodeServicer(BaseWorkerServicer):
         await self.runtime.call(lambda e: [self.state.cancel(e, rid) for rid in list(self.state.tracked)])
 
 
-def _merge(items: list[list[SeqUpdate]]) -> list[worker_pb2.SequenceOutput]:
+def _merge(items: list[list[SequenceOutput]]) -> list[worker_pb2.SequenceOutput]:
     merged: dict[str, worker_pb2.SequenceOutput] = {}
     for updates in items:
         for u in updates:

@@ -11,12 +11,12 @@ from concurrent.futures import Future
 from dataclasses import dataclass
 
 from pdserve.common.engine.llm_engine import LLMEngine, StepOutput
-from pdserve.common.engine.sequence import FinishReason, Sequence
+from pdserve.common.engine.sequence import Sequence
+from pdserve.common.outputs import FinishReason, SequenceOutput
 from pdserve.common.sampling_params import SamplingParams
 from pdserve.common.serving.broadcast import Broadcast
 from pdserve.common.serving.engine_loop import EngineLoop
 from pdserve.common.serving.metrics import KIND_LOCAL, KIND_REMOTE, RequestTracker, WorkerMetrics
-from pdserve.common.serving.updates import SeqUpdate, finished_update
 
 logger = logging.getLogger(__name__)
 
@@ -97,7 +97,7 @@ class DecodeState:
         if not engine.admit_imported(t.seq, first_token, logprob):
             reason = _finish_reason(t.seq)
             self.tracker.end(request_id, reason)
-            self._emit(t, finished_update(t.seq, reason))
+            self._emit(t, finished_output(t.seq, reason))
             del self.tracked[request_id]
 
     # ---- endings ---------------------------------------------------------------------
@@ -121,7 +121,7 @@ class DecodeState:
         engine.abort(t.seq.request_id, reason)
         self.tracker.end(t.seq.request_id, reason)
         self.tracked.pop(t.seq.request_id, None)
-        self._emit(t, finished_update(t.seq, reason, error))
+        self._emit(t, finished_output(t.seq, reason, error))
 
     def expire(self, engine: LLMEngine) -> None:
         """Before each step: end reservations whose lease ran out and requests past their deadline."""
@@ -135,16 +135,16 @@ class DecodeState:
                 self.cancel(engine, t.seq.request_id, FinishReason.DEADLINE)
 
     # ---- outputs ---------------------------------------------------------------------
-    def _emit(self, t: Tracked, update: SeqUpdate) -> None:
+    def _emit(self, t: Tracked, update: SequenceOutput) -> None:
         self.outputs.publish(t.router_id, [update])
 
     def on_step(self, out: StepOutput) -> None:
-        by_router: dict[str, dict[str, SeqUpdate]] = {}
+        by_router: dict[str, dict[str, SequenceOutput]] = {}
         for seq, token in zip(out.seqs, out.new_token_ids):
             t = self.tracked.get(seq.request_id)
             if t is None:
                 continue
-            u = SeqUpdate(seq.request_id, [token],
+            u = SequenceOutput(seq.request_id, [token],
                           [seq.output_logprobs[-1]] if seq.sampling_params.logprobs and seq.output_logprobs else [])
             if not t.first_sent:
                 u.num_prompt_tokens, u.num_cached_tokens = seq.num_prompt_tokens, seq.num_prefix_hit_tokens
@@ -155,7 +155,7 @@ class DecodeState:
             if t is None:
                 continue
             reason = _finish_reason(seq)
-            u = by_router.setdefault(t.router_id, {}).setdefault(seq.request_id, finished_update(seq, reason))
+            u = by_router.setdefault(t.router_id, {}).setdefault(seq.request_id, finished_output(seq, reason))
             u.finish_reason = reason
         for router_id, updates in by_router.items():
             self.outputs.publish(router_id, list(updates.values()))
@@ -179,3 +179,8 @@ def resolve_receive(loop: EngineLoop, state: DecodeState, request_id: str, first
     if on_channel is not None:            # the first token came after the blocks
         first_token, logprob = on_channel
     loop.call(lambda engine: state.finish_receive(engine, request_id, first_token, logprob, event, error, num_bytes))
+
+
+def finished_output(seq: Sequence, reason: FinishReason, error: str = "") -> SequenceOutput:
+    return SequenceOutput(seq.request_id, finish_reason=reason, num_prompt_tokens=seq.num_prompt_tokens,
+                          num_cached_tokens=seq.num_prefix_hit_tokens, error=error)

@@ -16,11 +16,11 @@ import grpc
 
 from pdserve.common import telemetry
 from pdserve.common.engine.llm_engine import DuplicateRequest
-from pdserve.common.engine.sequence import FinishReason
 from pdserve.common.grpc_utils.channels import RenewingChannels
 from pdserve.common.grpc_utils.convert import deadline_from_proto, finish_reason_to_proto, sampling_params_for_prompt
 from pdserve.common.grpc_utils.errors import AlreadyExists, Cancelled, DeadlineExceeded, InvalidArgument, Unavailable
 from pdserve.common.kv_transfer import KvTransferError
+from pdserve.common.outputs import FinishReason
 from pdserve.common.serving.worker_runtime import WorkerRuntime
 from pdserve.prefill_worker.state import LaunchedPrefill, PrefillAborted, PrefillState
 from pdserve.v1 import worker_pb2, worker_pb2_grpc

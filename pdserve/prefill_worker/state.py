@@ -14,8 +14,9 @@ from dataclasses import dataclass
 
 from pdserve.common.engine.llm_engine import LLMEngine, StepOutput
 from pdserve.common.engine.model_runner import LaunchedStep
-from pdserve.common.engine.sequence import FinishReason, Sequence
+from pdserve.common.engine.sequence import Sequence
 from pdserve.common.kv_transfer import FirstTokenRef
+from pdserve.common.outputs import FinishReason
 from pdserve.common.sampling_params import SamplingParams
 from pdserve.common.serving.metrics import KIND_PREFILL, RequestTracker, WorkerMetrics
 

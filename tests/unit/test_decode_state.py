@@ -9,7 +9,7 @@ import pytest
 
 from pdserve.common.config import EngineConfig
 from pdserve.common.engine.llm_engine import LLMEngine
-from pdserve.common.engine.sequence import FinishReason
+from pdserve.common.outputs import FinishReason
 from pdserve.common.sampling_params import SamplingParams
 from pdserve.common.serving.broadcast import Broadcast
 from pdserve.decode_worker.state import DecodeState, NoSuchRequest

@@ -15,6 +15,7 @@ PACKAGE = ROOT / "pdserve"
 LAYERS: list[tuple[tuple[str, ...], bool]] = [
     (("pdserve.v1", "pdserve.kserve"), True),                       # generated stubs
     (("pdserve.common.env", "pdserve.common.config", "pdserve.common.context", "pdserve.common.hashing",
+      "pdserve.common.outputs",
       "pdserve.common.security", "pdserve.common.telemetry", "pdserve.common.presets",
       "pdserve.common.default_model", "pdserve.common.detokenizer", "pdserve.common.sampling_params"), False),
     (("pdserve.common.ops",), True),

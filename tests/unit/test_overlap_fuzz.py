@@ -11,7 +11,7 @@ import random
 import pytest
 
 from pdserve.common.engine import LLM, SamplingParams
-from pdserve.common.engine.sequence import FinishReason
+from pdserve.common.outputs import FinishReason
 
 
 def _traffic(seed: int, stops: dict[str, int]) -> list[tuple[int, str, list[int], SamplingParams, bool]]:

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 from pdserve.common.engine.block_manager import BlockManager
 from pdserve.common.engine.scheduler import Scheduler, SchedulerConfig
-from pdserve.common.engine.sequence import FinishReason, Sequence, SequenceStatus
+from pdserve.common.engine.sequence import Sequence, SequenceStatus
+from pdserve.common.outputs import FinishReason
 from pdserve.common.sampling_params import SamplingParams
 
 BS = 4

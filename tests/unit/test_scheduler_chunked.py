@@ -8,7 +8,8 @@ import pytest
 
 from pdserve.common.engine.block_manager import BlockManager
 from pdserve.common.engine.scheduler import Scheduler, SchedulerConfig
-from pdserve.common.engine.sequence import FinishReason, Sequence, SequenceStatus
+from pdserve.common.engine.sequence import Sequence, SequenceStatus
+from pdserve.common.outputs import FinishReason
 from pdserve.common.sampling_params import SamplingParams
 
 BS = 4

@@ -15,10 +15,11 @@ from pdserve.common.engine import overlap
 from pdserve.common.engine.block_manager import BlockManager
 from pdserve.common.engine.model_runner import LaunchedStep, ModelRunner
 from pdserve.common.engine.scheduler import Scheduler, SchedulerConfig
-from pdserve.common.engine.sequence import FinishReason, Sequence, SequenceStatus
+from pdserve.common.engine.sequence import Sequence, SequenceStatus
 from pdserve.common.engine.step_timer import StepTimer
 from pdserve.common.engine.warmup import scratch_blocks, warm_up
 from pdserve.common.loader import ModelSource, resolve_model
+from pdserve.common.outputs import FinishReason
 from pdserve.common.sampling_params import InvalidParameter, SamplingParams
 
 logger = logging.getLogger(__name__)

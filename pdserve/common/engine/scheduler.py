@@ -43,7 +43,8 @@ from collections import deque
 from dataclasses import dataclass
 
 from pdserve.common.engine.block_manager import BlockManager
-from pdserve.common.engine.sequence import FinishReason, Sequence, SequenceStatus
+from pdserve.common.engine.sequence import Sequence, SequenceStatus
+from pdserve.common.outputs import FinishReason
 
 
 @dataclass(frozen=True)

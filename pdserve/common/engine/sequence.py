@@ -5,6 +5,7 @@ import itertools
 from enum import Enum, auto
 from typing import TYPE_CHECKING
 
+from pdserve.common.outputs import FinishReason
 from pdserve.common.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
@@ -17,14 +18,6 @@ class SequenceStatus(Enum):
     WAITING = auto()   # needs (re)computation of its KV before it can decode
     RUNNING = auto()   # in the decode batch
     FINISHED = auto()
-
-
-class FinishReason(Enum):
-    STOP = "stop"            # eos or a stop token id
-    LENGTH = "length"        # max_tokens or the model's context
-    CANCELLED = "cancelled"
-    DEADLINE = "deadline"
-    ERROR = "error"
 
 
 class Sequence:

@@ -10,8 +10,8 @@ from __future__ import annotations
 
 import math
 
-from pdserve.common.engine.sequence import FinishReason
 from pdserve.common.grpc_utils.errors import InvalidArgument
+from pdserve.common.outputs import FinishReason
 from pdserve.common.sampling_params import InvalidParameter, SamplingParams
 from pdserve.v1 import common_pb2
 

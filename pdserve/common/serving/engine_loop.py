@@ -21,7 +21,7 @@ from concurrent.futures import Future
 from typing import Any, TypeVar
 
 from pdserve.common.engine.llm_engine import LLMEngine, StepOutput
-from pdserve.common.engine.sequence import FinishReason
+from pdserve.common.outputs import FinishReason
 
 logger = logging.getLogger(__name__)
 IDLE_WAIT_S = 0.05

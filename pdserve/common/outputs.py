@@ -1,0 +1,30 @@
+"""What a request produced in one step, as every layer above the engine names it (no protobuf).
+
+A worker turns the engine's per-step batch (``StepOutput``) into one :class:`SequenceOutput` per
+request; the wire carries it as ``pdserve.v1.SequenceOutput``; the router merges them per
+request and hands the same type to each front end (gRPC, OpenAI HTTP, KServe)."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from enum import Enum
+
+
+class FinishReason(Enum):
+    STOP = "stop"            # eos, a stop token id or a stop string
+    LENGTH = "length"        # max_tokens or the model's context
+    CANCELLED = "cancelled"
+    DEADLINE = "deadline"
+    ERROR = "error"
+
+
+@dataclass(slots=True)
+class SequenceOutput:
+    """New tokens of one request since its last output. ``num_prompt_tokens`` is set once, on
+    the request's first output; ``finish_reason`` on its last."""
+    request_id: str = ""
+    token_ids: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+    finish_reason: FinishReason | None = None
+    num_prompt_tokens: int = 0
+    num_cached_tokens: int = 0
+    error: str = ""
