@@ -6,7 +6,7 @@ import argparse
 import logging
 
 from pdserve.common import env
-from pdserve.common.serving.launch import run_async, run_worker, start_metrics
+from pdserve.common.serving.launch import run_async, run_worker
 from pdserve.common.serving.worker_args import (
     add_worker_arguments,
     advertise_host,
@@ -34,56 +34,37 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 async def _main(args: argparse.Namespace) -> None:
-    from pdserve.common.kv_transfer import KvReceiver, KvStoreServer
-    from pdserve.common.serving.worker_runtime import WorkerRuntime
-    from pdserve.decode_worker.servicer import DecodeServicer
-    from pdserve.decode_worker.state import DecodeState
+    from pdserve.common.kv_transfer import KvStoreServer
 
-    security = worker_security(args)
-    runtime = WorkerRuntime(args.role, worker_id_from_args(args, args.role), engine_config_from_args(args, args.role))
-    state = DecodeState(runtime.outputs, args.lease_ms, runtime.requests)
+    worker_id = worker_id_from_args(args, args.role)
     store = KvStoreServer(args.host, args.kv_port, bind_host=args.kv_host or advertise_host(args))
     kv_address = f"{advertise_host(args)}:{store.port}"
     logger.info("KV store listening on %s (advertised as %s)", store.local_address, kv_address)
-    export = None
-    if args.role == "both":
-        from pdserve.prefill_worker.export import KvExport
-        export = KvExport.create(runtime, args.kv_timeout_s)
-    servicer = DecodeServicer(runtime, state, kv_address, receiver=None, export=export)
 
-    async def startup() -> None:
-        if export is None:
-            await runtime.start(state.on_step, state.expire)
-        else:
-            await runtime.start(*both_hooks(state, export.state))
-        state.loop = runtime.loop
-        servicer.receiver = KvReceiver(runtime.engine.model_runner.kv_cache, runtime.worker_id, store,
-                                       timeout=args.kv_timeout_s)
-        start_metrics(args.metrics_port, runtime.metrics.registry)
+    async def build():
+        from pdserve.common.kv_transfer import KvReceiver
+        from pdserve.common.serving.engine_loop import EngineHooks
+        from pdserve.common.serving.worker_runtime import WorkerRuntime
+        from pdserve.decode_worker.kv_import import KvImport
+        from pdserve.decode_worker.servicer import DecodeServicer
+        from pdserve.decode_worker.state import DecodeState
+
+        runtime = await WorkerRuntime.create(args.role, worker_id, engine_config_from_args(args, args.role))
+        receiver = KvReceiver(runtime.engine.model_runner.kv_cache, worker_id, store, timeout=args.kv_timeout_s)
+        kv_import = KvImport(runtime, DecodeState(runtime.outputs, args.lease_ms, runtime.requests), receiver,
+                             kv_address)
+        export = None
+        if args.role == "both":
+            from pdserve.prefill_worker.export import KvExport
+            export = KvExport.create(runtime, args.kv_timeout_s)
+        runtime.start(kv_import.hooks if export is None else EngineHooks.combine(kv_import.hooks, export.hooks))
+        return DecodeServicer(runtime, kv_import, export)
 
     try:
-        await run_worker(runtime, servicer, args.host, args.port, args.drain_grace_s, startup, servicer.drain,
-                         security=security)
+        await run_worker(worker_id, args.host, args.port, args.drain_grace_s, build, args.metrics_port,
+                         security=worker_security(args))
     finally:
-        if servicer.receiver is not None:
-            servicer.receiver.close()
-        if export is not None:
-            export.close()
         store.close()
-
-
-def both_hooks(decode, prefill):
-    """The engine hooks of a worker of role both: its decode requests' and the prefills it runs
-    for other workers' (each state ignores the other's sequences)."""
-    def on_step(out) -> None:
-        decode.on_step(out)
-        prefill.on_step(out)
-
-    def expire(engine) -> None:
-        decode.expire(engine)
-        prefill.expire(engine)
-
-    return on_step, expire, prefill.on_launch
 
 
 def run(args: argparse.Namespace) -> int:

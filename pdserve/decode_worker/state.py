@@ -1,7 +1,10 @@
 """The decode worker's requests: reservations under a lease, KV receives, admission, outputs.
 
-Every method whose first argument is ``engine`` runs on the engine thread (through
-``EngineLoop.call``), so the engine and ``tracked`` are only touched there.
+A request's handoff moves RESERVED -> RECEIVING -> ACTIVE (:class:`Phase`; Submit starts at
+ACTIVE): RESERVED holds blocks under a lease until PushKV; RECEIVING while its blocks are
+written (a cancel then only marks it, the blocks are freed when the receive ends); ACTIVE in the
+engine's batch. Every method whose first argument is ``engine`` runs on the engine thread
+(through ``EngineLoop.call``), so the engine and ``tracked`` are only touched there.
 """
 from __future__ import annotations
 
@@ -9,6 +12,7 @@ import logging
 import time
 from concurrent.futures import Future
 from dataclasses import dataclass
+from enum import Enum
 
 from pdserve.common.engine.llm_engine import LLMEngine, StepOutput
 from pdserve.common.engine.sequence import Sequence
@@ -20,7 +24,15 @@ from pdserve.common.serving.metrics import KIND_LOCAL, KIND_REMOTE, RequestTrack
 
 logger = logging.getLogger(__name__)
 
-RESERVED, RECEIVING, ACTIVE = "reserved", "receiving", "active"
+
+
+class Phase(Enum):
+    RESERVED = "reserved"
+    RECEIVING = "receiving"
+    ACTIVE = "active"
+
+
+NEXT_PHASE = {Phase.RESERVED: Phase.RECEIVING, Phase.RECEIVING: Phase.ACTIVE}
 
 
 class NoSuchRequest(KeyError):
@@ -37,9 +49,15 @@ class Tracked:
     router_id: str
     deadline: float | None         # Unix seconds
     lease_expires: float | None    # Unix seconds, while RESERVED
-    phase: str
+    phase: Phase
     cancel_reason: FinishReason | None = None
     first_sent: bool = False
+
+    def advance(self, to: Phase) -> None:
+        """The handoff's one legal move from the current phase."""
+        if NEXT_PHASE.get(self.phase) is not to:
+            raise RuntimeError(f"request {self.seq.request_id!r}: no move {self.phase.value} -> {to.value}")
+        self.phase = to
 
 
 class DecodeState:
@@ -48,7 +66,6 @@ class DecodeState:
         self.tracker = tracker or RequestTracker(WorkerMetrics("decode"))   # metrics and spans per request
         self.default_lease_ms = default_lease_ms
         self.tracked: dict[str, Tracked] = {}
-        self.loop: EngineLoop | None = None   # set by the service once the loop exists
         self.num_transfers = 0          # receives completed
         self.transfer_bytes = 0
 
@@ -57,25 +74,26 @@ class DecodeState:
                 lease_ms: int, deadline: float | None, router_id: str) -> tuple[list[int], int]:
         seq = engine.reserve(token_ids, params, request_id)
         lease = (lease_ms or self.default_lease_ms) / 1000.0
-        self.tracked[request_id] = Tracked(seq, router_id, deadline, time.time() + lease, RESERVED)
+        self.tracked[request_id] = Tracked(seq, router_id, deadline, time.time() + lease, Phase.RESERVED)
         self.tracker.begin(request_id, KIND_REMOTE, "Reserve")
         return list(seq.block_table), seq.num_cached_tokens
 
     def submit(self, engine: LLMEngine, request_id: str, token_ids: list[int], params: SamplingParams,
                deadline: float | None, router_id: str) -> None:
         seq = engine.add_request(token_ids, params, request_id)
-        self.tracked[request_id] = Tracked(seq, router_id, deadline, None, ACTIVE)
+        self.tracked[request_id] = Tracked(seq, router_id, deadline, None, Phase.ACTIVE)
         self.tracker.begin(request_id, KIND_LOCAL, "Submit")
 
     def start_receive(self, engine: LLMEngine, request_id: str, block_ids: list[int]) -> Tracked:
         """Check a PushKV against its reservation and move it to RECEIVING."""
         t = self.tracked.get(request_id)
-        if t is None or t.phase != RESERVED:
+        if t is None or t.phase is not Phase.RESERVED:
             raise NoSuchRequest(f"request {request_id!r} has no live reservation here")
         expected = t.seq.block_table[t.seq.num_cached_tokens // t.seq.block_size:]
         if list(block_ids) != expected:
             raise BadTransfer(f"block_ids {list(block_ids)[:8]} do not match the reservation {expected[:8]}")
-        t.phase, t.lease_expires = RECEIVING, None
+        t.advance(Phase.RECEIVING)
+        t.lease_expires = None
         return t
 
     def finish_receive(self, engine: LLMEngine, request_id: str, first_token: int, logprob: float,
@@ -92,7 +110,7 @@ class DecodeState:
             event.wait()   # the decode stream waits for the scatter; no host sync
         self.num_transfers += 1
         self.transfer_bytes += num_bytes
-        t.phase = ACTIVE
+        t.advance(Phase.ACTIVE)
         self.tracker.ready(request_id)
         if not engine.admit_imported(t.seq, first_token, logprob):
             reason = _finish_reason(t.seq)
@@ -105,7 +123,7 @@ class DecodeState:
         t = self.tracked.get(request_id)
         if t is None:
             return False
-        if t.phase == RECEIVING:       # blocks are being written: free them when the receive ends
+        if t.phase is Phase.RECEIVING:       # blocks are being written: free them when the receive ends
             t.cancel_reason = reason
             return True
         self._drop(engine, t, reason)
@@ -127,7 +145,7 @@ class DecodeState:
         """Before each step: end reservations whose lease ran out and requests past their deadline."""
         now = time.time()
         for t in list(self.tracked.values()):
-            if t.phase == RESERVED and t.lease_expires is not None and now > t.lease_expires:
+            if t.phase is Phase.RESERVED and t.lease_expires is not None and now > t.lease_expires:
                 logger.warning("reservation %s expired before its KV arrived", t.seq.request_id)
                 self.tracker.reservation_expired()
                 self._drop(engine, t, FinishReason.ERROR, "reservation lease expired")
@@ -161,7 +179,7 @@ class DecodeState:
             self.outputs.publish(router_id, list(updates.values()))
 
     def num_reserved(self) -> int:
-        return sum(t.phase in (RESERVED, RECEIVING) for t in self.tracked.values())
+        return sum(t.phase is not Phase.ACTIVE for t in self.tracked.values())
 
 
 def _finish_reason(seq: Sequence) -> FinishReason:

@@ -2,9 +2,9 @@
 into the decode worker's reserved blocks over the pair channel (from the step's launch).
 
 Served by the prefill worker and by a worker of role both (which is then a KV sender as well
-as a receiver): each builds one :class:`KvExport` beside its engine and passes its hooks
-(``on_step``, ``expire``, ``on_launch``: :class:`pdserve.prefill_worker.state.PrefillState`) to the
-engine thread.
+as a receiver): each builds one :class:`KvExport` beside its engine, starts the engine thread
+with its :attr:`KvExport.hooks`, and hands it to the base servicer as a handoff side (Cancel,
+drain, stats). Admission (draining, ids, deadline) is the servicer's, before :meth:`prefill`.
 """
 from __future__ import annotations
 
@@ -17,10 +17,11 @@ import grpc
 from pdserve.common import telemetry
 from pdserve.common.engine.llm_engine import DuplicateRequest
 from pdserve.common.grpc_utils.channels import RenewingChannels
-from pdserve.common.grpc_utils.convert import deadline_from_proto, finish_reason_to_proto, sampling_params_for_prompt
+from pdserve.common.grpc_utils.convert import finish_reason_to_proto, sampling_params_for_prompt
 from pdserve.common.grpc_utils.errors import AlreadyExists, Cancelled, DeadlineExceeded, InvalidArgument, Unavailable
 from pdserve.common.kv_transfer import KvTransferError
 from pdserve.common.outputs import FinishReason
+from pdserve.common.serving.engine_loop import EngineHooks
 from pdserve.common.serving.worker_runtime import WorkerRuntime
 from pdserve.prefill_worker.state import LaunchedPrefill, PrefillAborted, PrefillState
 from pdserve.v1 import worker_pb2, worker_pb2_grpc
@@ -34,7 +35,6 @@ class KvExport:
         self.runtime = runtime
         self.state = state
         self.sender = sender
-        self.draining = False
         self.in_flight = 0
         self._decode_channels = RenewingChannels()      # to decode workers, for PushKV
         self._pair_locks: dict[str, asyncio.Lock] = {}
@@ -48,22 +48,33 @@ class KvExport:
         sender = KvSender(runtime.worker_id, timeout=kv_timeout_s, pair_secrets=True)
         return cls(runtime, PrefillState(runtime.aio_loop, runtime.requests), sender)
 
+    @property
+    def hooks(self) -> EngineHooks:
+        return EngineHooks(self.state.on_step, self.state.expire, self.state.on_launch)
+
     def close(self) -> None:
         self.sender.close()
 
+    # ---- handoff side (pdserve.common.serving.worker_servicer.Handoff) -----------------------
+    def num_in_flight(self) -> int:
+        return self.in_flight
+
+    def num_reserved(self) -> int:
+        return 0
+
     def transfer_counts(self) -> tuple[int, int]:
         return self.num_transfers, self.transfer_bytes
+
+    async def cancel(self, request_id: str) -> bool:
+        return await self.runtime.call(lambda e: self.state.cancel(e, request_id))
+
+    async def cancel_all(self) -> None:
+        await self.runtime.call(lambda e: [self.state.cancel(e, rid) for rid in list(self.state.pending)])
 
     def _decode_stub(self, address: str) -> worker_pb2_grpc.WorkerStub:
         return worker_pb2_grpc.WorkerStub(self._decode_channels.get(address))
 
     def _validate(self, request) -> None:
-        if self.draining:
-            raise Unavailable(f"worker {self.runtime.worker_id} is draining")
-        if not request.request_id:
-            raise InvalidArgument("request_id", "must not be empty")
-        if not request.token_ids:
-            raise InvalidArgument("token_ids", "must not be empty")
         t = request.kv_target
         if not t.decode_address or not t.decode_worker_id:
             raise InvalidArgument("kv_target", "decode_address and decode_worker_id are required")
@@ -76,12 +87,10 @@ class KvExport:
                                   f"{t.num_cached_tokens} must be a multiple of {block_size} below the prompt's "
                                   f"{len(request.token_ids)} tokens")
 
-    async def prefill(self, request, context):
-        """The Prefill rpc: compute the prompt's KV, stream the first token, ship the KV."""
+    async def prefill(self, request, deadline: float | None):
+        """The Prefill rpc of an admitted request: compute the prompt's KV, stream the first
+        token, ship the KV. ``deadline``: Unix seconds or None."""
         self._validate(request)
-        deadline = deadline_from_proto(request.deadline_unix_ms)
-        if deadline is not None and deadline <= time.time():
-            raise DeadlineExceeded(f"request {request.request_id!r} is past its deadline")
         params = sampling_params_for_prompt(request.params, self.runtime.engine.max_model_len,
                                             len(request.token_ids))
         rid = request.request_id
@@ -185,14 +194,3 @@ class KvExport:
             release()
         else:
             transfer.add_done_callback(release)
-
-    async def cancel(self, request_id: str) -> bool:
-        return await self.runtime.call(lambda e: self.state.cancel(e, request_id))
-
-    async def drain(self, grace_s: float) -> None:
-        """Refuse new prefills; wait (up to grace_s - 1 s) for those in flight; cancel the rest."""
-        self.draining = True
-        deadline = time.monotonic() + max(grace_s - 1.0, 0.0)
-        while self.in_flight and time.monotonic() < deadline:
-            await asyncio.sleep(0.1)
-        await self.runtime.call(lambda e: [self.state.cancel(e, rid) for rid in list(self.state.pending)])

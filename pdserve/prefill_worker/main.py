@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import argparse
 
-from pdserve.common.serving.launch import run_async, run_worker, start_metrics
+from pdserve.common.serving.launch import run_async, run_worker
 from pdserve.common.serving.worker_args import (
     add_worker_arguments,
     engine_config_from_args,
@@ -19,25 +19,20 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 async def _main(args: argparse.Namespace) -> None:
-    from pdserve.common.serving.worker_runtime import WorkerRuntime
-    from pdserve.prefill_worker.export import KvExport
-    from pdserve.prefill_worker.servicer import PrefillServicer
+    worker_id = worker_id_from_args(args, "prefill")
 
-    security = worker_security(args)
-    runtime = WorkerRuntime("prefill", worker_id_from_args(args, "prefill"), engine_config_from_args(args, "prefill"))
-    export = KvExport.create(runtime, args.kv_timeout_s)
-    servicer = PrefillServicer(runtime, export)
+    async def build():
+        from pdserve.common.serving.worker_runtime import WorkerRuntime
+        from pdserve.prefill_worker.export import KvExport
+        from pdserve.prefill_worker.servicer import PrefillServicer
 
-    async def startup() -> None:
-        state = export.state
-        await runtime.start(state.on_step, state.expire, state.on_launch)
-        start_metrics(args.metrics_port, runtime.metrics.registry)
+        runtime = await WorkerRuntime.create("prefill", worker_id, engine_config_from_args(args, "prefill"))
+        export = KvExport.create(runtime, args.kv_timeout_s)
+        runtime.start(export.hooks)
+        return PrefillServicer(runtime, export)
 
-    try:
-        await run_worker(runtime, servicer, args.host, args.port, args.drain_grace_s, startup, servicer.drain,
-                         security=security)
-    finally:
-        export.close()
+    await run_worker(worker_id, args.host, args.port, args.drain_grace_s, build, args.metrics_port,
+                     security=worker_security(args))
 
 
 def run(args: argparse.Namespace) -> int:

@@ -1,16 +1,18 @@
-"""The prefill worker's requests: queued for a batched prefill, launched (the KV can start
-shipping), first token out, KV held until the send has crossed.
+"""The prefill worker's requests: the prefill side of the KV handoff.
 
-Methods whose first argument is ``engine`` run on the engine thread, like ``on_launch`` and
-``on_step``. Once a request's prefill step is launched its blocks may be read by a KV send at
-any time, so from then on only the servicer frees them (``release``, after the send ended);
-``cancel`` then only ends the request's wait.
+A request moves QUEUED -> LAUNCHED -> (first token out: it leaves ``pending``; the engine holds
+its blocks until ``release``) (:class:`Phase`). QUEUED: waiting for a batched prefill step; a
+cancel frees its blocks at once. LAUNCHED: its step is on the device and a KV send may read its
+blocks at any time, so from then on only the servicer frees them (``release``, after the send
+ended) and a cancel only ends the request's wait. Methods whose first argument is ``engine`` run
+on the engine thread, like ``on_launch`` and ``on_step``.
 """
 from __future__ import annotations
 
 import asyncio
 import time
 from dataclasses import dataclass
+from enum import Enum
 
 from pdserve.common.engine.llm_engine import LLMEngine, StepOutput
 from pdserve.common.engine.model_runner import LaunchedStep
@@ -19,6 +21,11 @@ from pdserve.common.kv_transfer import FirstTokenRef
 from pdserve.common.outputs import FinishReason
 from pdserve.common.sampling_params import SamplingParams
 from pdserve.common.serving.metrics import KIND_PREFILL, RequestTracker, WorkerMetrics
+
+
+class Phase(Enum):
+    QUEUED = "queued"
+    LAUNCHED = "launched"
 
 
 class PrefillAborted(Exception):
@@ -52,7 +59,7 @@ class Pending:
     deadline: float | None
     first: asyncio.Future       # -> FirstTokenResult, or PrefillAborted
     launched: asyncio.Future    # -> LaunchedPrefill, or PrefillAborted if it ends before
-    is_launched: bool = False   # engine thread's view: its blocks may be read by a send
+    phase: Phase = Phase.QUEUED  # engine thread's view (LAUNCHED: a send may read its blocks)
 
 
 class PrefillState:
@@ -92,7 +99,7 @@ class PrefillState:
             self._set(p.launched, LaunchedPrefill(
                 list(seq.block_table), seq.kv_ready,
                 FirstTokenRef(launched.token_ids, launched.logprobs, row)))
-            p.is_launched = True
+            p.phase = Phase.LAUNCHED
             self.tracker.launched(seq.request_id)
 
     def on_step(self, out: StepOutput) -> None:
@@ -109,7 +116,7 @@ class PrefillState:
         p = self.pending.pop(request_id, None)
         if p is None:
             return False
-        if not p.is_launched:
+        if p.phase is Phase.QUEUED:
             engine.abort(request_id, reason)
         self._resolve(p, error=PrefillAborted(reason))
         self.tracker.end(request_id, reason)

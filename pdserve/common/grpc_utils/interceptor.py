@@ -8,6 +8,8 @@ Every pdserve server is a ``grpc.aio`` server; :class:`ErrorInterceptor` wraps e
   problem, not ours);
 - an uncaught ``grpc.aio.AioRpcError`` of a downstream call keeps its status (logged at
   WARNING);
+- ``NotImplementedError`` (a generated servicer's default for an rpc nobody overrides) gives
+  UNIMPLEMENTED;
 - any other exception aborts with INTERNAL and its traceback is logged at ERROR;
 - ``context.abort(...)`` raised by the handler itself and cancellation pass through untouched;
 - request bytes that do not decode as the method's request message get INVALID_ARGUMENT
@@ -75,7 +77,10 @@ async def _checked_stream(requests: Any, context: grpc.aio.ServicerContext) -> A
 async def _abort(exc: Exception, context: grpc.aio.ServicerContext, method: str) -> None:
     """Abort ``context`` with the status ``exc`` maps to; always raises."""
     mapped = status_for(exc)
-    if mapped is None:
+    if isinstance(exc, NotImplementedError):
+        code, details = grpc.StatusCode.UNIMPLEMENTED, f"{method} is not implemented by this server"
+        log.debug("%s -> UNIMPLEMENTED", method)
+    elif mapped is None:
         log.error("unexpected error in %s", method, exc_info=exc)
         code, details = grpc.StatusCode.INTERNAL, f"internal error: {type(exc).__name__}: {exc}"
     else:

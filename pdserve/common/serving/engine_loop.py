@@ -1,9 +1,9 @@
 """The engine thread of a worker: every engine mutation happens here, between steps.
 
 Services never touch the LLMEngine from their own threads; they ``call(fn)`` and get a
-concurrent.futures.Future with ``fn(engine)``'s result. After each step ``on_step(out)`` is
-called on this thread; ``before_step()`` runs before each step (lease and deadline expiry);
-``observe_step(out, seconds)`` after every step, with how long ``engine.step()`` took (metrics).
+concurrent.futures.Future with ``fn(engine)``'s result (calls made before ``start`` run once it
+starts). ``start(hooks)`` starts the thread with the role's :class:`EngineHooks`;
+``observe_step(out, seconds)`` runs after every step, with how long ``engine.step()`` took.
 A call runs in the caller's context (contextvars): what it logs or traces on this thread
 carries the caller's request id and span.
 ``stats`` is the engine's counters as of the last step or call, refreshed on this thread, so a
@@ -18,9 +18,12 @@ import time
 from collections import deque
 from collections.abc import Callable
 from concurrent.futures import Future
+from dataclasses import dataclass
 from typing import Any, TypeVar
 
 from pdserve.common.engine.llm_engine import LLMEngine, StepOutput
+from pdserve.common.engine.model_runner import LaunchedStep
+from pdserve.common.engine.sequence import Sequence
 from pdserve.common.outputs import FinishReason
 
 logger = logging.getLogger(__name__)
@@ -28,13 +31,47 @@ IDLE_WAIT_S = 0.05
 T = TypeVar("T")
 
 
+def _no_step(out: StepOutput) -> None:
+    pass
+
+
+def _no_expiry(engine: LLMEngine) -> None:
+    pass
+
+
+@dataclass(frozen=True)
+class EngineHooks:
+    """What a role runs on the engine thread: ``on_step(out)`` after each step that produced
+    tokens or finished requests; ``before_step(engine)`` before each step (lease and deadline
+    expiry); ``on_prefill_launch(seqs, launched)`` right after a prefill step is launched
+    (``LLMEngine.on_prefill_launch``: a KV send may start from there)."""
+    on_step: Callable[[StepOutput], None] = _no_step
+    before_step: Callable[[LLMEngine], None] = _no_expiry
+    on_prefill_launch: Callable[[list[Sequence], LaunchedStep], None] | None = None
+
+    @staticmethod
+    def combine(first: EngineHooks, second: EngineHooks) -> EngineHooks:
+        """Both roles' hooks, ``first``'s before ``second``'s (each ignores the other's requests)."""
+        def on_step(out: StepOutput) -> None:
+            first.on_step(out)
+            second.on_step(out)
+
+        def before_step(engine: LLMEngine) -> None:
+            first.before_step(engine)
+            second.before_step(engine)
+
+        launches = [h.on_prefill_launch for h in (first, second) if h.on_prefill_launch is not None]
+
+        def on_prefill_launch(seqs: list[Sequence], launched: LaunchedStep) -> None:
+            for hook in launches:
+                hook(seqs, launched)
+        return EngineHooks(on_step, before_step, on_prefill_launch if launches else None)
+
+
 class EngineLoop:
-    def __init__(self, engine: LLMEngine, on_step: Callable[[StepOutput], None],
-                 before_step: Callable[[], None] | None = None,
-                 observe_step: Callable[[StepOutput, float], None] | None = None) -> None:
+    def __init__(self, engine: LLMEngine, observe_step: Callable[[StepOutput, float], None] | None = None) -> None:
         self.engine = engine
-        self.on_step = on_step
-        self.before_step = before_step
+        self.hooks = EngineHooks()
         self.observe_step = observe_step
         self._calls: deque[tuple[Callable[[LLMEngine], Any], Future, contextvars.Context]] = deque()
         self._wake = threading.Condition()
@@ -44,14 +81,17 @@ class EngineLoop:
         self.stats: dict[str, int | float | bool] = engine.stats()
         self._thread = threading.Thread(target=self._run, name="engine-loop", daemon=True)
 
-    def start(self) -> None:
+    def start(self, hooks: EngineHooks) -> None:
+        self.hooks = hooks
+        self.engine.on_prefill_launch = hooks.on_prefill_launch
         self._thread.start()
 
     def stop(self, timeout: float = 10.0) -> None:
         with self._wake:
             self._stopped = True
             self._wake.notify()
-        self._thread.join(timeout)
+        if self._thread.ident is not None:    # started
+            self._thread.join(timeout)
 
     def call(self, fn: Callable[[LLMEngine], T]) -> Future[T]:
         """Run ``fn(engine)`` on the engine thread before the next step."""
@@ -85,8 +125,7 @@ class EngineLoop:
                 if not self._calls and not self.engine.has_unfinished():
                     self._wake.wait(IDLE_WAIT_S)
             self._run_calls()
-            if self.before_step is not None:
-                self.before_step()
+            self.hooks.before_step(self.engine)
             if not self.engine.has_unfinished():
                 self.stats = self.engine.stats()
                 continue
@@ -101,7 +140,7 @@ class EngineLoop:
                     self.observe_step(out, time.perf_counter() - started)
             self.num_steps += 1
             if out.seqs or out.finished:
-                self.on_step(out)
+                self.hooks.on_step(out)
             self.stats = self.engine.stats()
         self._run_calls()
         self.stats = self.engine.stats()

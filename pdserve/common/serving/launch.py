@@ -6,10 +6,10 @@ import logging
 from collections.abc import Awaitable, Callable, Coroutine
 from typing import Any
 
+from pdserve.common.grpc_utils.deferred import Deferred
 from pdserve.common.grpc_utils.server import Service, build_server, serve
 from pdserve.common.security.config import ServerSecurity
-from pdserve.common.serving.worker_runtime import WorkerRuntime
-from pdserve.common.serving.worker_servicer import InfoServicer
+from pdserve.common.serving.worker_servicer import BaseWorkerServicer, InfoServicer
 from pdserve.v1 import common_pb2, common_pb2_grpc, worker_pb2, worker_pb2_grpc
 
 logger = logging.getLogger(__name__)
@@ -23,22 +23,44 @@ def start_metrics(port: int, registry=None) -> None:
         logger.info("metrics on :%d/metrics", port)
 
 
-async def run_worker(runtime: WorkerRuntime, servicer, host: str, port: int, grace_s: float,
-                     startup: Callable[[], Awaitable[None]], drain: Callable[[float], Awaitable[None]],
+async def run_worker(worker_id: str, host: str, port: int, grace_s: float,
+                     build: Callable[[], Awaitable[BaseWorkerServicer]], metrics_port: int = 0,
                      security: ServerSecurity | None = None) -> None:
-    """Serve Worker + InfoService until SIGTERM; health turns SERVING once ``startup`` is done.
-    ``security``: the internal port's TLS and authentication (plaintext and open by default)."""
-    runtime.metrics.stats_source = lambda: runtime.stats(servicer.num_reserved)
+    """Serve Worker + InfoService until SIGTERM.
+
+    The server answers from the start: UNAVAILABLE ("still loading its model") until ``build()``
+    returns the role's servicer (model loaded, engine thread running); then health turns
+    SERVING. On SIGTERM the servicer drains; after the server stopped, it closes. ``security``: the internal
+    port's TLS and authentication (plaintext and open by default)."""
+    loading = f"worker {worker_id} is still loading its model"
+    worker = Deferred(worker_pb2.DESCRIPTOR.services_by_name["Worker"], loading)
+    info = Deferred(common_pb2.DESCRIPTOR.services_by_name["InfoService"], loading)
     server = build_server(f"{host}:{port}", [
         Service(worker_pb2.DESCRIPTOR.services_by_name["Worker"], worker_pb2_grpc.add_WorkerServicer_to_server,
-                servicer),
+                worker),
         Service(common_pb2.DESCRIPTOR.services_by_name["InfoService"],
-                common_pb2_grpc.add_InfoServiceServicer_to_server, InfoServicer(runtime)),
+                common_pb2_grpc.add_InfoServiceServicer_to_server, info),
     ], security=security)
+    built: list[BaseWorkerServicer] = []
+
+    async def startup() -> None:
+        servicer = await build()
+        built.append(servicer)
+        runtime = servicer.runtime
+        runtime.metrics.stats_source = lambda: runtime.stats(servicer.num_reserved())
+        start_metrics(metrics_port, runtime.metrics.registry)
+        worker.bind(servicer)
+        info.bind(InfoServicer(runtime))
+
+    async def drain(grace: float) -> None:
+        for servicer in built:
+            await servicer.drain(grace)
+
     try:
         await serve(server, startup=startup, drain=drain, grace_s=grace_s)
     finally:
-        runtime.stop()
+        for servicer in built:
+            servicer.close()
 
 
 def run_async(main: Coroutine[Any, Any, None]) -> int:

@@ -1,0 +1,100 @@
+"""The decode side of the KV handoff: reservations, KV receives and local submits, on the engine
+thread through :class:`pdserve.decode_worker.state.DecodeState`; a handoff side of the base
+servicer (Cancel, drain, stats). Engine-side failures come out as the domain errors the
+interceptor maps to statuses."""
+from __future__ import annotations
+
+import logging
+import time
+
+from pdserve.common.engine.llm_engine import DuplicateRequest, OutOfBlocks
+from pdserve.common.grpc_utils.errors import AlreadyExists, FailedPrecondition, NotFound, ResourceExhausted
+from pdserve.common.kv_transfer import KvReceiver, KvTransferError
+from pdserve.common.sampling_params import SamplingParams
+from pdserve.common.serving.engine_loop import EngineHooks
+from pdserve.common.serving.worker_runtime import WorkerRuntime
+from pdserve.decode_worker.state import BadTransfer, DecodeState, NoSuchRequest, resolve_receive
+
+logger = logging.getLogger(__name__)
+
+
+class KvImport:
+    def __init__(self, runtime: WorkerRuntime, state: DecodeState, receiver: KvReceiver,
+                 kv_store_address: str) -> None:
+        self.runtime = runtime
+        self.state = state
+        self.receiver = receiver
+        self.kv_store_address = kv_store_address
+
+    @property
+    def hooks(self) -> EngineHooks:
+        return EngineHooks(self.state.on_step, self.state.expire)
+
+    def close(self) -> None:
+        self.receiver.close()
+
+    async def _call(self, fn):
+        try:
+            return await self.runtime.call(fn)
+        except OutOfBlocks as e:
+            raise ResourceExhausted(str(e)) from e
+        except DuplicateRequest as e:
+            raise AlreadyExists(str(e)) from e
+        except NoSuchRequest as e:
+            raise NotFound(str(e.args[0])) from e
+        except BadTransfer as e:
+            raise FailedPrecondition(str(e)) from e
+
+    # ---- admission paths ------------------------------------------------------------------
+    async def reserve(self, request_id: str, token_ids: list[int], params: SamplingParams, lease_ms: int,
+                      deadline: float | None, router_id: str) -> tuple[list[int], int, int]:
+        """Blocks for a prompt whose KV comes from a prefill worker: (block ids, cached tokens,
+        lease expiry in Unix ms)."""
+        block_ids, cached = await self._call(lambda e: self.state.reserve(
+            e, request_id, token_ids, params, lease_ms, deadline, router_id))
+        lease_ms = lease_ms or self.state.default_lease_ms
+        return block_ids, cached, int(time.time() * 1000) + lease_ms
+
+    async def submit(self, request_id: str, token_ids: list[int], params: SamplingParams,
+                     deadline: float | None, router_id: str) -> None:
+        """A request prefilled here (no transfer)."""
+        await self._call(lambda e: self.state.submit(e, request_id, token_ids, params, deadline, router_id))
+
+    async def push_kv(self, request_id: str, block_ids: list[int], first_token: int, logprob: float,
+                      prefill_worker_id: str, epoch: int, on_channel: bool, secret: str) -> None:
+        """Post the receive of a reservation's blocks; the request joins the batch when they land."""
+        await self._call(lambda e: self.state.start_receive(e, request_id, block_ids))
+        loop = self.runtime.loop
+        if not block_ids:
+            loop.call(lambda e: self.state.finish_receive(e, request_id, first_token, logprob, None, None))
+            return
+        try:
+            future = self.receiver.post(prefill_worker_id, epoch, block_ids, with_first_token=on_channel,
+                                        secret=secret)
+        except KvTransferError as e:   # nothing was posted: the reservation ends here
+            self.runtime.metrics.kv_failures.labels("recv").inc()
+            err = e     # Python unbinds ``e`` when this block ends, before the engine thread runs
+            loop.call(lambda eng: self.state.finish_receive(eng, request_id, first_token, logprob, None, err))
+            raise FailedPrecondition(str(e)) from e
+        future.add_done_callback(self.runtime.metrics.watch_receive(request_id))
+        future.add_done_callback(lambda f: resolve_receive(loop, self.state, request_id, first_token, logprob, f))
+
+    async def cancel_router(self, router_id: str) -> int:
+        """End every request of a router that left; how many there were."""
+        return await self.runtime.call(lambda e: self.state.cancel_router(e, router_id))
+
+    # ---- handoff side (pdserve.common.serving.worker_servicer.Handoff) -----------------------
+    def num_in_flight(self) -> int:
+        return len(self.state.tracked)
+
+    def num_reserved(self) -> int:
+        return self.state.num_reserved()
+
+    def transfer_counts(self) -> tuple[int, int]:
+        return self.state.num_transfers, self.state.transfer_bytes
+
+    async def cancel(self, request_id: str) -> bool:
+        return await self.runtime.call(lambda e: self.state.cancel(e, request_id))
+
+    async def cancel_all(self) -> None:
+        await self.runtime.call(lambda e: [self.state.cancel(e, rid) for rid in list(self.state.tracked)])
