@@ -21,9 +21,8 @@ import time
 from dataclasses import dataclass
 
 from pdserve.common import env
-from pdserve.common.config import EngineConfig
 from pdserve.common.grpc_utils.errors import Unavailable
-from pdserve.common.serving.worker_args import DEFAULT_BUDGET
+from pdserve.common.serving.worker_args import DEFAULT_BUDGET, ENGINE_DEFAULTS
 from pdserve.loadtest import procs
 from pdserve.router.settings import DEFAULT_PORT as ROUTER_PORT
 
@@ -32,26 +31,26 @@ DEFAULT_HTTP_PORT = 8000        # `up` turns the router's OpenAI HTTP API on (th
 DEMO_PROMPTS = ["What is the capital of France?",
                 "Name three primary colors.",
                 "Write a haiku about the sea."]
-_ENGINE = EngineConfig(model="default")
 # worker flags that `up` passes through to every worker when given (flag, type, help); unset, each
 # worker takes its own default (shown here from where it is declared)
 WORKER_FLAGS = (
-    ("--dtype", str, f"auto, float32, bfloat16, float16 (default: the workers' own, {_ENGINE.dtype})"),
+    ("--dtype", str, f"auto, float32, bfloat16, float16 (default: the workers' own, {ENGINE_DEFAULTS.dtype})"),
     ("--block-size", int, f"tokens per KV block, router and workers (default: the workers' own, "
-                          f"{_ENGINE.block_size})"),
+                          f"{ENGINE_DEFAULTS.block_size})"),
     ("--num-kv-blocks", int, "KV pool size of each worker in blocks (default: from --kv-memory-gb or free memory)"),
     ("--max-num-seqs", int, f"most sequences a worker runs at once (default: the workers' own, "
-                            f"{_ENGINE.max_num_seqs})"),
+                            f"{ENGINE_DEFAULTS.max_num_seqs})"),
     ("--max-num-batched-tokens", int, "token budget of one engine step (default: the workers' own, by role: "
                                       f"{DEFAULT_BUDGET['prefill']} prefill, {DEFAULT_BUDGET['decode']} decode)"),
     ("--max-model-len", int, "longest sequence in tokens (default: the model's)"),
     ("--kv-memory-gb", float, "memory for each worker's KV pool in GiB (default: the workers' own)"),
-    ("--attention-backend", str, f"attention kernels of the workers (default: {_ENGINE.attention_backend})"),
+    ("--attention-backend", str, f"attention kernels of the workers (default: {ENGINE_DEFAULTS.attention_backend})"),
 )
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--model", default=env.get("MODEL", "default"), help="checkpoint dir, preset, or 'default'")
+    p.add_argument("--model", default=env.get("MODEL", ENGINE_DEFAULTS.model),
+                   help="checkpoint dir, preset, or 'default'")
     p.add_argument("--device", default=env.get("DEVICE", "cpu"), help="cpu or cuda")
     p.add_argument("--prefill", type=int, default=1, help="number of prefill workers (0 = co-located only)")
     p.add_argument("--decode", type=int, default=1, help="number of decode workers")
