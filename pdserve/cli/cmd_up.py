@@ -86,8 +86,8 @@ class Child:
 
     def service(self) -> procs.Service:
         """Run here as ``up`` itself runs (directory, environment), the output on this terminal."""
-        return procs.Service(self.name, self.cmd, self.address, extra_env={"CUDA_VISIBLE_DEVICES": self.gpu}
-                             if self.gpu is not None else {}, from_source=False, inherit_output=True)
+        gpu = {"CUDA_VISIBLE_DEVICES": self.gpu} if self.gpu is not None else {}
+        return procs.Service(self.name, self.cmd, self.address, extra_env=gpu, from_source=False, inherit_output=True)
 
 
 def _metrics_port(args: argparse.Namespace, index: int) -> int:
