@@ -1,18 +1,19 @@
 """Router + workers as separate processes on loopback (CPU or GPUs), and what tests and checks
-ask of them over gRPC. Processes are ``pdserve.loadtest.procs.Service``s.
+ask of them over gRPC: the topologies of the lab and the tests. Starting, waiting for and
+stopping the processes is ``pdserve.loadtest.procs``'s (the launcher ``pdserve up`` uses too).
 
 Used by the integration tests and by the GPU disaggregation check (bench/disagg_gpu.py).
 """
 from __future__ import annotations
 
-import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import grpc
 
-from pdserve.loadtest.procs import Service, free_port, free_port_range, wait_ready, wait_workers
+from pdserve.loadtest import procs
+from pdserve.loadtest.procs import Service, free_port, free_port_range
 from pdserve.v1 import router_pb2_grpc, worker_pb2, worker_pb2_grpc
 
 
@@ -65,37 +66,31 @@ class Deployment:
         return {name: svc.log_path for name, svc in self.services.items() if svc.log_path}
 
     def stop(self) -> None:
-        for svc in reversed(list(self.services.values())):
-            svc.stop()
+        """The router first, then the workers together (``pdserve.loadtest.procs.stop_all``)."""
+        procs.stop_all(list(self.services.values()))
 
 
-def _start(dep: Deployment, name: str, args: list[str], address: str, gpu: str | None = None) -> None:
+def _start(dep: Deployment, name: str, cmd: list[str], address: str, gpu: str | None = None) -> None:
     extra = {"PDSERVE_LOG_LEVEL": "INFO", **({"CUDA_VISIBLE_DEVICES": gpu} if gpu is not None else {})}
-    cmd = [sys.executable, "-m", "pdserve.cli", *args]
     dep.services[name] = Service(name, cmd, address, dep.log_dir / f"{name}.log", extra).start()
 
 
 def _wait(dep: Deployment, timeout: float, num_prefill: int, num_decode: int) -> None:
     """Every service SERVING and the router seeing its workers; fails fast if a process dies."""
-    def check() -> None:
-        dead = [svc for svc in dep.services.values() if not svc.alive()]
-        if dead:
-            raise RuntimeError(f"{dead[0].name} exited during start-up:\n{dead[0].log_tail(15)}")
     try:
-        wait_ready(list(dep.services.values()), timeout)
-        wait_workers(dep.router, num_prefill, num_decode, timeout, check=check)
+        procs.wait_started(list(dep.services.values()), dep.router, num_prefill, num_decode, timeout)
     except BaseException:
         dep.stop()
         raise
 
 
-def _metrics_port(dep: Deployment, name: str, on: bool) -> list[str]:
+def _metrics_port(dep: Deployment, name: str, on: bool) -> int:
     """``--metrics-port``: a free port recorded in ``dep.metrics`` when ``on``, else 0 (off)."""
     if not on:
-        return ["--metrics-port", "0"]
+        return 0
     port = free_port()
     dep.metrics[name] = f"127.0.0.1:{port}"
-    return ["--metrics-port", str(port)]
+    return port
 
 
 def start(log_dir: Path, model: str = "default", decode_blocks: int = 0, decode_role: str = "decode",
@@ -106,24 +101,23 @@ def start(log_dir: Path, model: str = "default", decode_blocks: int = 0, decode_
     (``metrics``: each serves /metrics on a port of its own, see ``Deployment.metrics``;
     ``router_args``: more router flags, e.g. the prefill-placement policy's)."""
     dep = Deployment(router=f"127.0.0.1:{free_port()}", decode=[], prefill=[], log_dir=log_dir)
-    common = ["--host", "127.0.0.1", "--metrics-port", "0", "--model", model, "--device", device, *extra_worker_args]
+    common = ["--model", model, "--device", device, *extra_worker_args]
     for i in range(num_decode):
-        addr = f"127.0.0.1:{free_port()}"
+        port, name = free_port(), f"decode{i}"
         pool = ["--num-kv-blocks", str(decode_blocks)] if decode_blocks else ["--kv-memory-gb", str(kv_memory_gb)]
-        _start(dep, f"decode{i}", ["decode", *common, "--port", addr.split(":")[1], "--kv-port", str(free_port()),
-                                   "--role", decode_role, *pool, *_metrics_port(dep, f"decode{i}", metrics)], addr,
-               decode_gpus[i % len(decode_gpus)] if decode_gpus else None)
-        dep.decode.append(addr)
+        cmd = procs.worker_cmd("decode", port, metrics_port=_metrics_port(dep, name, metrics), kv_port=free_port(),
+                               role=decode_role, extra=[*common, *pool])
+        _start(dep, name, cmd, f"127.0.0.1:{port}", decode_gpus[i % len(decode_gpus)] if decode_gpus else None)
+        dep.decode.append(f"127.0.0.1:{port}")
     for i in range(num_prefill):
-        addr = f"127.0.0.1:{free_port()}"
-        _start(dep, f"prefill{i}", ["prefill", *common, "--port", addr.split(":")[1], "--kv-memory-gb",
-                                    str(kv_memory_gb), *_metrics_port(dep, f"prefill{i}", metrics)],
-               addr, prefill_gpus[i % len(prefill_gpus)] if prefill_gpus else None)
-        dep.prefill.append(addr)
-    _start(dep, "router", ["router", "--host", "127.0.0.1", "--port", dep.router.split(":")[1],
-                           *_metrics_port(dep, "router", metrics), "--model", model, "--decode", ",".join(dep.decode),
-                           "--prefill", ",".join(dep.prefill), *router_args],
-           dep.router)
+        port, name = free_port(), f"prefill{i}"
+        cmd = procs.worker_cmd("prefill", port, metrics_port=_metrics_port(dep, name, metrics),
+                               extra=[*common, "--kv-memory-gb", str(kv_memory_gb)])
+        _start(dep, name, cmd, f"127.0.0.1:{port}", prefill_gpus[i % len(prefill_gpus)] if prefill_gpus else None)
+        dep.prefill.append(f"127.0.0.1:{port}")
+    _start(dep, "router", procs.router_cmd(int(dep.router.split(":")[1]), model=model, decode=dep.decode,
+                                           prefill=dep.prefill, metrics_port=_metrics_port(dep, "router", metrics),
+                                           extra=router_args), dep.router)
     # the router counts a worker of role both as prefill-capable too: wait for every worker started
     _wait(dep, timeout, num_prefill + (num_decode if decode_role == "both" else 0), num_decode)
     return dep
@@ -140,6 +134,7 @@ def start_up(log_dir: Path, up_args: list[str] = (), timeout: float = 240.0) -> 
         up_args += ["--http-port", str(free_port())]
     http_port = int(up_args[up_args.index("--http-port") + 1])
     dep.http = f"http://127.0.0.1:{http_port}/v1" if http_port else None
-    _start(dep, "up", ["up", "--router-port", str(router_port), "--base-port", str(base), *up_args], dep.router)
+    _start(dep, "up", procs.pdserve_cmd("up", "--router-port", str(router_port), "--base-port", str(base), *up_args),
+           dep.router)
     _wait(dep, timeout, 1, 1)
     return dep

@@ -13,6 +13,7 @@ from __future__ import annotations
 import argparse
 
 from pdserve.common import env
+from pdserve.router.settings import DEFAULT_PORT as ROUTER_PORT
 
 DATASETS = ("random", "w-nano", "shared-prefix", "multi-turn", "prefill-heavy", "decode-heavy", "jsonl")
 
@@ -73,7 +74,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
     s = sub.add_parser("serve", help="load-test a router: a sweep over request rates -> JSON + PNGs",
                        description="Load-test a running router with streamed Generate calls.")
-    s.add_argument("--router", default=env.get("ROUTER", "localhost:50051"),
+    s.add_argument("--router", default=env.get("ROUTER", f"localhost:{ROUTER_PORT}"),
                    help="router address (env PDSERVE_ROUTER)")
     h = s.add_argument_group("front door")
     h.add_argument("--backend", choices=("grpc", "openai"), default="grpc",

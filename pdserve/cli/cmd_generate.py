@@ -9,12 +9,14 @@ import argparse
 import sys
 
 from pdserve.common import env
+from pdserve.router.settings import DEFAULT_PORT as ROUTER_PORT
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("prompt", help="the user message (rendered with the chat template unless --raw)")
     p.add_argument("--offline", action="store_true", help="run the engine in this process, no services")
-    p.add_argument("--router", default=env.get("ROUTER", "localhost:50051"), help="router address (env PDSERVE_ROUTER)")
+    p.add_argument("--router", default=env.get("ROUTER", f"localhost:{ROUTER_PORT}"),
+                   help="router address (env PDSERVE_ROUTER)")
     p.add_argument("--model", default=env.get("MODEL", "default"), help="offline: checkpoint dir or preset")
     p.add_argument("--raw", action="store_true", help="send the prompt as plain text, no chat template")
     p.add_argument("--max-tokens", type=int, default=128, help="most tokens to generate")

@@ -107,9 +107,13 @@ class ModelConfig:
 
 @dataclass(frozen=True)
 class EngineConfig:
-    """Limits and placement of one engine (one worker or one offline ``LLM``)."""
+    """Limits and placement of one engine (one worker or one offline ``LLM``).
 
-    model: str                              # checkpoint dir, or a preset name (see pdserve/common/presets)
+    The field defaults are the engine's defaults everywhere: the workers' flags and ``pdserve up``
+    read them here (pdserve.common.serving.worker_args).
+    """
+
+    model: str = "default"                  # checkpoint dir, preset (pdserve/common/presets), "default" = embedded
     dtype: str = "auto"                     # "auto" = checkpoint dtype on GPU, float32 on CPU
     device: str = "auto"                    # "auto" = cuda if available, else cpu
     block_size: int = 16

@@ -17,6 +17,7 @@ from pdserve.common.serving.worker_args import (
 
 logger = logging.getLogger(__name__)
 DEFAULT_PORT, DEFAULT_KV_PORT, DEFAULT_METRICS_PORT = 50053, 50054, 9093
+DEFAULT_LEASE_MS = 30_000        # a KV reservation's lease when the router sends none
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -29,7 +30,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--kv-host", default=env.get("KV_HOST", None),
                    help="address the TCPStore listens on (env PDSERVE_KV_HOST); default: the advertised "
                         "host (the pod IP on Kubernetes); 0.0.0.0 = every interface")
-    p.add_argument("--lease-ms", type=int, default=env.get_int("LEASE_MS", 30000),
+    p.add_argument("--lease-ms", type=int, default=env.get_int("LEASE_MS", DEFAULT_LEASE_MS),
                    help="default lease of a KV reservation")
 
 

@@ -1,12 +1,20 @@
-"""Service processes for the benchmarks: scripted workers, a router, ``pdserve up``.
+"""pdserve's services as child processes: the one launcher of ``pdserve up``, the load tool, the
+lab (bench/deployment.py) and the tests.
 
-Every process is started in its own session (process group) so that it, and whatever it
-starts, can be stopped by its own id; :class:`Service` stops with SIGINT first (``pdserve up``
-turns it into a clean shutdown of its children), then SIGTERM, then SIGKILL of its group.
-CPU use of a process is read from ``/proc/<pid>/stat`` (Linux).
+A :class:`Service` is started in a session (process group) of its own, so that a Ctrl-C at the
+terminal reaches only its parent, and it and whatever it starts can be stopped by its own id. Its
+output goes to a log file (appended), to the parent's terminal, or nowhere. It is ready when its
+gRPC health says SERVING (:func:`wait_ready`); a router also when its ModelInfo counts its
+workers (:func:`wait_workers`; both: :func:`wait_started`, which fails fast when a service exits).
+It stops on SIGTERM (a service drains, then exits); whatever of its process group is left after
+the grace gets SIGKILL (:func:`stop_together`, :func:`stop_all`: the router first).
+
+Also: free loopback ports, the CPU seconds of a process (``/proc/<pid>/stat``, Linux), and the
+command lines of the load tool's services.
 """
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import os
 import signal
@@ -14,12 +22,13 @@ import socket
 import subprocess
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import IO
+from typing import IO, Any
 
 ROOT = Path(__file__).resolve().parents[2]
+STOP_GRACE_S = 30.0       # SIGTERM -> SIGKILL: as long as a service's own default drain grace
 _TICK = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
 
 
@@ -71,32 +80,47 @@ def cpu_seconds(pid: int) -> float:
 
 
 def _env(extra: dict[str, str] | None = None) -> dict[str, str]:
+    """This process's environment plus ``extra``, with the source tree first on PYTHONPATH."""
     env = dict(os.environ, **(extra or {}))
     env["PYTHONPATH"] = str(ROOT) + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
     env.setdefault("PYTHONUNBUFFERED", "1")
     return env
 
 
+def pdserve_cmd(*args: str) -> list[str]:
+    """The command line of ``pdserve ARGS`` under this interpreter."""
+    return [sys.executable, "-m", "pdserve.cli", *args]
+
+
+class ServiceExited(RuntimeError):
+    """A service exited before it was ready."""
+
+
 @dataclass
 class Service:
+    """One service as a child process (see the module doc). ``address``: the host:port whose gRPC
+    health says when it is ready ("" = none)."""
     name: str
     cmd: list[str]
-    address: str                      # host:port to health-check ("" = none)
-    log_path: Path | None = None
+    address: str
+    log_path: Path | None = None      # its stdout and stderr, appended; None: see inherit_output
     extra_env: dict[str, str] = field(default_factory=dict)   # e.g. CUDA_VISIBLE_DEVICES
+    from_source: bool = True          # run in ROOT with ROOT on PYTHONPATH; False: here, as this process
+    inherit_output: bool = False      # without log_path: to this process's terminal (else dropped)
     proc: subprocess.Popen | None = field(default=None, repr=False)
 
     def start(self) -> Service:
         if self.log_path is None:
-            self.proc = self._popen(subprocess.DEVNULL)
+            self.proc = self._popen(None if self.inherit_output else subprocess.DEVNULL)
         else:
             with open(self.log_path, "ab") as out:   # the child keeps its own copy of the descriptor
                 self.proc = self._popen(out)
         return self
 
-    def _popen(self, out: IO[bytes] | int) -> subprocess.Popen:
-        return subprocess.Popen(self.cmd, cwd=ROOT, env=_env(self.extra_env), stdout=out, stderr=subprocess.STDOUT,
-                                start_new_session=True)
+    def _popen(self, out: IO[bytes] | int | None) -> subprocess.Popen:
+        env = _env(self.extra_env) if self.from_source else dict(os.environ, **self.extra_env)
+        return subprocess.Popen(self.cmd, cwd=ROOT if self.from_source else None, env=env, stdout=out,
+                                stderr=None if out is None else subprocess.STDOUT, start_new_session=True)
 
     @property
     def pid(self) -> int:
@@ -126,69 +150,159 @@ class Service:
             return ""
         return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-n:])
 
-    def stop(self, timeout: float = 20.0) -> None:
-        if self.proc is None or self.proc.poll() is not None:
-            return
-        for sig, wait in ((signal.SIGINT, timeout), (signal.SIGTERM, 5.0)):
+    def exited(self) -> ServiceExited:
+        """The error of this service having exited during start-up, with where its log is."""
+        code = self.proc.returncode if self.proc is not None else "?"
+        where = (f"; the end of its log {self.log_path}:\n{self.log_tail(15)}" if self.log_path
+                 else " (its log is above)" if self.inherit_output else "")
+        return ServiceExited(f"{self.name} exited with code {code} during start-up{where}")
+
+    def terminate(self) -> None:
+        """SIGTERM: the service drains, then exits."""
+        if self.proc is not None and self.alive():
             with contextlib.suppress(ProcessLookupError):
-                self.proc.send_signal(sig)
-            try:
-                self.proc.wait(wait)
-                break
-            except subprocess.TimeoutExpired:
-                continue
-        # whatever is left of the group we created (pdserve up's workers, say)
+                self.proc.send_signal(signal.SIGTERM)
+
+    def reap(self, deadline: float) -> None:
+        """Wait for the exit until ``deadline`` (``time.monotonic()``), then SIGKILL whatever is
+        left of the process group (the service itself, or what it started)."""
+        if self.proc is None:
+            return
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            self.proc.wait(max(deadline - time.monotonic(), 0.1))
         with contextlib.suppress(ProcessLookupError, PermissionError):
             os.killpg(self.proc.pid, signal.SIGKILL)
         with contextlib.suppress(subprocess.TimeoutExpired):
             self.proc.wait(5.0)
 
+    def stop(self, timeout: float = STOP_GRACE_S) -> None:
+        stop_together([self], timeout)
 
-def wait_ready(services: list[Service], timeout: float = 120.0) -> None:
-    """Wait until each service's gRPC health says SERVING; RuntimeError (with its log) if one dies."""
-    from pdserve.common.grpc_utils.server import wait_ready as _wait
-    from pdserve.loadtest.client import run_async
 
+def stop_together(services: Sequence[Service], timeout: float = STOP_GRACE_S) -> None:
+    """SIGTERM every running one of ``services`` at once; SIGKILL what is left after ``timeout`` s.
+    A service that exited already is left alone."""
+    running = [svc for svc in services if svc.alive()]
+    for svc in running:
+        svc.terminate()
     end = time.monotonic() + timeout
+    for svc in running:
+        svc.reap(end)
+
+
+def stop_all(services: Sequence[Service], timeout: float = STOP_GRACE_S) -> None:
+    """The last of ``services`` first (the router, started after its workers: it closes its streams
+    to them before they drain, so neither logs the other's exit), then the rest together; one
+    ``timeout`` for all."""
+    end = time.monotonic() + timeout
+    stop_together(services[-1:], timeout)
+    stop_together(services[:-1], max(end - time.monotonic(), 0.1))
+
+
+# ---- ready ----------------------------------------------------------------------------------
+
+def _run(coro: Awaitable[Any]) -> Any:
+    from pdserve.loadtest.client import run_async
+    return run_async(coro)
+
+
+async def _first(main: Awaitable[Any], guard: Callable[[], None] | None) -> Any:
+    """``main``'s result; ``guard()``, called every 0.2 s meanwhile, may raise to give up early."""
+    task = asyncio.ensure_future(main)
+    try:
+        while not task.done():
+            if guard is not None:
+                guard()
+            await asyncio.wait({task}, timeout=0.2)
+        return task.result()
+    finally:
+        task.cancel()
+        await asyncio.gather(task, return_exceptions=True)
+
+
+def _check_running(services: Sequence[Service]) -> None:
     for svc in services:
-        if not svc.address:
-            continue
-        while True:
-            if not svc.alive():
-                raise RuntimeError(f"{svc.name} exited ({svc.proc.returncode if svc.proc else '?'}):\n{svc.log_tail()}")
-            remaining = end - time.monotonic()
-            if remaining <= 0:
-                raise TimeoutError(f"{svc.name} at {svc.address} not SERVING in {timeout:.0f} s:\n{svc.log_tail()}")
-            try:
-                run_async(_wait(svc.address, min(2.0, remaining)))
-                break
-            except Exception:  # noqa: BLE001 - not yet
-                continue
+        if not svc.alive():
+            raise svc.exited()
 
 
-def wait_workers(router: str, num_prefill: int, num_decode: int, timeout: float = 60.0, check=None) -> dict:
-    """Wait until the router reports at least the given healthy workers; its ModelInfo as a dict.
-    ``check()`` (optional) is called between polls and may raise to give up early."""
+async def _serving(svc: Service, timeout: float) -> None:
+    from pdserve.common.grpc_utils.errors import Unavailable
+    from pdserve.common.grpc_utils.server import wait_ready as health_serving
+    try:
+        await health_serving(svc.address, timeout)
+    except Unavailable as e:
+        raise TimeoutError(f"{svc.name}: {e}\n{svc.log_tail()}".rstrip()) from None
+
+
+async def _all_serving(services: Sequence[Service], timeout: float) -> None:
+    await asyncio.gather(*(_serving(svc, timeout) for svc in services if svc.address))
+
+
+def wait_ready(services: Sequence[Service], timeout: float = 120.0) -> None:
+    """Until every service with an address is SERVING (gRPC health), all at once.
+    :class:`ServiceExited` (with the end of its log) as soon as one exits; TimeoutError (naming
+    it) after ``timeout`` s."""
+    _run(_first(_all_serving(services, timeout), lambda: _check_running(services)))
+
+
+async def _workers_seen(router: str, num_prefill: int, num_decode: int, timeout: float) -> dict:
     import grpc
     from google.protobuf.json_format import MessageToDict
 
+    from pdserve.common.grpc_utils.server import client_channel
     from pdserve.v1 import router_pb2, router_pb2_grpc
     end = time.monotonic() + timeout
     last = None
-    with grpc.insecure_channel(router) as ch:
-        stub = router_pb2_grpc.GenerationStub(ch)
+    async with client_channel(router) as channel:
+        stub = router_pb2_grpc.GenerationStub(channel)
         while time.monotonic() < end:
             try:
-                last = stub.GetModelInfo(router_pb2.GetModelInfoRequest(), timeout=2.0)
+                last = await stub.GetModelInfo(router_pb2.GetModelInfoRequest(), timeout=2.0)
                 if last.num_prefill_workers >= num_prefill and last.num_decode_workers >= num_decode:
                     return MessageToDict(last, preserving_proto_field_name=True)
-            except grpc.RpcError:
+            except grpc.aio.AioRpcError:
                 pass
-            if check is not None:
-                check()
-            time.sleep(0.1)
+            await asyncio.sleep(0.1)
+    seen = f"{last.num_prefill_workers} prefill / {last.num_decode_workers} decode" if last else "no answer"
     raise TimeoutError(f"router {router} did not report {num_prefill} prefill / {num_decode} decode workers "
-                       f"in {timeout:.0f} s (last: {last})")
+                       f"in {timeout:.0f} s (it reports {seen})")
+
+
+def wait_workers(router: str, num_prefill: int, num_decode: int, timeout: float = 60.0,
+                 check: Callable[[], None] | None = None) -> dict:
+    """Until the router reports at least the given healthy workers; its ModelInfo as a dict.
+    ``check()`` (optional) is called between polls and may raise to give up early."""
+    result: dict = _run(_first(_workers_seen(router, num_prefill, num_decode, timeout), check))
+    return result
+
+
+def wait_started(services: Sequence[Service], router: str, num_prefill: int, num_decode: int,
+                 timeout: float) -> dict:
+    """:func:`wait_ready`, then :func:`wait_workers` of the router at ``router`` (each phase within
+    ``timeout``), failing fast with :class:`ServiceExited` when any of ``services`` exits."""
+    wait_ready(services, timeout)
+    return wait_workers(router, num_prefill, num_decode, timeout, check=lambda: _check_running(services))
+
+
+# ---- command lines ----------------------------------------------------------------------------
+
+def worker_cmd(kind: str, port: int, *, metrics_port: int = 0, kv_port: int | None = None,
+               role: str | None = None, extra: Sequence[str] = ()) -> list[str]:
+    """``pdserve prefill|decode`` on 127.0.0.1:``port`` (a decode worker's KV store on ``kv_port``)."""
+    cmd = pdserve_cmd(kind, "--host", "127.0.0.1", "--port", str(port), "--metrics-port", str(metrics_port))
+    if kv_port is not None:
+        cmd += ["--kv-port", str(kv_port)]
+    if role is not None:
+        cmd += ["--role", role]
+    return cmd + list(extra)
+
+
+def router_cmd(port: int, *, model: str, decode: Sequence[str], prefill: Sequence[str] = (),
+               metrics_port: int = 0, extra: Sequence[str] = ()) -> list[str]:
+    """``pdserve router`` on 127.0.0.1:``port`` in front of the given workers."""
+    return pdserve_cmd("router", "--host", "127.0.0.1", "--port", str(port), "--metrics-port", str(metrics_port),
+                       "--model", model, "--decode", ",".join(decode), "--prefill", ",".join(prefill), *extra)
 
 
 def scripted_worker(port: int, role: str = "both", *, step_ms: float = 5.0, prefill_ms: float | None = None,
@@ -207,20 +321,13 @@ def scripted_worker(port: int, role: str = "both", *, step_ms: float = 5.0, pref
 
 def router(port: int, *, decode: Sequence[str], prefill: Sequence[str] = (), model: str = "default",
            extra: list[str] | None = None, log_dir: Path | None = None) -> Service:
-    cmd = [sys.executable, "-m", "pdserve.cli", "router", "--host", "127.0.0.1", "--port", str(port),
-           "--metrics-port", "0", "--model", model, "--decode", ",".join(decode), "--prefill", ",".join(prefill),
-           *(extra or [])]
+    cmd = router_cmd(port, model=model, decode=decode, prefill=prefill, extra=extra or ())
     return Service(f"router-{port}", cmd, f"127.0.0.1:{port}", (log_dir / f"router-{port}.log") if log_dir else None)
 
 
 def pdserve_up(router_port: int, base_port: int, args: list[str], log_dir: Path | None = None,
                name: str = "up") -> Service:
-    cmd = [sys.executable, "-m", "pdserve.cli", "up", "--router-port", str(router_port),
-           "--base-port", str(base_port), *([] if "--http-port" in args else ["--http-port", "0"]), *args]
+    cmd = pdserve_cmd("up", "--router-port", str(router_port), "--base-port", str(base_port),
+                      *([] if "--http-port" in args else ["--http-port", "0"]), *args)
     return Service(f"pdserve-up-{name}", cmd, f"127.0.0.1:{router_port}",
                    (log_dir / f"pdserve-up-{name}.log") if log_dir else None)
-
-
-def stop_all(services: list[Service]) -> None:
-    for svc in reversed(services):
-        svc.stop()

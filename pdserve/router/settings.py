@@ -5,6 +5,10 @@ from dataclasses import dataclass
 
 from pdserve.router.pd_policy import PdConfig
 
+# The router's ports unless flags say otherwise (its gRPC API; Prometheus /metrics).
+DEFAULT_PORT = 50051
+DEFAULT_METRICS_PORT = 9091
+
 # How often GetStats is polled per worker (load figure and liveness check).
 STATS_INTERVAL_S = 0.5
 # A worker whose GetStats times out this many times in a row is marked down (its in-flight

@@ -128,3 +128,13 @@ def test_up_passes_metrics_ports_and_worker_flags():
     assert children[2].ports == {50051: "--router-port", 8000: "--http-port", 9100: "--metrics-port"}
     off = cmd_up.plan(cli.build_parser().parse_args(["up"]))
     assert all(value(c.cmd, "--metrics-port") == "0" for c in off)
+
+
+def test_up_fails_fast_when_a_service_exits():
+    base, router = free_port_range(4), free_port()
+    proc = pdserve("up", "--base-port", str(base), "--router-port", str(router), "--http-port", "0",
+                   "--extra-worker-args=--no-such-flag")
+    last = proc.stderr.strip().splitlines()[-1]
+    assert proc.returncode == cli_errors.EXIT_UNAVAILABLE, proc.stderr
+    assert "pdserve up: UNAVAILABLE" in last and "worker 0 exited with code 2 during start-up" in last, last
+    assert "Traceback" not in proc.stderr

@@ -8,17 +8,22 @@ import uuid
 from pdserve.common import env
 from pdserve.common.config import EngineConfig
 from pdserve.common.engine.engine_args import add_chunked_prefill_arguments, chunked_prefill_kwargs
+from pdserve.common.kv_transfer import DEFAULT_TIMEOUT as KV_TIMEOUT_S
 from pdserve.common.security.args import add_internal_arguments, internal_client_security, internal_server_security
 from pdserve.common.security.config import ServerSecurity, set_default_client_security
 
+# The engine's defaults are EngineConfig's (its field defaults); the flags below read them there.
+ENGINE_DEFAULTS = EngineConfig()
 # Default token budget per step (--max-num-batched-tokens 0). A prefill worker has no decode rows
-# to stall, so it takes large steps (as the offline engine does); a decode or both worker takes
+# to stall, so it takes large steps (the offline engine's default); a decode or both worker takes
 # vLLM's online-serving default, so a mixed step stays a few decode steps long
 # (docs/benchmarks.md: on Qwen3-8B, 512 gave the smoothest decoding, 1,024 more throughput).
-DEFAULT_BUDGET = {"prefill": 16384, "decode": 2048}
+DEFAULT_BUDGET = {"prefill": ENGINE_DEFAULTS.max_num_batched_tokens, "decode": 2048}
+DEFAULT_DRAIN_GRACE_S = 30.0    # on SIGTERM: time for requests in flight to finish
 
 
 def add_worker_arguments(p: argparse.ArgumentParser, default_port: int, default_metrics_port: int) -> None:
+    d = ENGINE_DEFAULTS
     p.add_argument("--host", default=env.get("HOST", "0.0.0.0"), help="listen address (env PDSERVE_HOST)")
     p.add_argument("--port", type=int, default=env.get_int("PORT", default_port), help="gRPC port (env PDSERVE_PORT)")
     p.add_argument("--advertise-host", default=env.get("ADVERTISE_HOST", None),
@@ -26,16 +31,18 @@ def add_worker_arguments(p: argparse.ArgumentParser, default_port: int, default_
     p.add_argument("--metrics-port", type=int, default=env.get_int("METRICS_PORT", default_metrics_port),
                    help="Prometheus /metrics HTTP port, 0 = off (env PDSERVE_METRICS_PORT)")
     p.add_argument("--worker-id", default=env.get("WORKER_ID", None), help="default: host-port-random")
-    p.add_argument("--model", default=env.get("MODEL", "default"),
+    p.add_argument("--model", default=env.get("MODEL", d.model),
                    help="checkpoint dir, preset name, or 'default' for the embedded model (env PDSERVE_MODEL)")
-    p.add_argument("--device", default=env.get("DEVICE", "auto"), help="cpu, cuda, cuda:N or auto (env PDSERVE_DEVICE)")
-    p.add_argument("--dtype", default=env.get("DTYPE", "auto"), help="auto, float32, bfloat16, float16")
-    p.add_argument("--block-size", type=int, default=env.get_int("BLOCK_SIZE", 16), help="tokens per KV block")
+    p.add_argument("--device", default=env.get("DEVICE", d.device),
+                   help="cpu, cuda, cuda:N or auto (env PDSERVE_DEVICE)")
+    p.add_argument("--dtype", default=env.get("DTYPE", d.dtype), help="auto, float32, bfloat16, float16")
+    p.add_argument("--block-size", type=int, default=env.get_int("BLOCK_SIZE", d.block_size),
+                   help="tokens per KV block")
     p.add_argument("--num-kv-blocks", type=int, default=env.get_int("NUM_KV_BLOCKS", 0),
                    help="KV pool size in blocks; 0 = from --kv-memory-gb or free memory")
     p.add_argument("--kv-memory-gb", type=float, default=env.get_float("KV_MEMORY_GB", 0.0),
                    help="memory for the KV pool in GiB; 0 = from free memory (GPU) or 1 GiB (CPU)")
-    p.add_argument("--max-num-seqs", type=int, default=env.get_int("MAX_NUM_SEQS", 256),
+    p.add_argument("--max-num-seqs", type=int, default=env.get_int("MAX_NUM_SEQS", d.max_num_seqs),
                    help="most sequences in one engine step (the running batch)")
     p.add_argument("--max-num-batched-tokens", type=int, default=env.get_int("MAX_NUM_BATCHED_TOKENS", 0),
                    help="token budget of one engine step; 0 = by role: "
@@ -43,15 +50,15 @@ def add_worker_arguments(p: argparse.ArgumentParser, default_port: int, default_
                         "(a step that mixes decode rows with prompt chunks takes longer the larger it is)")
     p.add_argument("--max-model-len", type=int, default=env.get_int("MAX_MODEL_LEN", 0), help="0 = model default")
     add_chunked_prefill_arguments(p)
-    p.add_argument("--attention-backend", default=env.get("ATTENTION_BACKEND", "auto"),
+    p.add_argument("--attention-backend", default=env.get("ATTENTION_BACKEND", d.attention_backend),
                    help="attention kernels: torch, triton, or auto (triton on CUDA, else torch)")
-    p.add_argument("--enforce-eager", action="store_true", default=env.get_bool("ENFORCE_EAGER", False),
+    p.add_argument("--enforce-eager", action="store_true", default=env.get_bool("ENFORCE_EAGER", d.enforce_eager),
                    help="no CUDA graphs")
     p.add_argument("--async-scheduling", choices=("auto", "on", "off"), default=env.get("ASYNC_SCHEDULING", "auto"),
                    help="overlap host work with the GPU (auto: on with CUDA graphs)")
-    p.add_argument("--drain-grace-s", type=float, default=env.get_float("DRAIN_GRACE_S", 30.0),
+    p.add_argument("--drain-grace-s", type=float, default=env.get_float("DRAIN_GRACE_S", DEFAULT_DRAIN_GRACE_S),
                    help="on SIGTERM: time to finish in-flight requests before cancelling them")
-    p.add_argument("--kv-timeout-s", type=float, default=env.get_float("KV_TIMEOUT_S", 30.0),
+    p.add_argument("--kv-timeout-s", type=float, default=env.get_float("KV_TIMEOUT_S", KV_TIMEOUT_S),
                    help="timeout of one KV transfer")
     add_internal_arguments(p)
 

@@ -1,0 +1,39 @@
+"""The launcher (pdserve.loadtest.procs) with real child processes: waiting for a service fails
+fast, naming it and its log, when it exits; stopping one that ignores SIGTERM kills it after the
+grace; a service that exited already is left alone."""
+from __future__ import annotations
+
+import sys
+import time
+
+import pytest
+
+from pdserve.loadtest import procs
+
+
+def _python(name: str, code: str, log_dir=None) -> procs.Service:
+    return procs.Service(name, [sys.executable, "-c", code], f"127.0.0.1:{procs.free_port()}",
+                         log_dir / f"{name}.log" if log_dir else None)
+
+
+def test_wait_ready_fails_fast_when_a_service_exits(tmp_path):
+    slow = _python("slow", "import time; time.sleep(60)").start()
+    dead = _python("dead", "print('bad flag'); raise SystemExit(3)", tmp_path).start()
+    start = time.monotonic()
+    try:
+        with pytest.raises(procs.ServiceExited, match="dead exited with code 3 during start-up") as e:
+            procs.wait_ready([slow, dead], timeout=60)
+        assert "bad flag" in str(e.value) and time.monotonic() - start < 30
+    finally:
+        procs.stop_all([slow, dead])
+    assert not slow.alive()
+
+
+def test_stop_kills_what_ignores_sigterm_after_the_grace():
+    code = "import signal, time; signal.signal(signal.SIGTERM, signal.SIG_IGN); print('up', flush=True); time.sleep(60)"
+    svc = procs.Service("stubborn", [sys.executable, "-c", code], "", inherit_output=False).start()
+    time.sleep(1.0)
+    start = time.monotonic()
+    svc.stop(timeout=1.0)
+    assert svc.proc is not None and svc.proc.returncode == -9 and time.monotonic() - start < 10
+    svc.stop(timeout=1.0)         # exited already: nothing to do
