@@ -36,7 +36,8 @@ def test_router_and_worker_agree():
     cache = ParamsCache(vocab_size=512, has_tokenizer=False)
     key, params = cache.validate(wire)
     assert params.max_tokens == 0                      # left to the server
-    sampling, to_worker = cache.resolve(key, params, 1000)
+    sampling = cache.resolve(key, params, 1000)
+    to_worker = sampling_params_to_proto(sampling)      # what the router's worker client sends
     assert to_worker.max_tokens == 1000
     assert sampling_params_for_prompt(to_worker, 1024, 24) == sampling
     assert sampling_params_for_prompt(wire, 1024, 24) == sampling   # a worker called directly: same answer
