@@ -13,7 +13,9 @@ counts is the prompt tokens that worker must compute (the placement's figure: th
 the prefix it caches), the same measure as the workers' ``num_waiting_prefill_tokens``, so a
 worker holding a conversation's prefix does not look busier than it is.
 
-``next()`` returns the next :class:`Step` (several queued outputs are merged into one). Before
+``next()`` returns the next step's :class:`~pdserve.common.outputs.SequenceOutput` (several
+queued outputs merged into one; ``finish_reason`` None until the last). The workers are reached
+through :class:`~pdserve.router.worker_client.WorkerClient`'s domain methods (no protobuf here). Before
 the first token every failure is raised as :class:`Retry` (the flow tries again on other
 workers, up to ``pdserve.router.flow.MAX_ATTEMPTS`` tries); after it, as the mapped domain error.
 """
@@ -21,30 +23,22 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from dataclasses import dataclass, field
 
 import grpc
 import grpc.aio
 
 from pdserve.common.grpc_utils import DeadlineExceeded, Internal, PdserveError, Unavailable, from_rpc_error
+from pdserve.common.outputs import FinishReason, SequenceOutput
+from pdserve.common.worker_types import Reservation
 from pdserve.router.pd_policy import PdDecision
 from pdserve.router.subscription import OutputBuffer, Subscription
-from pdserve.router.worker_client import WorkerClient
-from pdserve.v1 import common_pb2, worker_pb2
+from pdserve.router.worker_client import PrefillRequest, PrefillStream, WorkerClient, prefill_request
 
 log = logging.getLogger(__name__)
 
-UNSPECIFIED = common_pb2.FINISH_REASON_UNSPECIFIED
-FINAL_OK = (common_pb2.FINISH_REASON_STOP, common_pb2.FINISH_REASON_LENGTH)
-_NORMAL = (UNSPECIFIED, *FINAL_OK)
+FINAL_OK = (FinishReason.STOP, FinishReason.LENGTH)
+_NORMAL = (None, *FINAL_OK)
 _NOT_RETRYABLE = (grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.OUT_OF_RANGE)
-
-
-@dataclass(slots=True)
-class Step:
-    token_ids: list[int] = field(default_factory=list)
-    logprobs: list[float] = field(default_factory=list)
-    finish_reason: common_pb2.FinishReason = common_pb2.FINISH_REASON_UNSPECIFIED
 
 
 class Retry(Exception):
@@ -70,11 +64,11 @@ class Attempt:
         self.first_seen = False
         self.cached_tokens = 0
         self.expired = False
-        self.prefill_call: grpc.aio.UnaryStreamCall | None = None
+        self.prefill_call: PrefillStream | None = None
         self._prefill_task: asyncio.Task | None = None
         self._pending: BaseException | None = None
         self._decode_broken: BaseException | None = None   # decode stream error before the first token
-        self._prefill_req: worker_pb2.PrefillRequest | None = None   # built early (after_send)
+        self._prefill_req: PrefillRequest | None = None   # built early (after_send)
         self._subscription: Subscription | None = None
         self._decode_load = 0
         self._prefill_load = False
@@ -121,11 +115,9 @@ class Attempt:
         if self.prefill is None:
             await self._submit()
             return
-        req = worker_pb2.ReserveRequest(request_id=self.rid, token_ids=job.prompt.wire_ids,
-                                        params=job.wire_params, lease_ms=self.flow.settings.lease_ms,
-                                        deadline_unix_ms=job.deadline_unix_ms,
-                                        router_id=self.flow.settings.router_id)
-        call = self.decode.stub.Reserve(req, timeout=self._timeout(), wait_for_ready=False)
+        settings = self.flow.settings
+        call = self.decode.reserve(self.rid, job.prompt.wire_ids, job.sampling, settings.lease_ms,
+                                   job.deadline_unix_ms, settings.router_id, self._timeout())
         self.flow.dispatched(self)
         try:
             res = await call
@@ -140,7 +132,7 @@ class Attempt:
             raise self._fail(e, self.decode, "Reserve") from e
         self._start_prefill(res)
 
-    def _start_prefill(self, res: worker_pb2.ReserveResponse) -> None:
+    def _start_prefill(self, res: Reservation) -> None:
         prefill = self._remote()
         q = self.queue
         if type(q) is OutputBuffer:
@@ -151,16 +143,11 @@ class Attempt:
                 raise self._fail(broken[0], self.decode, "output stream")
             q.on_put = self._on_decode_output
         preq = self._prefill_req or self._new_prefill_request()
-        target = preq.kv_target
-        target.decode_worker_id = res.worker_id or self.decode.worker_id
-        target.kv_store_address = res.kv_store_address
-        target.decode_address = self.decode.address
-        target.block_ids.extend(res.block_ids)
-        target.num_cached_tokens = res.num_cached_tokens
         self._prefill_queued = self._prefill_tokens(local=False)
         prefill.add_load(1, prompt_tokens=self._prefill_queued, computed=self._prefill_queued)
         self._prefill_load = True
-        self.prefill_call = prefill.stub.Prefill(preq, timeout=self.job.remaining(), wait_for_ready=False)
+        self.prefill_call = prefill.prefill(preq, res, self.decode.worker_id, self.decode.address,
+                                            self.job.remaining(), self.job.sampling.logprobs)
 
     def _remote(self) -> WorkerClient:
         """The prefill worker of a remote prefill (called only on that path)."""
@@ -174,10 +161,9 @@ class Attempt:
         if self.prefill is not None and self._prefill_req is None:
             self._prefill_req = self._new_prefill_request()
 
-    def _new_prefill_request(self) -> worker_pb2.PrefillRequest:
+    def _new_prefill_request(self) -> PrefillRequest:
         job = self.job
-        return worker_pb2.PrefillRequest(request_id=self.rid, token_ids=job.prompt.wire_ids, params=job.wire_params,
-                                         deadline_unix_ms=job.deadline_unix_ms)
+        return prefill_request(self.rid, job.prompt.wire_ids, job.sampling, job.deadline_unix_ms)
 
     def _prefill_tokens(self, local: bool) -> int:
         """Prompt tokens the prefilling worker computes: the policy's figure for the place it
@@ -196,10 +182,8 @@ class Attempt:
         job = self.job
         self._local_prompt = self._prefill_tokens(local=True)
         self.decode.add_load(prompt_tokens=self._local_prompt, computed=self._local_prompt)
-        req = worker_pb2.SubmitRequest(request_id=self.rid, token_ids=job.prompt.wire_ids,
-                                       params=job.wire_params, deadline_unix_ms=job.deadline_unix_ms,
-                                       router_id=self.flow.settings.router_id)
-        call = self.decode.stub.Submit(req, timeout=self._timeout(), wait_for_ready=False)
+        call = self.decode.submit(self.rid, job.prompt.wire_ids, job.sampling, job.deadline_unix_ms,
+                                  self.flow.settings.router_id, self._timeout())
         self.flow.dispatched(self)
         try:
             await call
@@ -207,7 +191,7 @@ class Attempt:
             raise self._fail(e, self.decode, "Submit") from e
 
     # ---- steps ------------------------------------------------------------------------
-    async def next(self) -> Step:
+    async def next(self) -> SequenceOutput:
         call = self.prefill_call
         if not self.first_seen and call is not None:
             return await self._first_token(call)
@@ -224,7 +208,7 @@ class Attempt:
             items = [await q.get()]
             while not q.empty():
                 items.append(q.get_nowait())
-        step = Step()
+        step = SequenceOutput(self.rid)
         for item in items:                 # merged into one step (one client message)
             if isinstance(item, BaseException):
                 if step.token_ids:         # deliver the tokens first, fail on the next call
@@ -233,7 +217,7 @@ class Attempt:
                     break
                 raise self._fail(item, self.decode, "output stream")
             self._merge(step, item)
-            if step.finish_reason != UNSPECIFIED or self._pending is not None:
+            if step.finish_reason is not None or self._pending is not None:
                 break
         n = len(step.token_ids)
         if n:
@@ -243,22 +227,24 @@ class Attempt:
             self._release_local_prompt()
         return step
 
-    def _merge(self, step: Step, out: worker_pb2.SequenceOutput) -> None:
-        if out.num_prompt_tokens and self.prefill is None:
-            self.cached_tokens = out.num_cached_tokens
+    def _merge(self, step: SequenceOutput, out: SequenceOutput) -> None:
+        if out.num_prompt_tokens:
+            step.num_prompt_tokens, step.num_cached_tokens = out.num_prompt_tokens, out.num_cached_tokens
+            if self.prefill is None:
+                self.cached_tokens = out.num_cached_tokens
         reason = out.finish_reason
         if reason not in _NORMAL:
-            name = common_pb2.FinishReason.Name(reason)
-            if reason == common_pb2.FINISH_REASON_DEADLINE:
+            name = reason.name if reason is not None else "?"
+            if reason is FinishReason.DEADLINE:
                 err: PdserveError = DeadlineExceeded(f"request {self.rid}: deadline passed on {self.decode.key}")
-            elif reason == common_pb2.FINISH_REASON_CANCELLED:
+            elif reason is FinishReason.CANCELLED:
                 err = Unavailable(f"request {self.rid} was cancelled by worker {self.decode.key}")
             else:
                 err = Internal(f"request {self.rid} failed on worker {self.decode.key} ({name}): {out.error}")
             if step.token_ids:
                 self.first_seen = True
                 self._pending = self._fail(err, self.decode, "decode")
-                step.finish_reason = common_pb2.FINISH_REASON_UNSPECIFIED
+                step.finish_reason = None
                 return
             raise self._fail(err, self.decode, "decode")
         step.token_ids.extend(out.token_ids)
@@ -275,11 +261,11 @@ class Attempt:
             if self.prefill_call is not None:
                 self.prefill_call.cancel()
 
-    async def _first_token(self, call: grpc.aio.UnaryStreamCall) -> Step:
-        # A plain read() of the Prefill stream: the decode stream's watch is a callback
+    async def _first_token(self, call: PrefillStream) -> SequenceOutput:
+        # A plain read of the Prefill stream: the decode stream's watch is a callback
         # (_on_decode_output), so the first token costs no extra task or loop iteration.
         try:
-            msg = await call.read()
+            step = await call.first_token()
         except grpc.aio.AioRpcError as e:
             raise self._fail(e, self._remote(), "Prefill") from e
         except asyncio.CancelledError:
@@ -291,30 +277,22 @@ class Attempt:
         finally:
             if type(self.queue) is OutputBuffer:
                 self.queue.on_put = None
-        if msg is grpc.aio.EOF or msg.WhichOneof("event") != "first_token":
+        if step is None:
             raise self._fail(Internal("Prefill stream did not start with a FirstToken"), self._remote(), "Prefill")
-        ft = msg.first_token
         self.first_seen = True
-        self.cached_tokens = ft.num_cached_tokens
+        self.cached_tokens = step.num_cached_tokens
         self._decode_load += 1
         self.decode.add_load(tokens=1)
-        step = Step([ft.token_id], [ft.logprob] if self.job.sampling.logprobs else [], ft.finish_reason)
-        if ft.finish_reason != common_pb2.FINISH_REASON_UNSPECIFIED:
+        if step.finish_reason is not None:
             self._release_prefill()
             self._cancel(self.decode)          # the reservation is not needed
         else:
             self._prefill_task = asyncio.create_task(self._rest_of_prefill(call))
         return step
 
-    async def _rest_of_prefill(self, call: grpc.aio.UnaryStreamCall) -> None:
+    async def _rest_of_prefill(self, call: PrefillStream) -> None:
         try:
-            while True:     # read() only: an rpc's read API and its iterator may not be mixed
-                msg = await call.read()
-                if msg is grpc.aio.EOF:
-                    break
-                if msg.WhichOneof("event") == "transfer_done":
-                    log.debug("%s: KV transfer done: %d blocks, %.2f ms", self.rid,
-                              msg.transfer_done.num_blocks, msg.transfer_done.transfer_ms)
+            await call.finish()
         except asyncio.CancelledError:
             raise
         except grpc.aio.AioRpcError as e:   # after the first token: the request fails
@@ -333,7 +311,7 @@ class Attempt:
             self.prefill_call.cancel()
 
     def _cancel(self, worker: WorkerClient) -> None:
-        self.flow.spawn(self.flow.cancel_on(worker, self.rid))
+        self.flow.spawn(worker.cancel(self.rid))
 
     def _release_prefill(self) -> None:
         if self._prefill_load and self.prefill is not None:

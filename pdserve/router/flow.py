@@ -1,12 +1,13 @@
 """One request end to end: choose workers, run an :class:`~pdserve.router.attempt.Attempt` (retrying
 on other workers when it fails before the first token, up to ``MAX_ATTEMPTS`` tries in all), turn its steps into
-``GenerateResponse`` messages (incremental detokenization, stop strings), enforce the deadline,
-and make sure the workers hear about every early end (stop string, deadline, client gone).
+:class:`~pdserve.router.output.TextOutput` (incremental detokenization, stop strings), enforce the
+deadline, and make sure the workers hear about every early end (stop string, deadline, client gone).
+Domain types only: the front ends' servicers convert to and from their wire messages.
 
-One ``GenerateResponse`` per step (:meth:`~pdserve.router.attempt.Attempt.next`): everything the
+One ``TextOutput`` per step (:meth:`~pdserve.router.attempt.Attempt.next`): everything the
 worker sent for the request since the last message, merged (tokens, logprobs, one text delta,
 the finish reason), so a router or client that falls behind sends fewer, larger messages, not
-more of them late. The last message carries the finish reason and usage.
+more of them late. The last one carries the finish reason and the token accounting.
 
 Latency: between a request's arrival and its first worker rpc the flow does only what that rpc
 needs (validation, placement, the request message); the rest (response headers to the client,
@@ -26,27 +27,27 @@ import grpc
 import grpc.aio
 
 from pdserve.common.grpc_utils import PdserveError, Unavailable
+from pdserve.common.grpc_utils.convert import finish_reason_name
+from pdserve.common.outputs import FinishReason, SequenceOutput
 from pdserve.common.sampling_params import SamplingParams
-from pdserve.router.attempt import Attempt, Retry, Step
+from pdserve.common.worker_types import Role
+from pdserve.router.attempt import Attempt, Retry
 from pdserve.router.metrics import RouterMetrics
-from pdserve.router.output import OutputProcessor
+from pdserve.router.output import OutputProcessor, TextOutput
 from pdserve.router.pd_policy import REMOTE, DecodePlace, PdDecision, PrefillPlace, decide, uncached_tokens
 from pdserve.router.policy import DecodeCandidate, PrefillCandidate, pick_decode, pick_prefill
 from pdserve.router.prefix_index import PrefixIndex
-from pdserve.router.settings import CANCEL_TIMEOUT_S, RouterSettings
+from pdserve.router.settings import RouterSettings
 from pdserve.router.tokenization import Prompt
 from pdserve.router.worker_client import WorkerClient
 from pdserve.router.workers import WorkerRegistry
-from pdserve.v1 import common_pb2, router_pb2, worker_pb2
 
 log = logging.getLogger(__name__)
 
-UNSPECIFIED = common_pb2.FINISH_REASON_UNSPECIFIED
 # Tries of one request before its first token (each on workers not tried yet, within the
 # request's deadline): a worker killed or drained under load can fail a request's first try and
 # a stalled peer its second; nothing has reached the client yet, so trying again is safe.
 MAX_ATTEMPTS = 4
-GenerateResponse = router_pb2.GenerateResponse
 
 
 @dataclass
@@ -55,8 +56,7 @@ class Job:
 
     request_id: str                  # as the client sees it
     prompt: Prompt
-    sampling: SamplingParams
-    wire_params: common_pb2.SamplingParams
+    sampling: SamplingParams         # max_tokens resolved: what the workers get
     stop: tuple[str, ...] = ()
     include_stop: bool = False
     skip_special_tokens: bool = True
@@ -108,13 +108,13 @@ class Flow:
         return f"{self.settings.router_id}-{next(self._ids)}"
 
     def make_job(self, request_id: str, prompt: Prompt, sampling: SamplingParams,
-                 wire_params: common_pb2.SamplingParams, stop: tuple[str, ...], include_stop: bool,
+                 stop: tuple[str, ...], include_stop: bool,
                  skip_special_tokens: bool, time_remaining: float | None) -> Job:
         deadline = deadline_ms = None
         if time_remaining is not None:
             deadline = time.monotonic() + time_remaining
             deadline_ms = int((time.time() + time_remaining) * 1000)
-        return Job(request_id, prompt, sampling, wire_params, stop, include_stop, skip_special_tokens,
+        return Job(request_id, prompt, sampling, stop, include_stop, skip_special_tokens,
                    deadline, deadline_ms or 0)
 
     # ---- background cancels -----------------------------------------------------------
@@ -122,13 +122,6 @@ class Flow:
         task = asyncio.ensure_future(coro)
         self._background.add(task)
         task.add_done_callback(self._background.discard)
-
-    async def cancel_on(self, worker: WorkerClient, request_id: str) -> None:
-        try:
-            await worker.stub.Cancel(worker_pb2.CancelRequest(request_id=request_id),
-                                     timeout=CANCEL_TIMEOUT_S, wait_for_ready=False)
-        except grpc.aio.AioRpcError as e:
-            log.debug("Cancel %s on %s failed: %s", request_id, worker.key, e.code().name)
 
     # ---- placement --------------------------------------------------------------------
     def _choose(self, job: Job, excluded: set[str]) -> tuple[WorkerClient, WorkerClient | None, PdDecision]:
@@ -180,7 +173,7 @@ class Flow:
                                 s.prefill_tokens_per_s if s is not None else 0.0)
 
         s = decode.stats
-        d = DecodePlace(place(decode), decode.role == common_pb2.ROLE_BOTH, s.decode_step_ms if s else 0.0,
+        d = DecodePlace(place(decode), decode.role is Role.BOTH, s.decode_step_ms if s else 0.0,
                         s.mixed_step_ms if s else 0.0, s.max_num_batched_tokens if s else 0,
                         s.chunked_prefill if s else True, decode.prefill_rate())
         decision = decide(d, [place(c) for c in prefillers] if cfg.mode != "never" else [], cfg)
@@ -193,7 +186,7 @@ class Flow:
                                    prefill_tokens=uncached_tokens(n, matches.get(key, 0), bs))
         return decision
 
-    async def _start(self, job: Job) -> tuple[Attempt, Step]:
+    async def _start(self, job: Job) -> tuple[Attempt, SequenceOutput]:
         """Start the request and wait for its first step; retried on other workers (each failed
         worker excluded) up to MAX_ATTEMPTS tries, while workers remain and the deadline allows."""
         excluded: set[str] = set()
@@ -262,7 +255,9 @@ class Flow:
 
     # ---- the request ------------------------------------------------------------------
     async def generate(self, job: Job, method: str = "Generate"
-                       ) -> AsyncGenerator[router_pb2.GenerateResponse, None]:
+                       ) -> AsyncGenerator[TextOutput, None]:
+        """The request's outputs, one per step; the last has its finish reason. Errors are
+        pdserve.common.grpc_utils domain errors (or a worker's rpc error)."""
         if self.draining:
             raise Unavailable("the router is shutting down")
         started = time.monotonic()
@@ -287,7 +282,7 @@ class Flow:
                         yield resp
                     if done:
                         cancel_workers = stop_hit
-                        reason = common_pb2.FinishReason.Name(resp.finish_reason)
+                        reason = finish_reason_name(resp.finish_reason, resp.matched_stop is not None)
                         self.metrics.finish.labels(reason).inc()
                         break
                 step = await att.next()
@@ -314,34 +309,30 @@ class Flow:
             self.metrics.requests.labels(method, status).inc()
             self.metrics.e2e.observe(time.monotonic() - started)
 
-    def _respond(self, job: Job, out: OutputProcessor, att: Attempt, step: Step
-                 ) -> tuple[router_pb2.GenerateResponse, bool, bool] | None:
-        """(message to send, request finished, finished by a stop string); None: nothing to send
+    def _respond(self, job: Job, out: OutputProcessor, att: Attempt, step: SequenceOutput
+                 ) -> tuple[TextOutput, bool, bool] | None:
+        """(output to send, request finished, finished by a stop string); None: nothing to send
         (and not finished)."""
         toks = step.token_ids
         text, matched = out.step(toks)
         reason = step.finish_reason
-        done = reason != UNSPECIFIED or matched is not None
+        done = reason is not None or matched is not None
         if done and matched is None:
             tail = out.finish()
             text, matched = text + tail.text, tail.matched_stop
         if matched is not None:
-            reason = common_pb2.FINISH_REASON_STOP_STRING
+            reason = FinishReason.STOP
         if not done and not toks and not text:
             return None
-        if job.sampling.logprobs:
-            resp = GenerateResponse(request_id=job.request_id, token_ids=toks, text=text, logprobs=step.logprobs)
-        else:
-            resp = GenerateResponse(request_id=job.request_id, token_ids=toks, text=text)
+        resp = TextOutput(job.request_id, toks, step.logprobs if job.sampling.logprobs else [], text=text)
         if done:
             resp.finish_reason = reason
-            resp.usage.prompt_tokens = len(job.prompt.token_ids)
-            resp.usage.completion_tokens = out.num_tokens
-            resp.usage.cached_tokens = att.cached_tokens
+            resp.num_prompt_tokens = len(job.prompt.token_ids)
+            resp.num_output_tokens = out.num_tokens
+            resp.num_cached_tokens = att.cached_tokens
+            resp.matched_stop = matched
             self.metrics.cached_tokens.inc(att.cached_tokens)
-            if matched is not None:
-                resp.matched_stop = matched
-        stop_hit = matched is not None and step.finish_reason == UNSPECIFIED
+        stop_hit = matched is not None and step.finish_reason is None
         return resp, done, stop_hit
 
     async def drain(self, grace_s: float) -> None:

@@ -118,18 +118,18 @@ def _listen_address(host: str, port: int) -> str:
 
 
 async def _serve(args: argparse.Namespace) -> None:
-    from pdserve.common.grpc_utils import Service, build_server, serve
+    from pdserve.common.grpc_utils import build_server, serve
     from pdserve.common.security import set_default_client_security
     from pdserve.common.security.args import internal_client_security, public_server_security
-    from pdserve.kserve import grpc_predict_v2_pb2, grpc_predict_v2_pb2_grpc
+    from pdserve.common.worker_types import Role
     from pdserve.router.kserve.servicer import KServeServicer
+    from pdserve.router.kserve.servicer import service as kserve_service
     from pdserve.router.metrics import RouterMetrics
     from pdserve.router.observed import ObservedFlow
-    from pdserve.router.servicer import GenerationServicer, InfoServicer
+    from pdserve.router.servicer import GenerationServicer, InfoServicer, services
     from pdserve.router.settings import NO_BDP_OPTIONS, RouterSettings
     from pdserve.router.tokenization import RouterTokenizer, resolve_spec
     from pdserve.router.workers import WorkerRegistry
-    from pdserve.v1 import common_pb2, common_pb2_grpc, router_pb2, router_pb2_grpc
     security = public_server_security(args)
     set_default_client_security(internal_client_security(args))
     settings = RouterSettings(
@@ -146,8 +146,8 @@ async def _serve(args: argparse.Namespace) -> None:
     flow = ObservedFlow(registry, settings, tokenizer, metrics)
 
     def update_gauges() -> None:
-        for role in (common_pb2.ROLE_PREFILL, common_pb2.ROLE_DECODE, common_pb2.ROLE_BOTH):
-            metrics.workers_up.labels(common_pb2.Role.Name(role)).set(registry.count_up({role}))
+        for role in (Role.PREFILL, Role.DECODE, Role.BOTH):      # labels ROLE_PREFILL, ...
+            metrics.workers_up.labels(f"ROLE_{role.name}").set(registry.count_up({role}))
 
     registry.add_listener(update_gauges)
     generation = GenerationServicer(flow, registry, spec, tokenizer)
@@ -155,12 +155,7 @@ async def _serve(args: argparse.Namespace) -> None:
     http = http_server(args, generation, flow, security)    # OpenAI HTTP API (same tokens, TLS); None = off
     kserve = KServeServicer(generation)     # KServe v2 gRPC, same port and request path
     server = build_server(_listen_address(args.host, args.port), [
-        Service(router_pb2.DESCRIPTOR.services_by_name["Generation"], router_pb2_grpc.add_GenerationServicer_to_server,
-                generation),
-        Service(common_pb2.DESCRIPTOR.services_by_name["InfoService"],
-                common_pb2_grpc.add_InfoServiceServicer_to_server, InfoServicer(registry, spec, settings.router_id)),
-        Service(grpc_predict_v2_pb2.DESCRIPTOR.services_by_name["GRPCInferenceService"],
-                grpc_predict_v2_pb2_grpc.add_GRPCInferenceServiceServicer_to_server, kserve),
+        *services(generation, InfoServicer(registry, spec, settings.router_id)), kserve_service(kserve),
     ], options=NO_BDP_OPTIONS, security=security, max_message_bytes=generation.bounds.max_request_bytes)
     kserve.bind_health(server.health)
 

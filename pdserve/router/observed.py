@@ -21,8 +21,8 @@ from collections.abc import AsyncGenerator
 from pdserve.common import telemetry
 from pdserve.router.attempt import Attempt
 from pdserve.router.flow import Flow, Job
+from pdserve.router.output import TextOutput
 from pdserve.router.pd_policy import PdDecision
-from pdserve.v1 import router_pb2
 
 LOCAL, REMOTE = "local", "remote"
 
@@ -49,7 +49,7 @@ class ObservedFlow(Flow):
         super().dispatched(att)
 
     async def generate(self, job: Job, method: str = "Generate"
-                       ) -> AsyncGenerator[router_pb2.GenerateResponse, None]:
+                       ) -> AsyncGenerator[TextOutput, None]:
         key = id(job)
         started = time.monotonic()
         last = first = 0.0

@@ -3,7 +3,8 @@
 Text that could still turn out to be the start of a stop string is held back (the longest
 suffix of the text that is a prefix of some stop string), so a stop string that spans two
 steps is never partly sent before it matches. When one matches, the text is cut before it (or
-after it with ``include_stop_str_in_output``) and the request ends with STOP_STRING.
+after it with ``include_stop_str_in_output``) and the request ends with STOP (``matched_stop``
+naming the string: FINISH_REASON_STOP_STRING on the wire).
 
 Detokenization is incremental (:class:`pdserve.common.detokenizer.IncrementalDetokenizer`) and runs
 once per step, over all the tokens the workers sent since the last message (merged).
@@ -14,6 +15,20 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from pdserve.common.detokenizer import IncrementalDetokenizer
+from pdserve.common.outputs import SequenceOutput
+
+
+@dataclass(slots=True)
+class TextOutput(SequenceOutput):
+    """A step's :class:`SequenceOutput` as the router hands it to its front ends (gRPC, OpenAI,
+    KServe), with the text it added. The last one (``finish_reason`` set) also carries the
+    request's token accounting (``num_prompt_tokens``, ``num_cached_tokens``,
+    ``num_output_tokens``) and, when a stop string ended it (``finish_reason`` STOP), that
+    string in ``matched_stop``."""
+
+    text: str = ""
+    matched_stop: str | None = None
+    num_output_tokens: int = 0       # tokens generated in all (the last output only)
 
 
 @dataclass

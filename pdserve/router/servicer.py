@@ -1,5 +1,8 @@
 """The router's gRPC servicers: thin layers of validate -> convert -> flow -> convert.
 
+The flow yields :class:`~pdserve.router.output.TextOutput` (domain); :func:`generate_response`
+is its wire form (a STOP with ``matched_stop`` is FINISH_REASON_STOP_STRING).
+
 Errors are raised as pdserve.common.grpc_utils domain exceptions; the server's error interceptor maps
 them to statuses (INVALID_ARGUMENT naming the field, UNAVAILABLE, ...).
 """
@@ -11,13 +14,17 @@ from typing import Any
 
 import pdserve
 from pdserve.common import telemetry
+from pdserve.common.grpc_utils import Service
+from pdserve.common.grpc_utils.convert import finish_reason_to_proto, worker_info_to_proto
+from pdserve.common.grpc_utils.protocol import PROTOCOL_VERSION
+from pdserve.common.worker_types import DECODE_ROLES, PREFILL_CAPABLE, Role, WorkerInfo
 from pdserve.router.flow import Flow, Job
+from pdserve.router.output import TextOutput
 from pdserve.router.tokenization import ModelSpec, RouterTokenizer, build_prompt, check_context
 from pdserve.router.validation import DEFAULT_MAX_TOKEN_CHARS, ParamsCache, PromptBounds, max_token_chars
-from pdserve.router.workers import DECODE_ROLES, PROTOCOL_VERSION, WorkerRegistry
+from pdserve.router.workers import WorkerRegistry
 from pdserve.v1 import common_pb2, common_pb2_grpc, router_pb2, router_pb2_grpc
 
-PREFILL_CAPABLE = {common_pb2.ROLE_PREFILL, common_pb2.ROLE_BOTH}
 log = logging.getLogger(__name__)
 
 try:
@@ -58,6 +65,20 @@ class EarlyHeaders:
                 pass
 
 
+def generate_response(out: TextOutput) -> router_pb2.GenerateResponse:
+    """The wire form of one output; finish reason, usage and matched stop on the last only."""
+    resp = router_pb2.GenerateResponse(request_id=out.request_id, token_ids=out.token_ids, text=out.text,
+                                       logprobs=out.logprobs)
+    if out.finish_reason is not None:
+        resp.finish_reason = finish_reason_to_proto(out.finish_reason, out.matched_stop is not None)
+        resp.usage.prompt_tokens = out.num_prompt_tokens
+        resp.usage.completion_tokens = out.num_output_tokens
+        resp.usage.cached_tokens = out.num_cached_tokens
+        if out.matched_stop is not None:
+            resp.matched_stop = out.matched_stop
+    return resp
+
+
 def _headers_sent(task: asyncio.Task) -> None:
     if not task.cancelled() and task.exception() is not None:
         log.debug("response headers not sent: %r", task.exception())
@@ -90,9 +111,9 @@ class GenerationServicer(router_pb2_grpc.GenerationServicer):
         with telemetry.span("tokenize", request.request_id):
             prompt = build_prompt(request, self.tokenizer, self.spec, self.spec.vocab_size)
         max_tokens = check_context(prompt, params.max_tokens, self.registry.max_model_len())
-        sampling, wire = self.params.resolve(key, params, max_tokens)
+        sampling = self.params.resolve(key, params, max_tokens)
         return self.flow.make_job(
-            request.request_id or self.flow.new_request_id(), prompt, sampling, wire,
+            request.request_id or self.flow.new_request_id(), prompt, sampling,
             params.stop, request.include_stop_str_in_output, not request.keep_special_tokens,
             time_remaining)
 
@@ -102,11 +123,11 @@ class GenerationServicer(router_pb2_grpc.GenerationServicer):
         job.on_dispatch = headers.send
         pending: EarlyHeaders | None = headers
         try:
-            async for response in self.flow.generate(job, "Generate"):
+            async for out in self.flow.generate(job, "Generate"):
                 if pending is not None:         # done long ago, normally: no wait
                     await pending.settle()
                     pending = None
-                yield response
+                yield generate_response(out)
         except Exception:
             await headers.settle()      # the error interceptor's abort must not race the headers
             raise
@@ -115,14 +136,15 @@ class GenerationServicer(router_pb2_grpc.GenerationServicer):
         job = self._job(request, context, "GenerateUnary")
         result = router_pb2.GenerateResult(request_id=job.request_id)
         texts: list[str] = []
-        async for r in self.flow.generate(job, "GenerateUnary"):
-            texts.append(r.text)
-            result.token_ids.extend(r.token_ids)
-            result.logprobs.extend(r.logprobs)
-            if r.finish_reason:
-                result.finish_reason = r.finish_reason
-                result.usage.CopyFrom(r.usage)
-                result.matched_stop = r.matched_stop
+        async for out in self.flow.generate(job, "GenerateUnary"):
+            texts.append(out.text)
+            result.token_ids.extend(out.token_ids)
+            result.logprobs.extend(out.logprobs)
+            if out.finish_reason is not None:
+                last = generate_response(out)
+                result.finish_reason = last.finish_reason
+                result.usage.CopyFrom(last.usage)
+                result.matched_stop = last.matched_stop
         result.text = "".join(texts)
         return result
 
@@ -148,8 +170,18 @@ class InfoServicer(common_pb2_grpc.InfoServiceServicer):
         self.router_id = router_id
 
     async def Info(self, request: common_pb2.InfoRequest, context: Any) -> common_pb2.ServerInfo:
-        return common_pb2.ServerInfo(
-            protocol_version=PROTOCOL_VERSION, role=common_pb2.ROLE_ROUTER, model=self.spec.name,
+        return worker_info_to_proto(WorkerInfo(
+            protocol_version=PROTOCOL_VERSION, role=Role.ROUTER, model=self.spec.name,
             dtype=self.registry.dtype(), block_size=self.registry.block_size,
             max_model_len=self.registry.max_model_len(), num_kv_blocks=0, worker_id=self.router_id,
-            version=VERSION, vocab_size=self.spec.vocab_size)
+            version=VERSION, vocab_size=self.spec.vocab_size))
+
+
+def services(generation: GenerationServicer, info: InfoServicer) -> list[Service]:
+    """The router's pdserve.v1 services (Generation, InfoService), for build_server."""
+    return [
+        Service(router_pb2.DESCRIPTOR.services_by_name["Generation"], router_pb2_grpc.add_GenerationServicer_to_server,
+                generation),
+        Service(common_pb2.DESCRIPTOR.services_by_name["InfoService"],
+                common_pb2_grpc.add_InfoServiceServicer_to_server, info),
+    ]

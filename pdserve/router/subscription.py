@@ -1,8 +1,9 @@
 """One ``Subscribe`` stream per decode worker: its StepOutputs are fanned out to the requests.
 
 Each request in flight on the worker has an :class:`OutputBuffer` (a list and at most one
-waiter, cheaper than an ``asyncio.Queue``); every ``SequenceOutput`` of a StepOutputs is
-appended, as it is, to its request's buffer (outputs for unknown ids are dropped: a request the
+waiter, cheaper than an ``asyncio.Queue``); every output of a StepOutputs is appended, as a
+:class:`~pdserve.common.outputs.SequenceOutput` (pdserve.common.grpc_utils.convert), to its
+request's buffer (outputs for unknown ids are dropped: a request the
 router already finished or gave up), and the request takes everything buffered at once (see
 :meth:`pdserve.router.attempt.Attempt.next`, which merges it into one step). When the stream breaks or
 ends, every buffer gets an :class:`~pdserve.common.grpc_utils.Unavailable` and ``on_broken`` tells the
@@ -22,8 +23,8 @@ import grpc
 import grpc.aio
 
 from pdserve.common.grpc_utils import Unavailable
+from pdserve.common.grpc_utils.convert import sequence_output_from_proto
 from pdserve.router.settings import SUBSCRIBE_CONFIRM_S
-from pdserve.v1 import worker_pb2, worker_pb2_grpc
 
 log = logging.getLogger(__name__)
 
@@ -82,11 +83,12 @@ class OutputBuffer:
 
 
 class Subscription:
-    def __init__(self, key: str, stub: worker_pb2_grpc.WorkerStub, router_id: str,
+    """``open_stream`` starts the worker's Subscribe call (see pdserve.router.worker_client)."""
+
+    def __init__(self, key: str, open_stream: Callable[[], grpc.aio.UnaryStreamCall],
                  on_broken: Callable[[str], None]) -> None:
         self.key = key
-        self.stub = stub
-        self.router_id = router_id
+        self.open_stream = open_stream
         self.on_broken = on_broken
         self.open = False
         self._queues: dict[str, OutputBuffer] = {}
@@ -99,8 +101,7 @@ class Subscription:
 
         Raises :class:`Unavailable` when the stream fails at once.
         """
-        call = self.stub.Subscribe(worker_pb2.SubscribeRequest(router_id=self.router_id),
-                                   wait_for_ready=False)
+        call = self.open_stream()
         headers = asyncio.ensure_future(call.initial_metadata())
         await asyncio.wait({headers}, timeout=confirm_s)
         if call.done():
@@ -123,7 +124,7 @@ class Subscription:
                 for out in msg.outputs:
                     queue = queues.get(out.request_id)
                     if queue is not None:
-                        queue.put_nowait(out)
+                        queue.put_nowait(sequence_output_from_proto(out))
                     elif log.isEnabledFor(logging.DEBUG):
                         log.debug("%s: output for unknown request %s", self.key, out.request_id)
                 queues = self._queues       # _fail_all may have replaced it

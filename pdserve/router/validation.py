@@ -8,7 +8,7 @@ import dataclasses
 from dataclasses import dataclass
 
 from pdserve.common.grpc_utils import InvalidArgument
-from pdserve.common.grpc_utils.convert import sampling_params_from_proto, sampling_params_to_proto
+from pdserve.common.grpc_utils.convert import sampling_params_from_proto
 from pdserve.common.sampling_params import SamplingParams
 from pdserve.v1 import common_pb2
 
@@ -42,12 +42,11 @@ def from_proto(p: common_pb2.SamplingParams, vocab_size: int, has_tokenizer: boo
 
 
 class ParamsCache:
-    """Validated sampling parameters by their wire bytes, with their worker-side forms.
+    """Validated sampling parameters by their wire bytes, with their resolved forms.
 
     Clients send the same few parameter sets again and again; a lookup by the serialized
     message is cheaper than validating it again. Errors are never cached. Bounded: cleared
-    when full. The cached objects are shared, so nobody may mutate them (SamplingParams is
-    frozen; the wire message is only copied into worker requests).
+    when full. The cached objects are shared (SamplingParams is frozen).
     """
 
     def __init__(self, vocab_size: int, has_tokenizer: bool, max_entries: int = 1024) -> None:
@@ -55,7 +54,7 @@ class ParamsCache:
         self.has_tokenizer = has_tokenizer
         self.max_entries = max_entries
         self._params: dict[bytes, RequestParams] = {}
-        self._resolved: dict[tuple[bytes, int], tuple[SamplingParams, common_pb2.SamplingParams]] = {}
+        self._resolved: dict[tuple[bytes, int], SamplingParams] = {}
 
     def validate(self, p: common_pb2.SamplingParams) -> tuple[bytes, RequestParams]:
         """(cache key, :func:`from_proto` of ``p``); raises as from_proto does."""
@@ -68,13 +67,12 @@ class ParamsCache:
             self._params[key] = params
         return key, params
 
-    def resolve(self, key: bytes, params: RequestParams, max_tokens: int
-                ) -> tuple[SamplingParams, common_pb2.SamplingParams]:
-        """The sampling with the effective ``max_tokens`` and its wire form for workers."""
+    def resolve(self, key: bytes, params: RequestParams, max_tokens: int) -> SamplingParams:
+        """The sampling with the effective ``max_tokens`` (what the workers get: the worker
+        client converts it, pdserve.common.grpc_utils.convert.sampling_params_to_proto)."""
         out = self._resolved.get((key, max_tokens))
         if out is None:
-            sampling = dataclasses.replace(params.sampling, max_tokens=max_tokens)
-            out = (sampling, sampling_params_to_proto(sampling))
+            out = dataclasses.replace(params.sampling, max_tokens=max_tokens)
             if len(self._resolved) >= self.max_entries:
                 self._resolved.clear()
             self._resolved[(key, max_tokens)] = out

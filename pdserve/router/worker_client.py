@@ -17,13 +17,20 @@ the time of the poll; :attr:`WorkerClient.other_tokens` / :attr:`other_prompt_to
 worker's figure minus that own share (never below 0), stale by at most STATS_INTERVAL_S plus a
 round trip. This router's own load is counted live (``add_load``).
 Every call uses ``wait_for_ready=False`` and a timeout, so a dead worker fails fast.
+
+The request rpcs (:meth:`WorkerClient.reserve`, :meth:`~WorkerClient.submit`,
+:meth:`~WorkerClient.prefill`, :meth:`~WorkerClient.cancel`) take and return domain types
+(pdserve.common.worker_types, pdserve.common.outputs), converted by
+pdserve.common.grpc_utils.convert: this module and the servicers are the router's only
+protobuf edge. Their rpc errors are raised as ``grpc.aio.AioRpcError`` (the attempt maps them).
 """
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from collections.abc import Set as AbstractSet
 
 import grpc
@@ -32,10 +39,20 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from pdserve.common.grpc_utils import Unavailable, client_channel
 from pdserve.common.grpc_utils.channels import RenewingChannels
-from pdserve.common.grpc_utils.protocol import DECODE_ROLES
+from pdserve.common.grpc_utils.convert import (
+    first_token_from_proto,
+    reservation_from_proto,
+    sampling_params_to_proto,
+    worker_info_from_proto,
+    worker_stats_from_proto,
+)
+from pdserve.common.outputs import SequenceOutput
+from pdserve.common.sampling_params import SamplingParams
+from pdserve.common.worker_types import DECODE_ROLES, Reservation, Role, WorkerInfo, WorkerStats
 from pdserve.router.pd_policy import decayed_rate
 from pdserve.router.prefix_index import PrefixIndex
 from pdserve.router.settings import (
+    CANCEL_TIMEOUT_S,
     KV_RESUBSCRIBE_S,
     NO_BDP_OPTIONS,
     RECONNECT_MAX_S,
@@ -49,6 +66,12 @@ from pdserve.router.subscription import Subscription
 from pdserve.v1 import common_pb2, common_pb2_grpc, worker_pb2, worker_pb2_grpc
 
 log = logging.getLogger(__name__)
+
+# A Prefill request, built (the prompt's ids copied) before the reservation it targets is known.
+PrefillRequest = worker_pb2.PrefillRequest
+# The wire form of the few sampling parameter sets clients send, converted once each (the
+# messages are shared: only ever copied into a request).
+_wire_params = functools.lru_cache(maxsize=1024)(sampling_params_to_proto)
 
 DOWN_CODES = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED)
 LOADING = "loading its model"    # last_error while a starting worker loads its model
@@ -67,8 +90,8 @@ SUBSCRIBE_CHANNEL_OPTIONS = (
 
 
 class WorkerClient:
-    def __init__(self, address: str, expected_roles: AbstractSet[int], settings: RouterSettings,
-                 prefix_index: PrefixIndex, check_info: Callable[[WorkerClient, common_pb2.ServerInfo], str | None],
+    def __init__(self, address: str, expected_roles: AbstractSet[Role], settings: RouterSettings,
+                 prefix_index: PrefixIndex, check_info: Callable[[WorkerClient, WorkerInfo], str | None],
                  on_change: Callable[[], None] = lambda: None) -> None:
         self.key = address
         self.address = address
@@ -80,8 +103,8 @@ class WorkerClient:
         self.channels = RenewingChannels(options=NO_BDP_OPTIONS)   # new ones after a certificate rotation
         self._bind_stubs()
         self.sub_channel: grpc.aio.Channel | None = None     # the Subscribe stream's own connection
-        self.info: common_pb2.ServerInfo | None = None
-        self.stats: worker_pb2.WorkerStats | None = None
+        self.info: WorkerInfo | None = None
+        self.stats: WorkerStats | None = None
         self.subscription: Subscription | None = None
         self.up = False
         self.retired = False            # left DNS: no new requests; closed once idle
@@ -108,8 +131,8 @@ class WorkerClient:
 
     # ---- identity ---------------------------------------------------------------------
     @property
-    def role(self) -> int:
-        return self.info.role if self.info is not None else common_pb2.ROLE_UNSPECIFIED
+    def role(self) -> Role | None:
+        return self.info.role if self.info is not None else None
 
     @property
     def worker_id(self) -> str:
@@ -124,7 +147,7 @@ class WorkerClient:
         return self.up and not self.retired
 
     def describe(self) -> str:
-        role = common_pb2.Role.Name(self.role) if self.info else "?"
+        role = self.role.value if self.role is not None else "?"
         return f"{self.key} ({self.worker_id or '?'}, {role})"
 
     def _bind_stubs(self) -> None:
@@ -166,7 +189,8 @@ class WorkerClient:
     async def _connect(self) -> bool:
         timeout = self.settings.worker_timeout_s
         try:
-            info = await self.info_stub.Info(common_pb2.InfoRequest(), timeout=timeout, wait_for_ready=False)
+            info = worker_info_from_proto(await self.info_stub.Info(common_pb2.InfoRequest(), timeout=timeout,
+                                                                    wait_for_ready=False))
         except grpc.aio.AioRpcError as e:
             # the normal start of a worker, said once: it answers "loading", or is too busy
             # loading to answer in time before it was ever up
@@ -188,7 +212,9 @@ class WorkerClient:
         if self.can_decode:
             if self.sub_channel is None:
                 self.sub_channel = client_channel(self.address, options=SUBSCRIBE_CHANNEL_OPTIONS)
-            sub = Subscription(self.key, worker_pb2_grpc.WorkerStub(self.sub_channel), self.settings.router_id,
+            stub = worker_pb2_grpc.WorkerStub(self.sub_channel)
+            request = worker_pb2.SubscribeRequest(router_id=self.settings.router_id)
+            sub = Subscription(self.key, functools.partial(stub.Subscribe, request, wait_for_ready=False),
                                self.mark_down)
             try:
                 await sub.start()
@@ -241,8 +267,8 @@ class WorkerClient:
     async def _poll_stats(self) -> None:
         own_tokens, own_prompt = self.inflight_tokens, self.inflight_prompt_tokens
         try:
-            self.stats = await self.stub.GetStats(worker_pb2.GetStatsRequest(),
-                                                  timeout=self.settings.worker_timeout_s, wait_for_ready=False)
+            self.stats = worker_stats_from_proto(await self.stub.GetStats(
+                worker_pb2.GetStatsRequest(), timeout=self.settings.worker_timeout_s, wait_for_ready=False))
         except grpc.aio.AioRpcError as e:
             if e.code() == grpc.StatusCode.DEADLINE_EXCEEDED:
                 self.stats_misses += 1
@@ -258,7 +284,7 @@ class WorkerClient:
         if self.kv_wanted and not self._kv_unimplemented and (self._kv_task is None or self._kv_task.done()):
             self._start_kv_events()
 
-    def _note_others(self, stats: worker_pb2.WorkerStats, own_tokens: int, own_prompt: int) -> None:
+    def _note_others(self, stats: WorkerStats, own_tokens: int, own_prompt: int) -> None:
         """Other routers' load = the worker's figure minus this router's share at the poll."""
         bs = self.info.block_size if self.info is not None else 0
         held = max(stats.num_running_context_tokens + stats.num_waiting_prefill_tokens,
@@ -346,3 +372,85 @@ class WorkerClient:
         exponentially decayed counter over ``rate_window_s`` (pdserve.router.pd_policy's lam)."""
         window = self.settings.pd.rate_window_s
         return decayed_rate(self._prefill_counter, self._prefill_counter_at, time.monotonic(), window) / window
+
+    # ---- request rpcs -----------------------------------------------------------------
+    # reserve / submit start the rpc before they return (its send is the next thing the loop
+    # runs): the caller does its own work, then awaits the answer.
+    def reserve(self, request_id: str, token_ids, params: SamplingParams, lease_ms: int, deadline_unix_ms: int,
+                router_id: str, timeout: float) -> Awaitable[Reservation]:
+        """Reserve KV blocks for the prompt ``token_ids`` (a list or the client's repeated field)."""
+        req = worker_pb2.ReserveRequest(request_id=request_id, token_ids=token_ids, params=_wire_params(params),
+                                        lease_ms=lease_ms, deadline_unix_ms=deadline_unix_ms, router_id=router_id)
+        return _reservation(self.stub.Reserve(req, timeout=timeout, wait_for_ready=False))
+
+    def submit(self, request_id: str, token_ids, params: SamplingParams, deadline_unix_ms: int, router_id: str,
+               timeout: float) -> Awaitable[object]:
+        """Queue the request on this worker (it prefills it); its outputs come on the Subscribe stream."""
+        req = worker_pb2.SubmitRequest(request_id=request_id, token_ids=token_ids, params=_wire_params(params),
+                                       deadline_unix_ms=deadline_unix_ms, router_id=router_id)
+        return self.stub.Submit(req, timeout=timeout, wait_for_ready=False)
+
+    def prefill(self, req: PrefillRequest, target: Reservation, decode_worker_id: str, decode_address: str,
+                timeout: float | None, logprobs: bool) -> PrefillStream:
+        """Start ``req`` (from :func:`prefill_request`) here, its KV going to ``target`` on the
+        decode worker at ``decode_address``."""
+        kv = req.kv_target
+        kv.decode_worker_id = target.worker_id or decode_worker_id
+        kv.kv_store_address = target.kv_store_address
+        kv.decode_address = decode_address
+        kv.block_ids.extend(target.block_ids)
+        kv.num_cached_tokens = target.num_cached_tokens
+        return PrefillStream(self.stub.Prefill(req, timeout=timeout, wait_for_ready=False), req.request_id, logprobs)
+
+    async def cancel(self, request_id: str) -> None:
+        """Cancel the request here; a failure is only logged (the worker may be gone)."""
+        try:
+            await self.stub.Cancel(worker_pb2.CancelRequest(request_id=request_id),
+                                   timeout=CANCEL_TIMEOUT_S, wait_for_ready=False)
+        except grpc.aio.AioRpcError as e:
+            log.debug("Cancel %s on %s failed: %s", request_id, self.key, e.code().name)
+
+
+def prefill_request(request_id: str, token_ids, params: SamplingParams, deadline_unix_ms: int) -> PrefillRequest:
+    """A Prefill request without its KV target (:meth:`WorkerClient.prefill` sets it)."""
+    return worker_pb2.PrefillRequest(request_id=request_id, token_ids=token_ids, params=_wire_params(params),
+                                     deadline_unix_ms=deadline_unix_ms)
+
+
+async def _reservation(call: Awaitable[worker_pb2.ReserveResponse]) -> Reservation:
+    return reservation_from_proto(await call)
+
+
+class PrefillStream:
+    """A Prefill call: its first token (:meth:`first_token`), then KV transfer events
+    (:meth:`finish`). ``read()`` only: an rpc's read API and its iterator may not be mixed."""
+
+    __slots__ = ("call", "request_id", "logprobs")
+
+    def __init__(self, call: grpc.aio.UnaryStreamCall, request_id: str, logprobs: bool) -> None:
+        self.call = call
+        self.request_id = request_id
+        self.logprobs = logprobs
+
+    async def first_token(self) -> SequenceOutput | None:
+        """The request's first output; None when the stream did not start with a FirstToken."""
+        msg = await self.call.read()
+        if msg is grpc.aio.EOF or msg.WhichOneof("event") != "first_token":
+            return None
+        return first_token_from_proto(msg.first_token, self.request_id, self.logprobs)
+
+    async def finish(self) -> None:
+        """Read the rest of the stream (the KV transfer's end)."""
+        while True:
+            msg = await self.call.read()
+            if msg is grpc.aio.EOF:
+                return
+            if msg.WhichOneof("event") == "transfer_done":
+                log.debug("%s: KV transfer done: %d blocks, %.2f ms", self.request_id,
+                          msg.transfer_done.num_blocks, msg.transfer_done.transfer_ms)
+
+    def cancel(self) -> bool:
+        return self.call.cancel()
+
+    def done(self) -> bool:
+        return self.call.done()

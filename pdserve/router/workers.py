@@ -18,17 +18,16 @@ import socket
 from collections.abc import Iterable
 from collections.abc import Set as AbstractSet
 
-from pdserve.common.grpc_utils.protocol import DECODE_ROLES, PROTOCOL_VERSION
+from pdserve.common.grpc_utils.protocol import PROTOCOL_VERSION
+from pdserve.common.worker_types import DECODE_ROLES, PREFILL_CAPABLE, Role, WorkerInfo
 from pdserve.router.prefix_index import PrefixIndex
 from pdserve.router.settings import RouterSettings
 from pdserve.router.tokenization import ModelSpec
 from pdserve.router.worker_client import WorkerClient
-from pdserve.v1 import common_pb2
 
 log = logging.getLogger(__name__)
 
-PREFILL_ROLES = {common_pb2.ROLE_PREFILL}
-PREFILL_CAPABLE = {common_pb2.ROLE_PREFILL, common_pb2.ROLE_BOTH}   # may prefill for another worker
+PREFILL_ROLES = frozenset({Role.PREFILL})       # what --prefill takes
 
 
 def parse_addresses(value: str | Iterable[str] | None) -> list[str]:
@@ -69,7 +68,7 @@ class WorkerRegistry:
         self.block_size = settings.block_size
         self.prefix_index = prefix_index or PrefixIndex()
         self.clients: dict[str, WorkerClient] = {}
-        self._targets: list[tuple[str, AbstractSet[int]]] = (
+        self._targets: list[tuple[str, frozenset[Role]]] = (
             [(a, PREFILL_ROLES) for a in parse_addresses(prefill)]
             + [(a, DECODE_ROLES) for a in parse_addresses(decode)])
         self._dns_tasks: list[asyncio.Task] = []
@@ -122,7 +121,7 @@ class WorkerRegistry:
             ok = c.usable and c.info is not None
             c.set_kv_wanted(ok and ((c.can_decode and decoders > 1) or (c.role in PREFILL_CAPABLE and prefillers > 1)))
 
-    def _add(self, address: str, roles: AbstractSet[int]) -> None:
+    def _add(self, address: str, roles: AbstractSet[Role]) -> None:
         self._views = None
         client = self.clients.get(address)
         if client is not None:
@@ -134,12 +133,12 @@ class WorkerRegistry:
         client.start()
 
     # ---- DNS --------------------------------------------------------------------------
-    async def _dns_loop(self, address: str, target: tuple[str, int], roles: AbstractSet[int]) -> None:
+    async def _dns_loop(self, address: str, target: tuple[str, int], roles: AbstractSet[Role]) -> None:
         while True:
             await asyncio.sleep(self.settings.dns_refresh_s)
             await self._refresh(address, target, roles)
 
-    async def _refresh(self, address: str, target: tuple[str, int], roles: AbstractSet[int]) -> None:
+    async def _refresh(self, address: str, target: tuple[str, int], roles: AbstractSet[Role]) -> None:
         try:
             found = set(await resolve(*target))
         except OSError as e:
@@ -159,12 +158,12 @@ class WorkerRegistry:
         self._changed()
 
     # ---- registration check -----------------------------------------------------------
-    def _check_info(self, client: WorkerClient, info: common_pb2.ServerInfo) -> str | None:
-        role = common_pb2.Role.Name(info.role)
+    def _check_info(self, client: WorkerClient, info: WorkerInfo) -> str | None:
+        role = info.role.value if info.role is not None else "unspecified"
         if info.protocol_version != PROTOCOL_VERSION:
             return f"protocol_version {info.protocol_version!r}, the router speaks {PROTOCOL_VERSION!r}"
         if info.role not in client.expected_roles:
-            wanted = ", ".join(sorted(common_pb2.Role.Name(r) for r in client.expected_roles))
+            wanted = ", ".join(sorted(r.value for r in client.expected_roles))
             return f"role {role}, expected {wanted} (check --prefill / --decode)"
         if info.block_size <= 0:
             return "block_size 0"
@@ -198,7 +197,7 @@ class WorkerRegistry:
         prefillers = self._usable()[1]
         return [c for c in prefillers if c.key not in exclude] if exclude else prefillers
 
-    def count_up(self, roles: AbstractSet[int]) -> int:
+    def count_up(self, roles: AbstractSet[Role]) -> int:
         return sum(1 for c in self.clients.values() if c.usable and c.role in roles)
 
     def max_model_len(self) -> int:

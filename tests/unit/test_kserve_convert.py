@@ -6,10 +6,11 @@ import struct
 import pytest
 
 from pdserve.common.grpc_utils import InvalidArgument
+from pdserve.common.outputs import FinishReason
 from pdserve.kserve import grpc_predict_v2_pb2 as pb
 from pdserve.router.kserve.convert import finish_name, to_generate, to_infer_response
 from pdserve.router.kserve.tensors import decode
-from pdserve.v1 import common_pb2, router_pb2
+from pdserve.router.output import TextOutput
 from tests.kserve_requests import infer_request
 
 
@@ -98,12 +99,12 @@ def test_infer_response_marks_the_final_one():
     mid = to_infer_response("m", "1", "r1", "Par", None)
     assert mid.outputs[0].name == "text_output" and mid.outputs[0].contents.bytes_contents == [b"Par"]
     assert mid.parameters["triton_final_response"].bool_param is False and "finish_reason" not in mid.parameters
-    last = router_pb2.GenerateResponse(finish_reason=common_pb2.FINISH_REASON_STOP_STRING,
-                                       usage=common_pb2.Usage(prompt_tokens=5, completion_tokens=2))
+    last = TextOutput("r1", [7, 8], finish_reason=FinishReason.STOP, num_prompt_tokens=5, num_output_tokens=2,
+                      matched_stop="\n")       # ended by a stop string
     end = to_infer_response("m", "1", "r1", "is", last)
     assert end.parameters["triton_final_response"].bool_param and end.parameters["finish_reason"].string_param == "stop"
     assert (end.parameters["prompt_tokens"].int64_param, end.parameters["completion_tokens"].int64_param) == (5, 2)
-    assert finish_name(common_pb2.FINISH_REASON_LENGTH) == "length"
+    assert finish_name(FinishReason.LENGTH) == "length" and finish_name(FinishReason.DEADLINE) == "deadline"
     raw = to_infer_response("m", "1", "r1", "Paris", None, raw=True)     # length-prefixed, as Triton's clients read it
     assert raw.raw_output_contents == [struct.pack("<I", 5) + b"Paris"] and not raw.outputs[0].HasField("contents")
     tensor = pb.ModelInferRequest.InferInputTensor(name="t", datatype="BYTES", shape=[1])

@@ -15,7 +15,7 @@ PACKAGE = ROOT / "pdserve"
 LAYERS: list[tuple[tuple[str, ...], bool]] = [
     (("pdserve.v1", "pdserve.kserve"), True),                       # generated stubs
     (("pdserve.common.env", "pdserve.common.config", "pdserve.common.context", "pdserve.common.hashing",
-      "pdserve.common.outputs",
+      "pdserve.common.outputs", "pdserve.common.worker_types",
       "pdserve.common.security", "pdserve.common.telemetry", "pdserve.common.presets",
       "pdserve.common.default_model", "pdserve.common.detokenizer", "pdserve.common.sampling_params"), False),
     (("pdserve.common.ops",), True),
@@ -86,6 +86,46 @@ def _edges() -> dict[tuple[str, str], list[str]]:
             if src and dst and src[1] != dst[1]:
                 edges.setdefault((src[1], dst[1]), []).append(f"{path.relative_to(ROOT)}:{line} imports {mod}")
     return edges
+
+
+# The router's protobuf edge: only these modules read or build wire messages (pdserve.v1,
+# pdserve.kserve, grpc_health); the flow, the attempt, the registry and the output side work on
+# domain types (pdserve.common.outputs, pdserve.common.worker_types), converted by
+# pdserve.common.grpc_utils.convert.
+ROUTER_PB2_EDGE = {
+    "pdserve.router.worker_client",          # the workers' rpcs
+    "pdserve.router.servicer",               # Generation, InfoService
+    "pdserve.router.validation",             # the door's check of the wire SamplingParams
+    "pdserve.router.kserve.servicer", "pdserve.router.kserve.convert", "pdserve.router.kserve.tensors",
+    "pdserve.router.openai_api.requests",    # OpenAI JSON -> GenerateRequest
+}
+
+
+def _pb2_imports(source: str, where: str) -> list[str]:
+    """Every import of a generated module (``*_pb2``, ``*_pb2_grpc``) in ``source``, nested ones included."""
+    hits = []
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, (ast.Import, ast.ImportFrom)):
+            names = [a.name for a in node.names] + ([node.module] if isinstance(node, ast.ImportFrom) and node.module
+                                                     else [])
+            hits += [f"{where}:{node.lineno} imports {n}" for n in names if "_pb2" in n.rpartition(".")[2]]
+    return hits
+
+
+def test_router_protobuf_stops_at_its_edge():
+    router = sorted((PACKAGE / "router").rglob("*.py"))
+    assert {_module_name(p) for p in router} >= ROUTER_PB2_EDGE, "an edge module was renamed: update the list"
+    bad = [hit for p in router if _module_name(p) not in ROUTER_PB2_EDGE
+           for hit in _pb2_imports(p.read_text(), str(p.relative_to(ROOT)))]
+    assert not bad, "protobuf inside the router (convert at the edge instead):\n" + "\n".join(bad)
+
+
+def test_the_protobuf_check_sees_every_import_form():
+    source = ("from pdserve.v1 import worker_pb2\nimport pdserve.v1.common_pb2\n"
+              "from pdserve.kserve.grpc_predict_v2_pb2 import ModelInferRequest\n"
+              "def f():\n    from grpc_health.v1 import health_pb2 as h\n"
+              "from pdserve.common.grpc_utils import convert\n")
+    assert len(_pb2_imports(source, "probe")) == 4
 
 
 def test_every_product_module_has_a_layer():

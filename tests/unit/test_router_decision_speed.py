@@ -13,7 +13,8 @@ import pdserve.router.flow as flow_mod
 from bench.sim import decision
 from pdserve.common.grpc_utils import Unavailable
 from pdserve.common.hashing import block_hash_chain
-from pdserve.router.attempt import Retry, Step
+from pdserve.common.outputs import SequenceOutput
+from pdserve.router.attempt import Retry
 from pdserve.router.policy import DecodeCandidate, decode_score, pick_decode
 from pdserve.router.prefix_index import PrefixIndex, PromptHasher
 
@@ -91,8 +92,8 @@ def _flow_with_failing_tries(monkeypatch, failures: int):
             if len(tried) <= failures:
                 raise Retry(Unavailable(f"try {len(tried)} failed"), self.decode.key)
 
-        async def next(self) -> Step:
-            return Step(token_ids=[1])
+        async def next(self) -> SequenceOutput:
+            return SequenceOutput(token_ids=[1])
 
         def close(self, cancel_workers: bool) -> None:
             pass

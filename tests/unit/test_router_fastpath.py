@@ -10,6 +10,10 @@ from types import SimpleNamespace
 import pytest
 
 from pdserve.common.grpc_utils import InvalidArgument, Unavailable  # noqa: E402
+from pdserve.common.grpc_utils.convert import sampling_params_to_proto  # noqa: E402
+from pdserve.common.outputs import FinishReason, SequenceOutput  # noqa: E402
+from pdserve.common.sampling_params import SamplingParams  # noqa: E402
+from pdserve.common.worker_types import PREFILL_CAPABLE, Reservation  # noqa: E402
 from pdserve.loadtest.scripted_worker import Outbox  # noqa: E402
 from pdserve.router.attempt import Attempt  # noqa: E402
 from pdserve.router.output import OutputProcessor  # noqa: E402
@@ -65,10 +69,10 @@ def test_everything_buffered_is_one_step_and_an_error_comes_after_the_tokens() -
     async def scenario() -> None:
         att = _attempt()
         for i in range(5):
-            att.queue.put_nowait(worker_pb2.SequenceOutput(request_id="rid", token_ids=[i, i + 10]))
+            att.queue.put_nowait(SequenceOutput(request_id="rid", token_ids=[i, i + 10]))
         att.queue.put_nowait(Unavailable("stream broke"))
         step = await att.next()
-        assert step.token_ids == [0, 10, 1, 11, 2, 12, 3, 13, 4, 14] and not step.finish_reason
+        assert step.token_ids == [0, 10, 1, 11, 2, 12, 3, 13, 4, 14] and step.finish_reason is None
         with pytest.raises(Unavailable):
             await att.next()
 
@@ -78,11 +82,10 @@ def test_everything_buffered_is_one_step_and_an_error_comes_after_the_tokens() -
 def test_step_ends_at_the_finish_reason() -> None:
     async def scenario() -> None:
         att = _attempt()
-        att.queue.put_nowait(worker_pb2.SequenceOutput(request_id="rid", token_ids=[7]))
-        att.queue.put_nowait(worker_pb2.SequenceOutput(request_id="rid", token_ids=[8],
-                                                       finish_reason=common_pb2.FINISH_REASON_LENGTH))
+        att.queue.put_nowait(SequenceOutput(request_id="rid", token_ids=[7]))
+        att.queue.put_nowait(SequenceOutput(request_id="rid", token_ids=[8], finish_reason=FinishReason.LENGTH))
         step = await att.next()
-        assert step.token_ids == [7, 8] and step.finish_reason == common_pb2.FINISH_REASON_LENGTH
+        assert step.token_ids == [7, 8] and step.finish_reason is FinishReason.LENGTH
 
     asyncio.run(scenario())
 
@@ -135,9 +138,9 @@ def test_params_cache_shares_validated_params_and_never_caches_errors() -> None:
     k1, p1 = cache.validate(common_pb2.SamplingParams(max_tokens=5, temperature=0.5))
     k2, p2 = cache.validate(common_pb2.SamplingParams(temperature=0.5, max_tokens=5))
     assert k1 == k2 and p1 is p2 and p1.max_tokens == 5
-    s1, w1 = cache.resolve(k1, p1, 5)
-    assert cache.resolve(k1, p1, 5) == (s1, w1) and w1.max_tokens == 5 and s1.max_tokens == 5
-    assert cache.resolve(k1, p1, 7)[1].max_tokens == 7
+    s1 = cache.resolve(k1, p1, 5)
+    assert cache.resolve(k1, p1, 5) is s1 and s1.max_tokens == 5 and sampling_params_to_proto(s1).max_tokens == 5
+    assert cache.resolve(k1, p1, 7).max_tokens == 7
     for _ in range(2):              # invalid: raised every time
         with pytest.raises(InvalidArgument):
             cache.validate(common_pb2.SamplingParams(top_p=-1))
@@ -147,6 +150,8 @@ def test_params_cache_shares_validated_params_and_never_caches_errors() -> None:
 
 
 class FakeCall:
+    """A Prefill rpc that never answers (until cancelled)."""
+
     def __init__(self) -> None:
         self.cancelled = False
         self.read_waiter: asyncio.Future | None = None
@@ -170,15 +175,17 @@ def test_decode_stream_break_before_the_first_token_cancels_the_prefill_call() -
     worker's output stream cancels the Prefill call and fails over (a Retry naming the decode
     worker), without a watcher task."""
     from pdserve.router.attempt import Retry
+    from pdserve.router.worker_client import PrefillStream
 
     async def scenario() -> None:
         att = _attempt()
         att.prefill = SimpleNamespace(key="p", add_load=lambda *a, **k: None)
-        att.prefill_call = call = FakeCall()
+        call = FakeCall()
+        att.prefill_call = PrefillStream(call, "rid", logprobs=False)
         att.queue.on_put = att._on_decode_output
         reader = asyncio.ensure_future(att.next())
         await asyncio.sleep(0)
-        att.queue.put_nowait(worker_pb2.SequenceOutput(request_id="rid"))   # not an error: ignored
+        att.queue.put_nowait(SequenceOutput(request_id="rid"))   # not an error: ignored
         await asyncio.sleep(0)
         assert not call.cancelled and not reader.done()
         att.queue.put_nowait(Unavailable("decode worker d: output stream broke"))
@@ -190,22 +197,31 @@ def test_decode_stream_break_before_the_first_token_cancels_the_prefill_call() -
 
 
 def test_prefill_request_is_built_before_the_reservation_answers() -> None:
-    att = _attempt()
-    att.rid = "w-1"
-    att.job.prompt = SimpleNamespace(token_ids=[1, 2, 3], wire_ids=[1, 2, 3])
-    att.job.wire_params = common_pb2.SamplingParams(max_tokens=4)
-    att.job.deadline_unix_ms = 0
-    att.job.remaining = lambda: None
-    sent = []
-    att.prefill = SimpleNamespace(key="p", add_load=lambda *a, **k: None,
-                                  stub=SimpleNamespace(Prefill=lambda req, **kw: sent.append(req) or FakeCall()))
-    att.decode.worker_id, att.decode.address = "dw", "d:1"
-    att.after_send()
-    early = att._prefill_req
-    assert list(early.token_ids) == [1, 2, 3] and early.params.max_tokens == 4
-    att._start_prefill(worker_pb2.ReserveResponse(block_ids=[5], kv_store_address="kv:1", num_cached_tokens=0))
-    assert sent == [early] and early.kv_target.decode_worker_id == "dw" and list(early.kv_target.block_ids) == [5]
-    assert early.kv_target.decode_address == "d:1" and early.kv_target.kv_store_address == "kv:1"
+    from pdserve.router.settings import RouterSettings
+    from pdserve.router.worker_client import WorkerClient
+
+    async def scenario() -> None:
+        att = _attempt()
+        att.rid = "w-1"
+        att.job.prompt = SimpleNamespace(token_ids=[1, 2, 3], wire_ids=[1, 2, 3])
+        att.job.sampling = SamplingParams(max_tokens=4)
+        att.job.deadline_unix_ms = 0
+        att.job.remaining = lambda: None
+        sent = []
+        att.prefill = prefill = WorkerClient("p:1", PREFILL_CAPABLE, RouterSettings("r"), PrefixIndex(),
+                                             lambda c, i: None)
+        prefill.stub = SimpleNamespace(Prefill=lambda req, **kw: sent.append(req) or FakeCall())
+        att.decode.worker_id, att.decode.address = "dw", "d:1"
+        att.after_send()
+        early = att._prefill_req
+        assert list(early.token_ids) == [1, 2, 3] and early.params.max_tokens == 4
+        att._start_prefill(Reservation(block_ids=[5], kv_store_address="kv:1", num_cached_tokens=0))
+        assert sent == [early] and early.kv_target.decode_worker_id == "dw" and list(early.kv_target.block_ids) == [5]
+        assert early.kv_target.decode_address == "d:1" and early.kv_target.kv_store_address == "kv:1"
+        assert att.prefill_call is not None and att.prefill_call.call is not None
+        await prefill.channel.close()
+
+    asyncio.run(scenario())
 
 
 def test_early_headers_are_sent_once_and_settled() -> None:

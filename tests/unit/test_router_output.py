@@ -5,7 +5,10 @@ import pytest
 
 from pdserve.common.grpc_utils import InvalidArgument  # noqa: E402
 from pdserve.common.grpc_utils.convert import sampling_params_to_proto  # noqa: E402
-from pdserve.router.output import OutputProcessor  # noqa: E402
+from pdserve.common.outputs import FinishReason, SequenceOutput  # noqa: E402
+from pdserve.router.flow import Flow  # noqa: E402
+from pdserve.router.output import OutputProcessor, TextOutput  # noqa: E402
+from pdserve.router.servicer import generate_response  # noqa: E402
 from pdserve.router.tokenization import build_prompt, check_context, resolve_spec  # noqa: E402
 from pdserve.router.validation import from_proto  # noqa: E402
 from pdserve.router.workers import parse_addresses, split_dns_target  # noqa: E402
@@ -17,6 +20,42 @@ class CharTokenizer:
 
     def decode(self, ids, skip_special_tokens=True):
         return "".join(chr(i) for i in ids if not (skip_special_tokens and i >= 1000))
+
+
+def _respond(steps: list[SequenceOutput], stop: tuple[str, ...] = (), logprobs: bool = False
+             ) -> list[tuple[TextOutput, bool, bool]]:
+    """Flow._respond over ``steps`` (what an attempt returns) for a 3-token prompt."""
+    from types import SimpleNamespace
+    flow = SimpleNamespace(metrics=SimpleNamespace(cached_tokens=SimpleNamespace(inc=lambda n: None)))
+    job = SimpleNamespace(request_id="req", sampling=SimpleNamespace(logprobs=logprobs),
+                          prompt=SimpleNamespace(token_ids=[1, 2, 3]))
+    att = SimpleNamespace(cached_tokens=2)
+    proc = OutputProcessor(CharTokenizer(), stop)
+    answers = [Flow._respond(flow, job, proc, att, step) for step in steps]   # type: ignore[arg-type]
+    return [a for a in answers if a is not None]
+
+
+def test_flow_outputs_carry_text_and_the_last_one_the_accounting() -> None:
+    out = _respond([SequenceOutput("w-1", ids("ab"), [-1.0, -2.0]),
+                    SequenceOutput("w-1", ids("c"), [-3.0], FinishReason.LENGTH)], logprobs=True)
+    (first, done1, _), (last, done2, hit) = out
+    assert (first.request_id, first.text, first.logprobs, first.finish_reason) == ("req", "ab", [-1.0, -2.0], None)
+    assert not done1 and done2 and not hit
+    assert last.finish_reason is FinishReason.LENGTH and last.matched_stop is None
+    assert (last.num_prompt_tokens, last.num_output_tokens, last.num_cached_tokens) == (3, 3, 2)
+    wire = generate_response(last)
+    assert wire.finish_reason == common_pb2.FINISH_REASON_LENGTH and wire.text == "c"
+    assert (wire.usage.prompt_tokens, wire.usage.completion_tokens, wire.usage.cached_tokens) == (3, 3, 2)
+    mid = generate_response(first)
+    assert mid.finish_reason == common_pb2.FINISH_REASON_UNSPECIFIED and not mid.HasField("usage")
+
+
+def test_a_stop_string_ends_with_stop_and_is_stop_string_on_the_wire() -> None:
+    ((last, done, hit),) = _respond([SequenceOutput("w-1", ids("xyEND"))], stop=("END",))
+    assert done and hit and last.text == "xy" and not last.logprobs
+    assert last.finish_reason is FinishReason.STOP and last.matched_stop == "END"
+    wire = generate_response(last)
+    assert wire.finish_reason == common_pb2.FINISH_REASON_STOP_STRING and wire.matched_stop == "END"
 
 
 def ids(text: str) -> list[int]:

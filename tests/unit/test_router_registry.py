@@ -6,11 +6,13 @@ import asyncio
 from types import SimpleNamespace
 
 import pdserve.router.workers as workers_mod  # noqa: E402
+from pdserve.common.outputs import FinishReason, SequenceOutput  # noqa: E402
+from pdserve.common.worker_types import Role, WorkerInfo  # noqa: E402
 from pdserve.router.attempt import Attempt  # noqa: E402
 from pdserve.router.settings import RouterSettings  # noqa: E402
 from pdserve.router.tokenization import ModelSpec  # noqa: E402
 from pdserve.router.workers import WorkerRegistry  # noqa: E402
-from pdserve.v1 import common_pb2, worker_pb2  # noqa: E402
+from pdserve.v1 import worker_pb2  # noqa: E402
 
 SPEC = ModelSpec("m", max_model_len=1024, vocab_size=512)
 
@@ -47,18 +49,18 @@ def test_registration_checks() -> None:
         reg = WorkerRegistry(RouterSettings("r", block_size=16), SPEC, "p:1", "d:1")
         dec = SimpleNamespace(key="d:1", expected_roles=workers_mod.DECODE_ROLES)
         pre = SimpleNamespace(key="p:1", expected_roles=workers_mod.PREFILL_ROLES)
-        ok = common_pb2.ServerInfo(protocol_version="v1", role=common_pb2.ROLE_DECODE, block_size=16, vocab_size=512)
+        ok = WorkerInfo(protocol_version="v1", role=Role.DECODE, block_size=16, vocab_size=512)
         assert reg._check_info(dec, ok) is None
-        assert "role" in reg._check_info(pre, ok)
-        assert "block_size" in reg._check_info(dec, common_pb2.ServerInfo(
-            protocol_version="v1", role=common_pb2.ROLE_BOTH, block_size=32))
-        assert "vocab_size" in reg._check_info(dec, common_pb2.ServerInfo(
-            protocol_version="v1", role=common_pb2.ROLE_BOTH, block_size=16, vocab_size=1000))
-        assert "protocol_version" in reg._check_info(dec, common_pb2.ServerInfo(
-            protocol_version="v2", role=common_pb2.ROLE_DECODE, block_size=16))
+        assert reg._check_info(pre, ok) == "role decode, expected prefill (check --prefill / --decode)"
+        assert "block_size" in reg._check_info(dec, WorkerInfo(
+            protocol_version="v1", role=Role.BOTH, block_size=32))
+        assert "vocab_size" in reg._check_info(dec, WorkerInfo(
+            protocol_version="v1", role=Role.BOTH, block_size=16, vocab_size=1000))
+        assert "protocol_version" in reg._check_info(dec, WorkerInfo(
+            protocol_version="v2", role=Role.DECODE, block_size=16))
+        assert "role unspecified" in reg._check_info(dec, WorkerInfo(protocol_version="v1", block_size=16))
         learn = WorkerRegistry(RouterSettings("r"), SPEC, "", "")
-        assert learn._check_info(dec, common_pb2.ServerInfo(protocol_version="v1", role=common_pb2.ROLE_BOTH,
-                                                            block_size=32)) is None
+        assert learn._check_info(dec, WorkerInfo(protocol_version="v1", role=Role.BOTH, block_size=32)) is None
         assert learn.block_size == 32
 
     asyncio.run(scenario())
@@ -71,13 +73,14 @@ def test_queued_outputs_merge_into_one_step() -> None:
                               sampling=SimpleNamespace(logprobs=True))
         att = Attempt(SimpleNamespace(), job, decode, None, "rid")
         att.queue = asyncio.Queue()
-        for i, reason in ((5, 0), (6, 0), (7, common_pb2.FINISH_REASON_LENGTH)):
-            att.queue.put_nowait(worker_pb2.SequenceOutput(request_id="rid", token_ids=[i], logprobs=[-0.5],
-                                                           finish_reason=reason, num_prompt_tokens=3 if i == 5 else 0,
-                                                           num_cached_tokens=16 if i == 5 else 0))
+        for i, reason in ((5, None), (6, None), (7, FinishReason.LENGTH)):
+            att.queue.put_nowait(SequenceOutput(request_id="rid", token_ids=[i], logprobs=[-0.5],
+                                                finish_reason=reason, num_prompt_tokens=3 if i == 5 else 0,
+                                                num_cached_tokens=16 if i == 5 else 0))
         step = await att.next()
         assert step.token_ids == [5, 6, 7] and step.logprobs == [-0.5] * 3
-        assert step.finish_reason == common_pb2.FINISH_REASON_LENGTH and att.cached_tokens == 16
+        assert step.finish_reason is FinishReason.LENGTH and att.cached_tokens == 16
+        assert step.num_prompt_tokens == 3 and step.num_cached_tokens == 16
         assert att.first_seen
 
     asyncio.run(scenario())
@@ -106,7 +109,7 @@ def test_stats_timeouts_mark_a_worker_down_only_in_a_row() -> None:
     closed: list[str] = []
 
     async def scenario() -> None:
-        client = WorkerClient("w:1", {common_pb2.ROLE_DECODE}, RouterSettings("r"), PrefixIndex(), lambda c, i: None)
+        client = WorkerClient("w:1", {Role.DECODE}, RouterSettings("r"), PrefixIndex(), lambda c, i: None)
         client._kv_unimplemented = True
         client.stub = stub = FakeStub()
 
@@ -118,7 +121,7 @@ def test_stats_timeouts_mark_a_worker_down_only_in_a_row() -> None:
         stub.answers = [StatusCode.DEADLINE_EXCEEDED] * (STATS_MISSES_DOWN - 1) + [worker_pb2.WorkerStats()]
         for _ in range(STATS_MISSES_DOWN):
             await client._poll_stats()
-        assert client.up and not closed and client.stats_misses == 0
+        assert client.up and not closed and client.stats_misses == 0 and client.stats is not None
         stub.answers = [StatusCode.DEADLINE_EXCEEDED] * STATS_MISSES_DOWN
         for _ in range(STATS_MISSES_DOWN - 1):
             await client._poll_stats()
@@ -148,11 +151,11 @@ def test_kv_events_only_for_workers_with_a_peer_of_their_kind() -> None:
             c._task.cancel()                        # no supervisor: the test drives the states
             c._start_kv_events = lambda c=c: started.append(c.key) or setattr(
                 c, "_kv_task", asyncio.ensure_future(asyncio.sleep(3600)))
-        roles = {"p:1": common_pb2.ROLE_PREFILL, "d:1": common_pb2.ROLE_DECODE, "d:2": common_pb2.ROLE_BOTH}
+        roles = {"p:1": Role.PREFILL, "d:1": Role.DECODE, "d:2": Role.BOTH}
 
         def up(key: str) -> None:
             c = reg.clients[key]
-            c.info, c.up = common_pb2.ServerInfo(role=roles[key]), True
+            c.info, c.up = WorkerInfo(role=roles[key]), True
             reg._changed()
 
         up("p:1")

@@ -1,5 +1,7 @@
-"""The one converter between the wire types (pdserve.v1) and the engine's types, used by the
-router and both workers.
+"""The one converter between the wire types (pdserve.v1) and the domain types (the engine's
+SamplingParams, pdserve.common.outputs, pdserve.common.worker_types), used by the router and
+both workers: nothing above it reads or builds a pdserve.v1 message except the servicers and
+the router's worker client.
 
 Zero values follow one rule, written in common.proto: top_p 0 -> 1.0, top_k 0 -> -1 (off),
 repetition_penalty 0 -> 1.0, max_tokens 0 -> the rest of the context (the caller passes it as
@@ -8,12 +10,14 @@ InvalidArgument naming ``params.<field>``.
 """
 from __future__ import annotations
 
+import dataclasses
 import math
 
 from pdserve.common.grpc_utils.errors import InvalidArgument
-from pdserve.common.outputs import FinishReason
+from pdserve.common.outputs import FinishReason, SequenceOutput
 from pdserve.common.sampling_params import InvalidParameter, SamplingParams
-from pdserve.v1 import common_pb2
+from pdserve.common.worker_types import Reservation, Role, WorkerInfo, WorkerStats
+from pdserve.v1 import common_pb2, worker_pb2
 
 _FLOAT_FIELDS = ("temperature", "top_p", "min_p", "repetition_penalty", "presence_penalty", "frequency_penalty")
 
@@ -25,6 +29,16 @@ _FINISH_TO_PROTO: dict[FinishReason, common_pb2.FinishReason] = {
     FinishReason.ERROR: common_pb2.FINISH_REASON_ERROR,
 }
 _FINISH_FROM_PROTO: dict[int, FinishReason] = {v: k for k, v in _FINISH_TO_PROTO.items()}
+_FINISH_FROM_PROTO[common_pb2.FINISH_REASON_STOP_STRING] = FinishReason.STOP   # the router's, on the wire
+
+_ROLE_TO_PROTO: dict[Role, common_pb2.Role] = {
+    Role.ROUTER: common_pb2.ROLE_ROUTER,
+    Role.PREFILL: common_pb2.ROLE_PREFILL,
+    Role.DECODE: common_pb2.ROLE_DECODE,
+    Role.BOTH: common_pb2.ROLE_BOTH,
+}
+_ROLE_FROM_PROTO: dict[int, Role] = {v: k for k, v in _ROLE_TO_PROTO.items()}
+_STATS_FIELDS = tuple(f.name for f in dataclasses.fields(WorkerStats) if f.name != "role")
 
 
 def sampling_params_from_proto(p: common_pb2.SamplingParams, rest_of_context: int,
@@ -86,12 +100,73 @@ def sampling_params_to_proto(s: SamplingParams, *, max_tokens: int | None = None
     return p
 
 
-def finish_reason_to_proto(reason: FinishReason | None) -> common_pb2.FinishReason:
-    return _FINISH_TO_PROTO[reason] if reason is not None else common_pb2.FINISH_REASON_UNSPECIFIED
+def finish_reason_to_proto(reason: FinishReason | None, stop_string: bool = False) -> common_pb2.FinishReason:
+    """None -> UNSPECIFIED (not finished); ``stop_string``: a STOP by one of the router's stop
+    strings (FINISH_REASON_STOP_STRING, the router's answers only)."""
+    if reason is None:
+        return common_pb2.FINISH_REASON_UNSPECIFIED
+    if stop_string and reason is FinishReason.STOP:
+        return common_pb2.FINISH_REASON_STOP_STRING
+    return _FINISH_TO_PROTO[reason]
 
 
 def finish_reason_from_proto(value: int) -> FinishReason | None:
+    """UNSPECIFIED (and unknown values) -> None; STOP_STRING -> STOP."""
     return _FINISH_FROM_PROTO.get(value)
+
+
+def finish_reason_name(reason: FinishReason | None, stop_string: bool = False) -> str:
+    """The wire enum's name (``FINISH_REASON_STOP``, ..._STOP_STRING, ..._UNSPECIFIED)."""
+    return common_pb2.FinishReason.Name(finish_reason_to_proto(reason, stop_string))
+
+
+def sequence_output_from_proto(p: worker_pb2.SequenceOutput) -> SequenceOutput:
+    return SequenceOutput(p.request_id, list(p.token_ids), list(p.logprobs), _FINISH_FROM_PROTO.get(p.finish_reason),
+                          p.num_prompt_tokens, p.num_cached_tokens, p.error)
+
+
+def sequence_output_to_proto(out: SequenceOutput) -> worker_pb2.SequenceOutput:
+    return worker_pb2.SequenceOutput(
+        request_id=out.request_id, token_ids=out.token_ids, logprobs=out.logprobs,
+        finish_reason=finish_reason_to_proto(out.finish_reason), num_prompt_tokens=out.num_prompt_tokens,
+        num_cached_tokens=out.num_cached_tokens, error=out.error)
+
+
+def first_token_from_proto(p: worker_pb2.FirstToken, request_id: str, logprobs: bool) -> SequenceOutput:
+    """A Prefill stream's FirstToken as the request's first output (its logprob only when the
+    request asked for logprobs)."""
+    return SequenceOutput(request_id, [p.token_id], [p.logprob] if logprobs else [],
+                          _FINISH_FROM_PROTO.get(p.finish_reason), num_cached_tokens=p.num_cached_tokens)
+
+
+def role_to_proto(role: Role | None) -> common_pb2.Role:
+    return _ROLE_TO_PROTO[role] if role is not None else common_pb2.ROLE_UNSPECIFIED
+
+
+def role_from_proto(value: int) -> Role | None:
+    """ROLE_UNSPECIFIED (and unknown values) -> None."""
+    return _ROLE_FROM_PROTO.get(value)
+
+
+def worker_info_from_proto(p: common_pb2.ServerInfo) -> WorkerInfo:
+    return WorkerInfo(p.protocol_version, role_from_proto(p.role), p.model, p.dtype, p.block_size, p.max_model_len,
+                      p.num_kv_blocks, p.worker_id, p.version, p.vocab_size)
+
+
+def worker_info_to_proto(info: WorkerInfo) -> common_pb2.ServerInfo:
+    return common_pb2.ServerInfo(
+        protocol_version=info.protocol_version, role=role_to_proto(info.role), model=info.model, dtype=info.dtype,
+        block_size=info.block_size, max_model_len=info.max_model_len, num_kv_blocks=info.num_kv_blocks,
+        worker_id=info.worker_id, version=info.version, vocab_size=info.vocab_size)
+
+
+def worker_stats_from_proto(p: worker_pb2.WorkerStats) -> WorkerStats:
+    return WorkerStats(role=role_from_proto(p.role), **{name: getattr(p, name) for name in _STATS_FIELDS})
+
+
+def reservation_from_proto(p: worker_pb2.ReserveResponse) -> Reservation:
+    return Reservation(list(p.block_ids), p.num_cached_tokens, p.kv_store_address, p.worker_id,
+                       p.lease_expires_unix_ms)
 
 
 def deadline_from_proto(deadline_unix_ms: int) -> float | None:

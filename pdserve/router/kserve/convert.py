@@ -1,4 +1,4 @@
-"""ModelInferRequest -> pdserve.v1 GenerateRequest, and generated text -> ModelInferResponse.
+"""ModelInferRequest -> pdserve.v1 GenerateRequest, and the flow's outputs -> ModelInferResponse.
 
 The conventions of Triton's and Dynamo's LLM models:
 
@@ -22,8 +22,10 @@ from dataclasses import dataclass
 from typing import Any
 
 from pdserve.common.grpc_utils import InvalidArgument
+from pdserve.common.outputs import FinishReason
 from pdserve.kserve import grpc_predict_v2_pb2 as pb
 from pdserve.router.kserve.tensors import decode, encode_raw_bytes
+from pdserve.router.output import TextOutput
 from pdserve.v1 import common_pb2, router_pb2
 
 TEXT_INPUT = "text_input"
@@ -162,18 +164,17 @@ def to_generate(req: pb.ModelInferRequest, default_stream: bool) -> InferCall:
     return InferCall(request, stream, req.model_version, raw_output=bool(req.raw_input_contents))
 
 
-def finish_name(reason: int) -> str:
-    """``stop`` / ``length`` / ``cancelled`` / ... (a stop string counts as ``stop``)."""
-    if reason == common_pb2.FINISH_REASON_STOP_STRING:
-        return "stop"
-    return common_pb2.FinishReason.Name(reason).removeprefix("FINISH_REASON_").lower()
+def finish_name(reason: FinishReason | None) -> str:
+    """``stop`` / ``length`` / ``cancelled`` / ``deadline`` / ``error`` (a stop string ends with
+    ``stop``); ``unspecified`` for None."""
+    return reason.value if reason is not None else "unspecified"
 
 
 def to_infer_response(model: str, version: str, request_id: str, text: str,
-                      last: router_pb2.GenerateResponse | None, raw: bool = False) -> pb.ModelInferResponse:
+                      last: TextOutput | None, raw: bool = False) -> pb.ModelInferResponse:
     """A response carrying ``text`` (in ``raw_output_contents`` when ``raw``); ``last``: the
-    request's final GenerateResponse, if this is the final response (finish reason and token
-    counts go into its parameters)."""
+    request's final output, if this is the final response (finish reason and token counts go
+    into its parameters)."""
     resp = pb.ModelInferResponse(model_name=model, model_version=version, id=request_id)
     out = resp.outputs.add(name=TEXT_OUTPUT, datatype="BYTES", shape=[1])
     if raw:
@@ -183,6 +184,6 @@ def to_infer_response(model: str, version: str, request_id: str, text: str,
     resp.parameters[FINAL].bool_param = last is not None
     if last is not None:
         resp.parameters["finish_reason"].string_param = finish_name(last.finish_reason)
-        resp.parameters["prompt_tokens"].int64_param = last.usage.prompt_tokens
-        resp.parameters["completion_tokens"].int64_param = last.usage.completion_tokens
+        resp.parameters["prompt_tokens"].int64_param = last.num_prompt_tokens
+        resp.parameters["completion_tokens"].int64_param = last.num_output_tokens
     return resp

@@ -16,7 +16,7 @@ from typing import Any
 
 from grpc_health.v1 import health_pb2
 
-from pdserve.common.grpc_utils import NotFound, status_for
+from pdserve.common.grpc_utils import NotFound, Service, status_for
 from pdserve.kserve import grpc_predict_v2_pb2 as pb
 from pdserve.kserve import grpc_predict_v2_pb2_grpc as pb_grpc
 from pdserve.router.kserve.convert import (
@@ -96,7 +96,7 @@ class KServeServicer(pb_grpc.GRPCInferenceServiceServicer):
         version = call.model_version or MODEL_VERSION
         texts: list[str] = []
         async for r in self.generation.flow.generate(job, method):
-            last = r if r.finish_reason else None
+            last = r if r.finish_reason is not None else None
             if stream:
                 yield to_infer_response(self.model, version, request_id, r.text, last, call.raw_output)
             else:
@@ -179,3 +179,9 @@ def _finished(tasks: set[asyncio.Task], queue: asyncio.Queue) -> Any:
         tasks.discard(task)
         queue.put_nowait(_DONE)
     return done
+
+
+def service(kserve: KServeServicer) -> Service:
+    """The KServe v2 service (GRPCInferenceService), for build_server."""
+    return Service(pb.DESCRIPTOR.services_by_name["GRPCInferenceService"],
+                   pb_grpc.add_GRPCInferenceServiceServicer_to_server, kserve)

@@ -18,8 +18,8 @@ from pdserve.router.flow import Flow, Job
 from pdserve.router.openai_api import responses as R
 from pdserve.router.openai_api.errors import ApiError, from_exception
 from pdserve.router.openai_api.requests import CHAT, ApiRequest
+from pdserve.router.output import TextOutput
 from pdserve.router.servicer import GenerationServicer
-from pdserve.v1 import router_pb2
 
 METHODS = {CHAT: "ChatCompletions", "text_completion": "Completions"}   # the router's request metrics
 T = TypeVar("T")
@@ -69,8 +69,8 @@ class OpenAIFront:
 
     # ---- generation -----------------------------------------------------------------------
     async def steps(self, api: ApiRequest, jobs: list[Job]
-                    ) -> AsyncGenerator[tuple[int, router_pb2.GenerateResponse], None]:
-        """(choice index, message) as the flow produces them; several choices interleave."""
+                    ) -> AsyncGenerator[tuple[int, TextOutput], None]:
+        """(choice index, output) as the flow produces them; several choices interleave."""
         method = METHODS[api.kind]
         if len(jobs) == 1:
             gen = self.flow.generate(jobs[0], method)
@@ -119,15 +119,15 @@ class OpenAIFront:
         return R.completion_logprobs(tokens, lps, offset)
 
 
-def _add(c: R.Choice, resp: router_pb2.GenerateResponse) -> None:
+def _add(c: R.Choice, resp: TextOutput) -> None:
     c.texts.append(resp.text)
     c.token_ids.extend(resp.token_ids)
     c.logprobs.extend(resp.logprobs)
-    if resp.finish_reason:
+    if resp.finish_reason is not None:
         c.finish_reason = R.FINISH_REASONS.get(resp.finish_reason, "stop")
-        c.matched_stop = resp.matched_stop or None
-        c.cached_tokens = resp.usage.cached_tokens
-        c.prompt_tokens = resp.usage.prompt_tokens or c.prompt_tokens
+        c.matched_stop = resp.matched_stop
+        c.cached_tokens = resp.num_cached_tokens
+        c.prompt_tokens = resp.num_prompt_tokens or c.prompt_tokens
 
 
 async def _merge(gens: list[AsyncGenerator[T, None]]) -> AsyncGenerator[tuple[int, T], None]:

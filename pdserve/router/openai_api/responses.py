@@ -5,13 +5,12 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass, field
 
+from pdserve.common.outputs import FinishReason
 from pdserve.router.openai_api.requests import CHAT
-from pdserve.v1 import common_pb2
 
-FINISH_REASONS = {
-    common_pb2.FINISH_REASON_STOP: "stop",
-    common_pb2.FINISH_REASON_STOP_STRING: "stop",
-    common_pb2.FINISH_REASON_LENGTH: "length",
+FINISH_REASONS = {      # a stop string ends with STOP too; the rest: "stop"
+    FinishReason.STOP: "stop",
+    FinishReason.LENGTH: "length",
 }
 DONE = b"data: [DONE]\n\n"
 
