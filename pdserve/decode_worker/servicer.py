@@ -9,7 +9,7 @@ from __future__ import annotations
 import logging
 
 from pdserve.common import telemetry
-from pdserve.common.grpc_utils.convert import finish_reason_to_proto, sampling_params_for_prompt
+from pdserve.common.grpc_utils.convert import sampling_params_for_prompt, sequence_output_to_proto
 from pdserve.common.grpc_utils.errors import FailedPrecondition, InvalidArgument
 from pdserve.common.outputs import SequenceOutput
 from pdserve.common.serving.worker_runtime import WorkerRuntime
@@ -109,17 +109,15 @@ class DecodeServicer(BaseWorkerServicer):
 
 
 def _merge(items: list[list[SequenceOutput]]) -> list[worker_pb2.SequenceOutput]:
-    merged: dict[str, worker_pb2.SequenceOutput] = {}
+    """One output per request from the steps that queued up."""
+    merged: dict[str, SequenceOutput] = {}
     for outputs in items:
         for u in outputs:
-            out = merged.get(u.request_id)
-            if out is None:
-                out = merged[u.request_id] = worker_pb2.SequenceOutput(request_id=u.request_id)
-            out.token_ids.extend(u.token_ids)
-            out.logprobs.extend(u.logprobs)
+            out = merged.setdefault(u.request_id, SequenceOutput(u.request_id))
+            out.token_ids += u.token_ids
+            out.logprobs += u.logprobs
             if u.num_prompt_tokens:
                 out.num_prompt_tokens, out.num_cached_tokens = u.num_prompt_tokens, u.num_cached_tokens
             if u.finish_reason is not None:
-                out.finish_reason = finish_reason_to_proto(u.finish_reason)
-                out.error = u.error
-    return list(merged.values())
+                out.finish_reason, out.error = u.finish_reason, u.error
+    return [sequence_output_to_proto(out) for out in merged.values()]

@@ -18,16 +18,18 @@ from typing import Any
 
 from pdserve.common import env
 from pdserve.router.pd_args import add_pd_arguments, pd_config_from_args
+from pdserve.router.settings import DEFAULT_METRICS_PORT, DEFAULT_PORT, RouterSettings
 
 log = logging.getLogger(__name__)
 EVENT_LOOPS = ("auto", "uvloop", "asyncio")
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
+    d = RouterSettings(router_id="")        # the defaults
     p.add_argument("--host", default=env.get("ROUTER_HOST", "0.0.0.0"), help="listen address (env PDSERVE_ROUTER_HOST)")
-    p.add_argument("--port", type=int, default=env.get_int("ROUTER_PORT", 50051),
+    p.add_argument("--port", type=int, default=env.get_int("ROUTER_PORT", DEFAULT_PORT),
                    help="gRPC port (env PDSERVE_ROUTER_PORT)")
-    p.add_argument("--metrics-port", type=int, default=env.get_int("ROUTER_METRICS_PORT", 9091),
+    p.add_argument("--metrics-port", type=int, default=env.get_int("ROUTER_METRICS_PORT", DEFAULT_METRICS_PORT),
                    help="Prometheus /metrics HTTP port, 0 = off (env PDSERVE_ROUTER_METRICS_PORT)")
     p.add_argument("--model", default=env.get("MODEL", "default"),
                    help="'default' (embedded SmolLM2, with tokenizer), a checkpoint dir, or a preset (token-id "
@@ -37,26 +39,28 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--decode", default=env.get("ROUTER_DECODE", ""),
                    help="decode workers (role decode or both): comma list of host:port or dns:///name:port "
                         "(env PDSERVE_ROUTER_DECODE)")
-    p.add_argument("--block-size", type=int, default=env.get_int("BLOCK_SIZE", 0),
+    p.add_argument("--block-size", type=int, default=env.get_int("BLOCK_SIZE", d.block_size),
                    help="KV block size every worker must report; 0 = take the first worker's (env PDSERVE_BLOCK_SIZE)")
-    p.add_argument("--lease-ms", type=int, default=env.get_int("ROUTER_LEASE_MS", 30_000),
+    p.add_argument("--lease-ms", type=int, default=env.get_int("ROUTER_LEASE_MS", d.lease_ms),
                    help="how long a decode worker holds reserved blocks for the KV (0 = the worker's default) "
                         "(env PDSERVE_ROUTER_LEASE_MS)")
-    p.add_argument("--worker-timeout-s", type=float, default=env.get_float("ROUTER_WORKER_TIMEOUT_S", 2.0),
+    p.add_argument("--worker-timeout-s", type=float,
+                   default=env.get_float("ROUTER_WORKER_TIMEOUT_S", d.worker_timeout_s),
                    help="timeout of one router->worker control call (Info, Reserve, Submit, GetStats) "
                         "(env PDSERVE_ROUTER_WORKER_TIMEOUT_S)")
-    p.add_argument("--dns-refresh-s", type=float, default=env.get_float("ROUTER_DNS_REFRESH_S", 10.0),
+    p.add_argument("--dns-refresh-s", type=float, default=env.get_float("ROUTER_DNS_REFRESH_S", d.dns_refresh_s),
                    help="re-resolution period of dns:/// worker addresses (env PDSERVE_ROUTER_DNS_REFRESH_S)")
-    p.add_argument("--load-alpha", type=float, default=env.get_float("ROUTER_LOAD_ALPHA", 1.0),
+    p.add_argument("--load-alpha", type=float, default=env.get_float("ROUTER_LOAD_ALPHA", d.load_alpha),
                    help="decode placement: score = cached prefix tokens - alpha * load tokens "
                         "(env PDSERVE_ROUTER_LOAD_ALPHA)")
-    p.add_argument("--routing", choices=("kv", "least-loaded", "round-robin"), default=env.get("ROUTER_ROUTING", "kv"),
+    p.add_argument("--routing", choices=("kv", "least-loaded", "round-robin"),
+                   default=env.get("ROUTER_ROUTING", d.routing),
                    help="placement policy: kv (cached prefix weighed against load), or the baselines least-loaded "
                         "and round-robin (env PDSERVE_ROUTER_ROUTING)")
     add_pd_arguments(p)
     p.add_argument("--router-id", default=env.get("ROUTER_ID", None),
                    help="this router's id on the workers' Subscribe streams (default: random) (env PDSERVE_ROUTER_ID)")
-    p.add_argument("--drain-grace-s", type=float, default=env.get_float("ROUTER_DRAIN_GRACE_S", 30.0),
+    p.add_argument("--drain-grace-s", type=float, default=env.get_float("ROUTER_DRAIN_GRACE_S", d.drain_grace_s),
                    help="on SIGTERM: time for requests in flight to finish (env PDSERVE_ROUTER_DRAIN_GRACE_S)")
     p.add_argument("--startup-wait-s", type=float, default=env.get_float("ROUTER_STARTUP_WAIT_S", 5.0),
                    help="at start: how long to wait for the listed workers' first registration before "
@@ -127,7 +131,7 @@ async def _serve(args: argparse.Namespace) -> None:
     from pdserve.router.metrics import RouterMetrics
     from pdserve.router.observed import ObservedFlow
     from pdserve.router.servicer import GenerationServicer, InfoServicer, services
-    from pdserve.router.settings import NO_BDP_OPTIONS, RouterSettings
+    from pdserve.router.settings import NO_BDP_OPTIONS
     from pdserve.router.tokenization import RouterTokenizer, resolve_spec
     from pdserve.router.workers import WorkerRegistry
     security = public_server_security(args)
@@ -135,7 +139,7 @@ async def _serve(args: argparse.Namespace) -> None:
     settings = RouterSettings(
         router_id=args.router_id or f"router-{uuid.uuid4().hex[:8]}", block_size=args.block_size,
         lease_ms=args.lease_ms, worker_timeout_s=args.worker_timeout_s, dns_refresh_s=args.dns_refresh_s,
-        load_alpha=args.load_alpha, drain_grace_s=args.drain_grace_s, routing=getattr(args, "routing", "kv"),
+        load_alpha=args.load_alpha, drain_grace_s=args.drain_grace_s, routing=args.routing,
         pd=pd_config_from_args(args))
     spec = resolve_spec(args.model)
     tokenizer = await asyncio.to_thread(RouterTokenizer, spec.tokenizer_dir) if spec.tokenizer_dir else None
