@@ -1,19 +1,10 @@
 """Tracing (OpenTelemetry) and structured logs for every service; tracing is off unless asked for.
 
-``setup_tracing(service)`` runs once at process start, before any gRPC server or channel is
-made. Tracing is on when the standard ``OTEL_*`` variables name an exporter
-(``OTEL_TRACES_EXPORTER=otlp|console``, or an OTLP endpoint) or ``PDSERVE_TRACE_FILE`` names a
-file to append spans to as JSON lines; then gRPC servers and channels get OpenTelemetry's
-interceptors (the trace context travels in the call metadata: router -> prefill worker ->
-decode worker, PushKV included) and the helpers below record spans. When it is off nothing of
-OpenTelemetry is imported, gRPC gets no interceptor, and every helper returns at once.
-
-Spans made here carry the request id as ``pdserve.request_id``. Spans that end on another
-thread than they started (queue wait, prefill, decode: timed on the engine thread) are recorded
-after the fact with :func:`record_span` under a parent captured with :func:`parent`.
-
-``configure_logging(level, fmt)``: ``fmt="json"`` writes one JSON object per line with the
-request id (:func:`bind_request`) and, with tracing on, the trace and span ids.
+``setup_tracing(service)`` runs once at process start, before any gRPC server or channel. It
+turns tracing on when the ``OTEL_*`` variables name an exporter or ``PDSERVE_TRACE_FILE`` names
+a file; then gRPC gets OpenTelemetry's interceptors and the helpers record spans (with
+``pdserve.request_id``). Off: nothing of OpenTelemetry is imported and every helper returns at
+once. Spans timed on another thread are recorded afterwards with :func:`record_span`.
 """
 from __future__ import annotations
 

@@ -1,25 +1,10 @@
 """Serving workloads: lists of :class:`BenchRequest`, deterministic for a seed.
 
-=================  ==========================================================================
-``random``         input / output lengths uniform in the given ranges, random token ids
-``w-nano``         docs/design.md's W-nano (nano-vllm's bench) as a serving load: the 256
-                   prompts of ``randint(0, 10000)`` ids of length ``randint(100, 1024)``, then
-                   ``max_tokens = randint(100, 1024)`` each, all from ``random.seed(0)``;
-                   temperature 0.6, ignore_eos (142,827 prompt / 133,966 output tokens)
-``shared-prefix``  ``num_prefixes`` long system prompts; each request = one of them + a short
-                   random suffix (prefix caching and cache-aware routing)
-``multi-turn``     chat conversations: each turn's prompt is the previous turn's prompt + a reply
-                   + a new user message (prefix reuse across turns of one conversation)
-``prefill-heavy``  long prompts (~2k tokens), short outputs (16..64)
-``decode-heavy``   short prompts (64..128), long outputs (512)
-``jsonl``          a file of ``{"prompt": str, "max_tokens": n}``, ``{"messages": [...]}`` or
-                   ``{"token_ids": [...]}`` lines
-=================  ==========================================================================
-
-Synthetic prompts are token ids (``GenerateRequest.token_ids``) by default. With
-``prompt_format="text"`` they become text made of common English words, one word per token
-for the usual BPE tokenizers (so lengths are close to, not exactly, the target; the router's
-``usage.prompt_tokens`` gives the real count, which the metrics use).
+``random`` (uniform lengths), ``w-nano`` (docs/design.md's W-nano: 256 prompts of 100-1024
+random ids, 100-1024 output tokens, temperature 0.6, ignore_eos, ``random.seed(0)``),
+``shared-prefix``, ``multi-turn``, ``prefill-heavy``, ``decode-heavy`` and ``jsonl`` (a file).
+Synthetic prompts are token ids, or with ``prompt_format="text"`` English words of about one
+token each (the router's ``usage.prompt_tokens`` gives the real count).
 """
 from __future__ import annotations
 

@@ -1,11 +1,8 @@
 """Domain exceptions of pdserve and their gRPC status codes.
 
-Servicers and the code they call raise these; the error interceptor
-(:mod:`pdserve.common.grpc_utils.interceptor`) turns them into the mapped status with the exception's
-message. ``ValueError`` also maps to INVALID_ARGUMENT, and a failed downstream call
-(``grpc.aio.AioRpcError``, e.g. router -> worker) that nobody caught keeps its own status. A client that catches a
-``grpc.RpcError`` can turn it back into the matching exception with :func:`from_rpc_error`,
-so that a status crosses a hop (worker -> router -> client) unchanged.
+The error interceptor maps them (and ``ValueError``: INVALID_ARGUMENT) to statuses; an uncaught
+downstream ``AioRpcError`` keeps its own. :func:`from_rpc_error` turns a status back into the
+exception, so it crosses a hop unchanged.
 """
 from __future__ import annotations
 

@@ -1,18 +1,10 @@
 """gRPC server and channel helpers shared by the router and the workers (grpc.aio only).
 
-    server = build_server("[::]:50053", [Service("pdserve.v1.Worker", add_WorkerServicer_to_server,
-                                                 servicer), ...])
-    await serve(server, startup=load_model, drain=finish_in_flight, grace_s=30)
-
-Every server gets: explicit message size limits (64 MiB by default), the error interceptor,
-``grpc.health.v1`` (overall "" and one entry per registered service, NOT_SERVING until
-:meth:`GrpcServer.set_serving`), server reflection, and graceful shutdown on SIGTERM/SIGINT
-(health NOT_SERVING -> ``drain(grace_s)`` -> ``server.stop(remaining grace)``; a second signal
-stops at once). Clients use :func:`client_channel` (same limits, keepalive) and
-:func:`wait_ready`. TLS, mutual TLS and bearer tokens come from :mod:`pdserve.common.security`
-(``security=`` of :func:`build_server` and :func:`client_channel`); without them a port is
-plaintext and open, and says so in the log. Reflection is served as ``grpc.reflection.v1``
-(asked first by current clients) and ``v1alpha`` (older ones).
+``build_server`` gives every server message size limits, the error interceptor,
+``grpc.health.v1`` (NOT_SERVING until :meth:`GrpcServer.set_serving`), reflection (v1 and
+v1alpha) and optional security (:mod:`pdserve.common.security`; without it a port is plaintext
+and says so in the log). ``serve`` shuts down on SIGTERM/SIGINT: NOT_SERVING -> ``drain`` ->
+stop (a second signal stops at once). Clients use :func:`client_channel` and :func:`wait_ready`.
 """
 from __future__ import annotations
 
@@ -42,14 +34,9 @@ REFLECTION_V1 = "grpc.reflection.v1.ServerReflection"
 SERVING = health_pb2.HealthCheckResponse.SERVING
 NOT_SERVING = health_pb2.HealthCheckResponse.NOT_SERVING
 
-# Keepalive: clients ping every 30 s (also without calls, so idle router->worker channels
-# notice a dead peer); servers accept pings down to 10 s apart and ping clients every 60 s
-# (a dead router's Subscribe stream is noticed and its requests cancelled).
-# Reconnects: the first retry after 100 ms (a restarted worker is found fast; a dead one
-# refuses at once). ``min_reconnect_backoff_ms`` is also gRPC's shortest time allowed for one
-# connection attempt: at 100 ms a busy process (its event loop starved by the engine) failed
-# first connections on loopback with "connect() timed out" (a prefill worker's first PushKV to
-# a decode worker, under the CI's load), so an attempt may take up to 5 s.
+# Keepalive on both sides so idle channels and a dead router's Subscribe stream are noticed.
+# ``min_reconnect_backoff_ms`` also bounds one connection attempt: kept long enough for a busy
+# process whose event loop the engine starves.
 _CLIENT_KEEPALIVE = (
     ("grpc.keepalive_time_ms", 30_000),
     ("grpc.keepalive_timeout_ms", 10_000),

@@ -1,40 +1,12 @@
 """Token sampling for a batch of sequences, with no host synchronisation on the device.
 
-Once per engine step the engine calls :func:`prepare_sampling` to turn the batch's
-``SamplingParams`` into a :class:`SamplingBatch` of device tensors (plus host-side flags so the
-common case does no extra work), then ``Sampler()(logits, batch)`` picks one token per row.
-
-Order of operations inside :meth:`Sampler.forward` (every step in fp32, whatever the logits'
-dtype; steps whose flag is off for the whole batch are skipped, and an all-greedy batch with no
-penalty and no logprobs is a bare ``argmax``):
-
-1. ``logprobs`` (only when some row asked for them): ``log_softmax`` of the RAW logits — before
-   penalties, temperature and filtering — gathered later at the chosen token.
-2. Penalties: repetition (tokens seen in the prompt or the completion: positive logits divided
-   by the penalty, negative ones multiplied), then presence (subtracted once for tokens seen in
-   the completion) and frequency (subtracted once per occurrence in the completion).
-3. Greedy rows (temperature 0) take the argmax of the penalised logits (ties: lowest index).
-4. Sampled rows: divide by the temperature, then top-k, then top-p (nucleus: keep the smallest
-   set of most likely tokens whose cumulative probability, renormalised after top-k, reaches
-   top_p; the top token is always kept), then min-p (drop tokens whose probability is below
-   ``min_p`` times the largest one). Each filter is a per-row cut-off logit, so tokens tied
-   with the cut-off are kept (as in HF's and vLLM's top-k), and a row is filtered the same
-   whichever path (no sort, partial or full sort) the rest of the batch selects. Then sample
-   with the exponential race:
-   ``argmax(probs / E)`` with ``E ~ Exponential(1)`` i.i.d. per token, which draws from
-   ``probs`` exactly and needs no ``multinomial`` / host sync.
-   Rows with a seed draw their ``E`` from their own ``torch.Generator`` (one draw of ``V``
-   values per step), so a seeded request yields the same tokens whatever else is in the batch
-   and wherever its row sits; the other rows share one batched draw from the global RNG.
-
-Engine contract for seeded requests: ``prepare_sampling`` gets a ``generators`` dict (seq_id ->
-generator) that the engine owns and keeps across steps (also across preemption). The first time
-a seeded, sampled sequence is seen a generator is created on the device, seeded with the
-request's seed, and advanced by one draw per completion token the sequence already has (so a
-decode worker that imports a sequence whose first token the prefill worker sampled continues
-the same random stream). The engine must ``generators.pop(seq.seq_id, None)`` when the sequence
-finishes, and must call ``Sampler.forward`` exactly once per token it appends to a seeded
-sequence (each call advances that sequence's generator).
+Per step: ``prepare_sampling`` builds a ``SamplingBatch``, ``Sampler()(logits, batch)`` picks one
+token per row, in fp32: logprobs of the raw logits; repetition, presence, frequency penalties;
+greedy rows take the argmax (lowest index on ties); sampled rows apply temperature, top-k,
+top-p, min-p (ties with a cut-off are kept), then draw ``argmax(probs / E)``, E ~ Exp(1).
+Seeded rows draw E from their own generator, so their tokens do not depend on the batch. The
+engine owns ``generators`` (seq_id -> generator) across steps, pops a sequence's entry when it
+finishes, and calls the sampler exactly once per token appended to a seeded sequence.
 """
 from __future__ import annotations
 
@@ -72,15 +44,10 @@ _NEG_INF = float("-inf")
 
 @dataclass
 class SamplingBatch:
-    """Per-step sampling inputs for ``B`` rows over a vocabulary of ``vocab_size`` tokens.
+    """Per-step sampling inputs for ``B`` rows over ``vocab_size`` tokens, on the model's device.
 
-    Tensors live on the model's device (the six fp32 per-row fields are rows of one [6, B]
-    tensor, copied to the device in one transfer). Rows of greedy sequences carry their
-    parameters too, but the flags only count sampled rows for top-k / top-p / min-p (filtering
-    cannot change an argmax). ``output_counts`` ([B, V] fp32, occurrences of each token in the
-    completion) is built only when ``any_penalty``; ``prompt_mask`` ([B, V] bool, token appears
-    in the prompt) only when ``any_repetition_penalty``. Rows without a penalty have all-zero
-    counts / masks.
+    The top-k/top-p/min-p flags count sampled rows only; ``output_counts`` exists only when
+    ``any_penalty``, ``prompt_mask`` only when ``any_repetition_penalty`` (zero for rows without).
     """
 
     temperatures: torch.Tensor            # [B] fp32, 0 = greedy
@@ -140,13 +107,9 @@ def _flat_indices(rows: list[list[int]], V: int, pin: bool) -> torch.Tensor:
 
 def prepare_sampling(seqs: Sequence[SampledSequence], vocab_size: int, device: torch.device,
                      generators: dict[int, torch.Generator]) -> SamplingBatch:
-    """Build the :class:`SamplingBatch` for ``seqs`` (row ``i`` is ``seqs[i]``).
-
-    ``vocab_size`` must equal the width of the logits given to the sampler. ``generators`` is
-    owned by the engine (see the module docstring): generators for seeded sampled sequences are
-    created here on first sight and stored under ``seq.seq_id``; the engine drops them when the
-    sequence finishes.
-    """
+    """Build the :class:`SamplingBatch` for ``seqs`` (row ``i`` is ``seqs[i]``); ``vocab_size``
+    is the logits' width. Creates missing generators of seeded sampled sequences in the
+    engine-owned ``generators``, advanced past their existing completion tokens."""
     device = torch.device(device)
     V = int(vocab_size)
     pin = device.type == "cuda"

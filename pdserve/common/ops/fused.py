@@ -1,15 +1,7 @@
-"""Fused elementwise kernels for the decoder layer (Triton), each with its torch reference.
-
-- ``rms_norm(x, weight, eps, residual=None)``: one pass; with ``residual`` it also adds it
-  first and returns the sum (the fused add + norm of every layer after the first).
-- ``silu_and_mul(x)``: ``silu(x[:, :I]) * x[:, I:]``.
-- ``qk_norm_rope(qkv, positions, cos_sin, ...)``: splits the merged QKV projection, applies the
-  per-head RMSNorm to q and k (Qwen3; skipped when no weight is given) and rotary embedding
-  ("rotate half" convention), writing contiguous q and k; v stays a view of ``qkv``.
-
-Numerics follow the checkpoints' reference: the residual sum is rounded to the activation dtype
-before the norm, statistics in fp32, the normalized value rounded to the dtype before the
-weight. One program per token row; no host syncs; CUDA-graph safe.
+"""Fused elementwise Triton kernels for the decoder layer, each with its torch reference:
+``rms_norm`` (optionally fused residual add), ``silu_and_mul`` and ``qk_norm_rope`` (split
+QKV, per-head RMSNorm, rotary; v stays a view of ``qkv``). Numerics follow the checkpoints'
+reference (fp32 statistics, dtype rounding before the weight). No host syncs; CUDA-graph safe.
 """
 from __future__ import annotations
 

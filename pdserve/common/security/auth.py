@@ -1,11 +1,6 @@
 """Who may call: the server interceptor that checks bearer tokens (or a verified client
-certificate), and the client side that sends a token.
-
-One :class:`AuthInterceptor` per server guards every method, unary and streaming alike, before
-the handler runs; ``grpc.health.v1`` stays open (Kubernetes probes carry no token). A caller
-is let in when its ``authorization: Bearer <token>`` metadata holds an accepted token, or,
-where ``accept_peer_cert`` is set (the internal ports), when its TLS connection presented a
-client certificate that chains to the configured CA. Everyone else gets UNAUTHENTICATED.
+certificate) before every handler, and the client side that sends a token. ``grpc.health.v1``
+stays open (probes carry no token); everyone else without credentials gets UNAUTHENTICATED.
 """
 from __future__ import annotations
 

@@ -1,12 +1,6 @@
-"""What one gRPC port and one process's outgoing channels apply: TLS, tokens, reflection.
-
-- :class:`ServerSecurity`: a listening port (the router's public port; a worker's port, which
-  only the router and the other workers call: the internal API).
-- :class:`ClientSecurity`: the channels a process opens to workers (router -> workers,
-  prefill -> decode). A process sets its own once at start-up
-  (:func:`set_default_client_security`); :func:`pdserve.common.grpc_utils.client_channel` applies it.
-
-Everything off (the default) is plaintext without authentication, as ``make run`` uses.
+"""What one gRPC port (:class:`ServerSecurity`) and one process's channels to workers
+(:class:`ClientSecurity`, set once at start-up) apply: TLS, tokens, reflection. All off by
+default: plaintext without authentication.
 """
 from __future__ import annotations
 
