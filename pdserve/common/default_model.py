@@ -185,10 +185,8 @@ def _hf_tensors(reader, meta: dict) -> dict[str, np.ndarray]:
 
 
 def _unpermute_rows(w: np.ndarray, n_heads: int) -> np.ndarray:
-    """Undo llama.cpp's q/k permute, which interleaves the two rotary halves of each head's rows.
-
-    llama.cpp stores head row ``2*i + half`` for HF row ``half * head_dim/2 + i``.
-    """
+    """Undo llama.cpp's q/k permute: it stores head row ``2*i + half`` for HF row
+    ``half * head_dim/2 + i``."""
     half_dim = w.shape[0] // n_heads // 2
     return w.reshape(n_heads, half_dim, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 

@@ -35,7 +35,6 @@ def enabled() -> bool:
     return _tracer is not None
 
 
-# ---- set-up ------------------------------------------------------------------------------
 def setup_tracing(service: str) -> bool:
     """Turn tracing on if the environment asks for it (see the module doc); True if on."""
     global _tracer
@@ -85,7 +84,6 @@ def _instrument_grpc(provider) -> None:
     GrpcAioInstrumentorClient(filter_=traced).instrument(tracer_provider=provider)
 
 
-# ---- spans -------------------------------------------------------------------------------
 def _attributes(request_id: str, attrs: dict[str, Any]) -> dict[str, Any]:
     out = {f"pdserve.{k}": v for k, v in attrs.items() if v is not None}
     if request_id:
@@ -130,7 +128,6 @@ def bind_request(request_id: str, **attrs: Any) -> None:
             current.set_attributes(_attributes(request_id, attrs))
 
 
-# ---- the file exporter -------------------------------------------------------------------
 class JsonLinesSpanExporter:
     """Appends each finished span to a file as one JSON object per line (several processes may
     share the file: each batch is one ``write`` to a file opened for appending)."""
@@ -166,7 +163,6 @@ def span_to_dict(s) -> dict[str, Any]:
             "status": s.status.status_code.name, "attributes": dict(s.attributes or {})}
 
 
-# ---- logs --------------------------------------------------------------------------------
 class JsonFormatter(logging.Formatter):
     """One JSON object per record: time, level, logger, message, request id, trace/span ids."""
 

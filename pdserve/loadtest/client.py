@@ -38,11 +38,8 @@ _LOOP: asyncio.AbstractEventLoop | None = None
 
 
 def run_async(coro):
-    """Run ``coro`` on this process's one event loop (kept open between calls).
-
-    grpc.aio binds its completion-queue poller to the loop it first runs on; a fresh
-    ``asyncio.run`` per call leaves callbacks aimed at closed loops ("Event loop is closed").
-    """
+    """Run ``coro`` on this process's one event loop, kept open between calls (grpc.aio binds its
+    poller to the first loop it runs on)."""
     global _LOOP
     if _LOOP is None or _LOOP.is_closed():
         _LOOP = asyncio.new_event_loop()
@@ -153,7 +150,6 @@ async def _run_proc(address: str, items: Sequence[tuple[int, BenchRequest, float
     return records, info
 
 
-# ---- child processes ----------------------------------------------------------------------
 def _child_main(proc_no: int, address: str, items, limit, timeout, num_channels, q, go, start_val) -> None:
     pending = [0]
     last = [time.perf_counter()]

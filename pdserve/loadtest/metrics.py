@@ -147,11 +147,8 @@ def slo_figures(records: Sequence[RequestRecord], slo: dict[str, float], itl_mod
 
 
 def peak_output_rate(records: Sequence[RequestRecord]) -> tuple[float, int]:
-    """(most output tokens received in one 1-s bucket, peak number of requests in flight).
-
-    vLLM's ``max_output_tokens_per_s`` / ``max_concurrent_requests``, here from the real
-    per-message times and token counts.
-    """
+    """(most output tokens received in one 1-s bucket, peak requests in flight): vLLM's
+    ``max_output_tokens_per_s`` / ``max_concurrent_requests``."""
     ok = [r for r in records if r.success]
     if not ok:
         return 0.0, 0

@@ -85,9 +85,8 @@ class DirectClient:
         pb = self._pb
         rid = f"{self.router_id}-{uuid.uuid4().hex[:8]}"
         params = common_pb2.SamplingParams(max_tokens=max_tokens, ignore_eos=True)
-        # The first request message is built before the clock starts, as the routed client's
-        # GenerateRequest is (a 1k-id message from a Python list costs ~0.1 ms on a CPU that idled);
-        # the Prefill request copies the ids from it after Reserve, as the router does.
+        # Build the first request message before the clock starts, as the routed client does; the
+        # Prefill request copies the ids from it after Reserve, as the router does.
         if self.prefill is None:
             first_req = pb.SubmitRequest(request_id=rid, token_ids=ids, params=params, router_id=self.router_id)
         else:

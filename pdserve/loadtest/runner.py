@@ -45,7 +45,6 @@ class RunOptions:
     http: Any = None    # pdserve.loadtest.openai_client.HttpTarget: the OpenAI HTTP API instead of gRPC
 
 
-# ---- environment --------------------------------------------------------------------------
 def git_commit() -> str:
     """HEAD, or ``PDSERVE_GIT_COMMIT`` where the tree has no .git (the device machines)."""
     from pdserve.common import env
@@ -96,7 +95,6 @@ def model_info(router: str, timeout: float = 60.0) -> dict[str, Any]:
     raise RuntimeError(f"router {router} not ready in {timeout:.0f} s: {last}")
 
 
-# ---- workload -----------------------------------------------------------------------------
 def build_requests(args: argparse.Namespace, info: dict[str, Any]) -> list[datasets.BenchRequest]:
     vocab = args.vocab_size or int(info.get("vocab_size") or 10000)
     return datasets.build(
@@ -149,7 +147,6 @@ def warmup(router: str, requests: Sequence[datasets.BenchRequest], n: int, timeo
         raise RuntimeError(f"warm-up request failed: {bad[0].status} {bad[0].error}")
 
 
-# ---- runs ---------------------------------------------------------------------------------
 def run_point(router: str, requests: Sequence[datasets.BenchRequest], rate: float, concurrency: int | None,
               opts: RunOptions, desc: str = "") -> tuple[dict[str, Any], dict[str, list[float]]]:
     """One run at one rate: its result dict (vLLM keys + config + client) and latency samples."""

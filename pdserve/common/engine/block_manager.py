@@ -57,7 +57,6 @@ class BlockManager:
         self.num_hit_tokens = 0      # prompt tokens served from the cache
         self.num_query_tokens = 0    # prompt tokens looked up
 
-    # ---- pool state -------------------------------------------------------------------
     @property
     def num_blocks(self) -> int:
         return len(self.blocks)
@@ -79,7 +78,6 @@ class BlockManager:
         return (self.num_free_blocks == self.num_blocks and not self.used_block_ids
                 and all(b.ref_count == 0 for b in self.blocks))
 
-    # ---- internals --------------------------------------------------------------------
     def _take_free_block(self, block_id: int, keep_hash: bool = False) -> Block:
         """Move a free block to the used pool; unless ``keep_hash``, its cached contents are evicted."""
         block = self.blocks[block_id]
@@ -127,7 +125,6 @@ class BlockManager:
             hits.append(block_id)
         return hits
 
-    # ---- public API -------------------------------------------------------------------
     def num_blocks_needed(self, seq: Sequence) -> int:
         """Blocks ``allocate(seq)`` would take out of the free pool (cached free blocks included)."""
         hits = self._prefix_hits(seq)
@@ -141,11 +138,8 @@ class BlockManager:
         return self.num_blocks_needed(seq) <= self.num_free_blocks
 
     def allocate(self, seq: Sequence, register: bool = True) -> None:
-        """Give ``seq`` a block table for all its tokens, reusing cached prefix blocks.
-
-        With ``register=False`` the new full blocks are not offered to other sequences until
-        ``register_blocks`` is called: for KV that will arrive later from a prefill worker.
-        """
+        """Give ``seq`` a block table for all its tokens, reusing cached prefix blocks; with
+        ``register=False`` new full blocks stay private until ``register_blocks`` (imported KV)."""
         assert not seq.block_table, f"{seq} already has blocks"
         hits = self._prefix_hits(seq)
         for block_id in hits:

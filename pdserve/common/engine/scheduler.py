@@ -96,7 +96,6 @@ class Scheduler:
             return scheduled, True
         return self._schedule_decode(exclude), False
 
-    # ---- chunked prefill ----------------------------------------------------------------
     def _schedule_chunked(self, exclude: set[int] | None) -> tuple[list[Sequence], bool]:
         budget = self.config.max_num_batched_tokens
         num_preempted = self.num_preemptions
@@ -150,7 +149,6 @@ class Scheduler:
         seq.num_scheduled_tokens = n
         self.block_manager.register_blocks(seq, seq.num_cached_tokens + n)
 
-    # ---- whole prompts (chunking off) ---------------------------------------------------
     def _schedule_prefill(self) -> list[Sequence]:
         scheduled: list[Sequence] = []
         num_tokens = 0
@@ -169,7 +167,6 @@ class Scheduler:
             scheduled.append(seq)
         return scheduled
 
-    # ---- decode rows ---------------------------------------------------------------------
     def _schedule_decode(self, exclude: set[int] | None = None, budget: int | None = None,
                          partial: list[Sequence] | None = None) -> list[Sequence]:
         """One token for each running sequence whose prompt is done (``exclude``: seq ids to

@@ -97,11 +97,8 @@ def status_for(exc: BaseException) -> tuple[grpc.StatusCode, str] | None:
 
 
 def from_rpc_error(err: grpc.RpcError) -> PdserveError:
-    """The domain exception matching a failed call's status (INTERNAL for unmapped codes).
-
-    INVALID_ARGUMENT comes back as :class:`InvalidArgument` with an empty ``field`` and the
-    original details (which already name the field).
-    """
+    """The domain exception matching a failed call's status (INTERNAL for unmapped codes;
+    INVALID_ARGUMENT keeps the details, which name the field, with an empty ``field``)."""
     code = err.code() if hasattr(err, "code") else None
     details = (err.details() if hasattr(err, "details") else None) or str(code)
     if code == grpc.StatusCode.INVALID_ARGUMENT:

@@ -139,9 +139,8 @@ class GrpcServer:
 
 
 def _register_reflection_v1() -> None:
-    """Add ``grpc/reflection/v1/reflection.proto`` to the default descriptor pool (clients
-    describe the service too): v1alpha's file with the package renamed, as the two protos are
-    identical but for it. grpcio-reflection ships only v1alpha."""
+    """Add ``grpc/reflection/v1/reflection.proto`` to the default pool: v1alpha's file renamed
+    (grpcio-reflection ships only v1alpha; the protos differ only in the package)."""
     pool = descriptor_pool.Default()
     try:
         pool.FindServiceByName(REFLECTION_V1)
@@ -184,12 +183,10 @@ def build_server(
     options: Sequence[tuple[str, Any]] = (),
     security: ServerSecurity | None = None,
 ) -> GrpcServer:
-    """Create a grpc.aio server bound to ``address`` ("host:port"; port 0 picks a free one).
-
-    Registers ``services``, health and reflection (unless ``security.reflection`` is off);
-    ``security`` adds TLS and the auth interceptor (health stays open); ``interceptors`` run
-    inside the error and auth interceptors. Raises :class:`Unavailable` when the address
-    cannot be bound.
+    """Create a grpc.aio server bound to ``address`` ("host:port"; port 0 picks a free one) with
+    ``services``, health, reflection (unless ``security.reflection`` is off) and ``security``;
+    ``interceptors`` run inside the error and auth interceptors. Raises :class:`Unavailable`
+    when the address cannot be bound.
     """
     security = security or ServerSecurity()
     server = grpc.aio.server(
@@ -224,12 +221,9 @@ async def serve(
     grace_s: float = 30.0,
     handle_signals: bool = True,
 ) -> None:
-    """Run ``server`` until SIGTERM/SIGINT (or :meth:`GrpcServer.request_shutdown`).
-
-    Starts the server (NOT_SERVING), awaits ``startup()`` (load the model, register...), sets
-    SERVING, waits, then shuts down gracefully (see :meth:`GrpcServer.shutdown`). A second
-    signal during the shutdown stops at once.
-    """
+    """Run ``server`` until SIGTERM/SIGINT (or :meth:`GrpcServer.request_shutdown`): start
+    (NOT_SERVING), await ``startup()``, SERVING, then :meth:`GrpcServer.shutdown`; a second
+    signal stops at once."""
     loop = asyncio.get_running_loop()
     installed: list[signal.Signals] = []
     signals_seen = 0
@@ -277,11 +271,8 @@ def client_channel(
     interceptors: Sequence[grpc.aio.ClientInterceptor] | None = None,
     security: ClientSecurity | None = None,
 ) -> grpc.aio.Channel:
-    """A grpc.aio channel to ``address`` with pdserve's size limits and keepalive.
-
-    ``security`` (default: the process's, :func:`pdserve.common.security.set_default_client_security`;
-    plaintext unless set) adds TLS, a client certificate and the internal token.
-    """
+    """A grpc.aio channel to ``address`` with pdserve's size limits and keepalive; ``security``
+    defaults to the process's (:func:`pdserve.common.security.set_default_client_security`)."""
     security = security if security is not None else default_client_security()
     all_options = _merge([*_size_options(max_message_bytes), *_CLIENT_KEEPALIVE, *security.options()],
                          options)
@@ -295,10 +286,8 @@ def client_channel(
 
 async def wait_ready(address: str, timeout: float, service: str = "",
                      poll_s: float = 0.1, security: ClientSecurity | None = None) -> None:
-    """Poll ``grpc.health.v1`` at ``address`` until ``service`` ("" = overall) is SERVING.
-
-    Raises :class:`Unavailable` (saying what was last seen) when ``timeout`` seconds pass.
-    """
+    """Poll ``grpc.health.v1`` at ``address`` until ``service`` ("" = overall) is SERVING; raises
+    :class:`Unavailable` after ``timeout`` seconds."""
     deadline = time.monotonic() + timeout
     last = "no answer"
     async with client_channel(address, security=security) as channel:

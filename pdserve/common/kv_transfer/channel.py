@@ -121,7 +121,6 @@ class PairChannel:
         self._store: dist.Store | None = None
         self._build(store, cancel, high_priority)
 
-    # ----------------------------------------------------------------- state
     @property
     def is_broken(self) -> bool:
         """True after a failure, a timeout, ``abort()`` or ``close()``."""
@@ -140,7 +139,6 @@ class PairChannel:
         return KvTransferError(f"pair channel {self.prefix} (rank {self.rank}, {self.backend}): "
                                f"{what}{detail}")
 
-    # ----------------------------------------------------------------- set-up
     def _build(self, store, cancel, high_priority) -> None:
         deadline = time.monotonic() + self.timeout
         client = connect_store(store, self.timeout) if isinstance(store, str) else store
@@ -233,7 +231,6 @@ class PairChannel:
             if got != [_HANDSHAKE_MAGIC, self.epoch]:
                 raise self._error(f"bad handshake {got}")
 
-    # ----------------------------------------------------------------- operations
     def _pg_or_raise(self):
         pg = self._pg
         if pg is None or self.is_broken:
@@ -347,7 +344,6 @@ class PairChannel:
         """CUDA: an event after everything enqueued on the side stream so far; CPU: None."""
         return self._record()
 
-    # ----------------------------------------------------------------- teardown
     def _fail(self, reason: str) -> None:
         with self._lock:
             if not self._broken:

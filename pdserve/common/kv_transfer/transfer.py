@@ -24,7 +24,6 @@ def initial_epoch() -> int:
     return time.time_ns() // 1000
 
 
-# ============================================================================ first token
 class FirstTokenRef:
     """Row ``row`` of a step's ``token_ids`` ([B] int64) and ``logprobs`` ([B] fp32 or None),
     on the pool's device; on CUDA written before the step's ``ready_event``."""
@@ -50,7 +49,6 @@ def parse_first_token(msg: torch.Tensor) -> tuple[int, float]:
     return int(host[0]), float(host[1:2].view(torch.float32)[0])
 
 
-# ============================================================================ data path
 _TOKEN_BYTES = 8
 
 
@@ -163,5 +161,3 @@ class _Null:
     def __exit__(self, *exc):
         return False
 
-
-# ============================================================================ sender

@@ -240,8 +240,7 @@ class Sampler(nn.Module):
 
     @staticmethod
     def _fused_ok(logits: torch.Tensor, batch: SamplingBatch) -> bool:
-        """Temperature-only rows (greedy or sampled, unseeded), on CUDA: one fused pass
-        (pdserve.common.ops.sampling)."""
+        """Temperature-only unseeded rows on CUDA: one fused pass (ops/sampling.py)."""
         return (use_fused(logits) and not batch.any_penalty and not batch.need_logprobs
                 and not batch.any_top_k and not batch.any_top_p and not batch.any_min_p
                 and not batch.seeded_rows)
@@ -294,12 +293,8 @@ class Sampler(nn.Module):
 
 
 def _top_k_top_p(x: torch.Tensor, batch: SamplingBatch) -> None:
-    """Top-k then top-p, in place on ``x``, from the ``sort_k`` largest logits of each row.
-
-    Both filters end as one cut-off logit per row (``x < cutoff`` is dropped), so no scatter
-    back from sorted order is needed and a row's result never depends on the path the rest of
-    the batch sends it down. Tokens tied with the cut-off value are kept.
-    """
+    """Top-k then top-p, in place on ``x``, from each row's ``sort_k`` largest logits, each as one
+    cut-off logit per row (ties kept), so a row's result never depends on the batch's path."""
     V = x.shape[1]
     if batch.sort_k >= V:
         vals = x.sort(dim=-1, descending=True).values
@@ -309,9 +304,7 @@ def _top_k_top_p(x: torch.Tensor, batch: SamplingBatch) -> None:
     if batch.any_top_k:
         kth = vals.gather(1, (batch.top_ks.clamp(max=width) - 1).unsqueeze(1))
         vals.masked_fill_(vals < kth, _NEG_INF)
-    # Nucleus over the distribution renormalised after top-k: keep sorted positions
-    # 0..n-1 with n = 1 + #(inclusive cumsum < top_p), so the top token always stays and
-    # the token that reaches top_p is kept. Rows with top_p = 1 keep everything.
+    # Nucleus after top-k: keep n = 1 + #(inclusive cumsum < top_p) sorted positions.
     cum = torch.softmax(vals, dim=-1).cumsum_(dim=-1)
     n_keep = (cum < batch.top_ps.unsqueeze(1)).sum(dim=-1, keepdim=True) + 1
     n_keep = torch.where((batch.top_ps < 1.0).unsqueeze(1), n_keep, width)

@@ -133,10 +133,8 @@ def qk_norm_rope(qkv: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor, 
                  ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """qkv: [T, (Hq+2Hkv)*D]; cos/sin: [P, D] fp32 caches -> q [T,Hq,D], k [T,Hkv,D], v [T,Hkv,D] (view).
 
-    With ``k_cache``/``v_cache`` (``[num_blocks, block_size, Hkv, D]``, head dim contiguous) and
-    ``slot_mapping[T]``, the same kernel also writes each token's K and V into the cache at its
-    slot, as ``pdserve.common.ops.kv_store.store_kvcache`` would (negative slots are skipped): one
-    kernel less per layer.
+    With ``k_cache``/``v_cache`` and ``slot_mapping[T]`` it also stores K and V into the paged
+    cache (negative slots skipped), as ``kv_store.store_kvcache`` would.
     """
     T = qkv.shape[0]
     q = torch.empty(T, num_q, head_dim, dtype=qkv.dtype, device=qkv.device)

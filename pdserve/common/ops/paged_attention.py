@@ -27,10 +27,6 @@ _MIN_TOKENS_PER_SPLIT = 128     # do not split a context finer than this
 _WS_PAD = 16                    # workspace row = D accumulators + m + l, padded to 16 floats
 
 
-# ----------------------------------------------------------------------------------------------
-# kernels
-# ----------------------------------------------------------------------------------------------
-
 # Per-batch integers are not specialised: no recompile when one becomes 1 or a multiple of 16.
 @triton.jit(do_not_specialize=["num_splits", "stride_btb"])
 def _decode_split_kernel(
@@ -227,10 +223,6 @@ def _prefill_kernel(
         tl.store(out_ptr + rows[:, None] * stride_ot + h * stride_oh + offs_d[None, :],
                  o.to(out_ptr.dtype.element_ty), mask=m_mask[:, None])
 
-
-# ----------------------------------------------------------------------------------------------
-# host side
-# ----------------------------------------------------------------------------------------------
 
 _SM_COUNT: dict[int, int] = {}
 

@@ -34,10 +34,8 @@ def store_kvcache_ref(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Ten
 def paged_attention_decode_ref(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                                block_tables: torch.Tensor, context_lens: torch.Tensor,
                                scale: float) -> torch.Tensor:
-    """One query per sequence: ``q[B, Hq, D]`` attends to keys ``0..context_lens[b]-1``.
-
-    ``block_tables[B, max_blocks]`` int32, padded with -1. Returns ``out[B, Hq, D]`` in q's dtype.
-    """
+    """One query per sequence: ``q[B, Hq, D]`` attends to keys ``0..context_lens[b]-1``; returns
+    ``out[B, Hq, D]`` in q's dtype."""
     B, Hq, D = q.shape
     if B == 0:
         return torch.empty_like(q)
@@ -62,13 +60,8 @@ def paged_attention_prefill_ref(q: torch.Tensor, k_cache: torch.Tensor, v_cache:
                                 cu_seqlens_q: torch.Tensor, context_lens: torch.Tensor,
                                 block_tables: torch.Tensor, max_seqlen_q: int,
                                 scale: float) -> torch.Tensor:
-    """Varlen prefill over the paged cache, causal with offset.
-
-    ``q[T, Hq, D]`` holds the new tokens of all sequences back to back (``cu_seqlens_q[B+1]``);
-    their K/V are already in the cache. Query ``i`` of sequence ``b`` sits at position
-    ``context_lens[b] - q_len_b + i`` and sees keys ``0..position`` (the cached prefix fully).
-    ``max_seqlen_q`` is unused here (kept for the shared signature). Returns ``out[T, Hq, D]``.
-    """
+    """Varlen prefill, causal with offset: query ``i`` of sequence ``b`` (``q[T, Hq, D]``, split by
+    ``cu_seqlens_q[B+1]``) sits at ``context_lens[b] - q_len_b + i``; returns ``out[T, Hq, D]``."""
     del max_seqlen_q
     T, Hq, D = q.shape
     _, block_size, Hkv, _ = k_cache.shape

@@ -83,11 +83,8 @@ def _rebuild(handler: grpc.RpcMethodHandler, allowed: Callable[[Any], bool],
 
 
 class AuthInterceptor(grpc.aio.ServerInterceptor):
-    """Bearer tokens and/or verified client certificates in front of every method.
-
-    ``tokens``: the accepted tokens (None: no token is accepted). ``accept_peer_cert``: a
-    verified client certificate is enough. With neither, every guarded call is refused.
-    """
+    """Bearer ``tokens`` (None: none accepted) and/or, with ``accept_peer_cert``, verified client
+    certificates in front of every method; with neither every guarded call is refused."""
 
     def __init__(self, tokens: BearerTokens | None, accept_peer_cert: bool = False,
                  open_prefixes: Sequence[str] = OPEN_METHOD_PREFIXES) -> None:
@@ -129,7 +126,6 @@ def _skip(data: bytes) -> None:
     return None
 
 
-# ---------------------------------------------------------------- client side
 def _with_token(details: grpc.aio.ClientCallDetails, value: str) -> grpc.aio.ClientCallDetails:
     metadata = grpc.aio.Metadata(*(details.metadata or ()))
     metadata.add(AUTHORIZATION, value)

@@ -17,13 +17,8 @@ log = logging.getLogger(__name__)
 
 @dataclass(frozen=True)
 class TlsFiles:
-    """One party's TLS files.
-
-    ``cert``/``key``: its own certificate chain and private key (both or neither; a client
-    without them does server-only TLS). ``ca``: the CA bundle that peers' certificates must
-    chain to (a server: client certificates are then required; a client: the server's
-    certificate is checked against it, else against the system roots).
-    """
+    """One party's TLS files: ``cert``/``key`` (both or neither) and ``ca``, the bundle peers
+    must chain to (server: client certificates then required; client: else the system roots)."""
 
     cert: Path | None = None
     key: Path | None = None
