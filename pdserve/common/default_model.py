@@ -26,7 +26,7 @@ log = logging.getLogger(__name__)
 DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
 GGUF_FILENAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
 MARKER_FILENAME = "pdserve_import.json"  # written last; its presence means "import complete"
-# Bump when the import output changes, so older cached imports are redone (2: fixed q/k un-permute).
+# Bump when the import output changes, so older cached imports are redone.
 IMPORT_FORMAT_VERSION = 2
 
 # GGUF per-layer tensor name -> HF name (inside model.layers.N.)

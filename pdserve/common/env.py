@@ -1,8 +1,5 @@
-"""Every environment variable pdserve reads, in one place.
-
-Services and tools call these helpers; nothing else in the project reads ``os.environ`` for
-pdserve settings. Each variable is a default that a command-line flag overrides.
-"""
+"""Every environment variable pdserve reads, in one place: nothing else reads ``os.environ`` for
+pdserve settings, and each is a default that a command-line flag overrides."""
 from __future__ import annotations
 
 import os

@@ -1,12 +1,9 @@
 """Per-request records of a streamed run, and the serving metrics computed from them, with vLLM's
 definitions and JSON keys (``vllm/benchmarks/serve.py``, ``calculate_metrics``).
 
-TTFT: first token-carrying message minus send time; TPOT: ``(e2e - ttft) / (output_tokens - 1)``;
-ITL: gaps between token-carrying messages, one per message (``itl_mode="chunk"``, vLLM) or
-``k`` entries of ``gap / k`` for a ``k``-token message (``"split"``, SGLang); E2EL: end of the
-stream minus send time. Throughputs divide by the run's duration (tokens of successful requests
-only). Goodput and SLO attainment count requests within every SLO given (ms). Statistics are
-``mean/median/std/p{P}_{m}_ms`` (empty: 0). Times are ``time.perf_counter()`` seconds.
+TTFT, TPOT ``(e2e - ttft) / (output_tokens - 1)``, E2EL from the send time; ITL one gap per
+message (``itl_mode="chunk"``, vLLM) or ``k`` gaps of ``gap / k`` (``"split"``, SGLang).
+Goodput and SLO attainment count requests within every SLO (ms). Times: perf_counter seconds.
 """
 from __future__ import annotations
 

@@ -1,8 +1,6 @@
 """A serving run = a workload + an arrival process + a rate; a sweep = one run per rate (and per
-concurrency limit). Results go to ``<result-dir>/<name>.json`` (config + one vLLM-style metrics
-dict per point, rewritten after every point) with two PNGs beside it: ``<name>_latency_cdf.png``
-(TTFT, TPOT, E2E CDFs, one line per point) and ``<name>_throughput.png`` (throughput and goodput
-against the rate).
+concurrency limit). Writes ``<result-dir>/<name>.json`` (rewritten after every point) and two
+PNGs beside it (latency CDFs, throughput and goodput against the rate).
 """
 from __future__ import annotations
 

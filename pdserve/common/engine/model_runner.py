@@ -1,8 +1,7 @@
 """Runs the model for one engine step: batch preparation, the forward, sampling.
 
-``prepare_prefill`` / ``prepare_decode`` turn scheduled Sequences into flat tensors
-(``input_ids``, ``positions``) and a ForwardContext (``slot_mapping``, ``context_lens``,
-``block_tables``, ``cu_seqlens_q``). The KV pool is one tensor
+``prepare_prefill`` / ``prepare_decode`` turn scheduled Sequences into flat ``input_ids`` /
+``positions`` and a ForwardContext; the KV pool is one tensor
 ``[num_blocks, num_layers, 2, block_size, num_kv_heads, head_dim]`` (docs/design.md).
 """
 from __future__ import annotations

@@ -1,12 +1,9 @@
 """Overlapped steps: step N+1 is launched before the host has read step N's tokens (its
 decode rows take their input token on the device), so the host prepares while the GPU runs.
 
-Exactness rules: each launched sequence holds a PLACEHOLDER token until its step is resolved,
-in order; a sequence that stops by length after the pending token is left out of the next
-step, one that stops on a token value is found a step late and its extra token dropped; a full
-block reaches the prefix cache only once its tokens are known and its KV step launched; a
-preempted sequence is resolved before it can be rescheduled; no overlap with penalties (they
-need the token history on the host).
+Exactness: a launched sequence holds a PLACEHOLDER until its step resolves (in order); one that
+stops on a token value is found a step late and its extra token dropped; a full block reaches
+the prefix cache only once its tokens are known; no overlap with penalties (host history).
 """
 from __future__ import annotations
 

@@ -1,13 +1,10 @@
 """Continuous batching: which sequences run in the next engine step, and how many tokens each.
 
-Chunked prefill (default), one token budget per step: decode rows first (oldest first; with no
-free block the newest running sequence is preempted for recompute), then the next chunk of
-partly prefilled prompts, then waiting ones FCFS (none in a step that preempted, and a new
-partial prompt only under ``max_num_partial_prefills``). Blocks for the whole prompt are taken
-at admission, so a prompt never preempts mid-way; a chunk's full blocks are offered to the
-prefix cache only when that chunk is scheduled (KV must exist before another request reuses
-it). Without chunking a step is all prefill or all decode. ``schedule`` returns decode rows
-first (longest context first), then chunks.
+Chunked prefill (default), one token budget per step: decode rows (out of blocks: preempt the
+newest running sequence), then next chunks of partial prompts, then waiting ones FCFS (none in
+a step that preempted). A prompt's blocks are all taken at admission, so it never preempts
+mid-way; a chunk's full blocks reach the prefix cache only once that chunk is scheduled.
+Without chunking a step is all prefill or all decode.
 """
 from __future__ import annotations
 

@@ -35,8 +35,7 @@ SERVING = health_pb2.HealthCheckResponse.SERVING
 NOT_SERVING = health_pb2.HealthCheckResponse.NOT_SERVING
 
 # Keepalive on both sides so idle channels and a dead router's Subscribe stream are noticed.
-# ``min_reconnect_backoff_ms`` also bounds one connection attempt: kept long enough for a busy
-# process whose event loop the engine starves.
+# ``min_reconnect_backoff_ms`` also bounds one connection attempt (chosen by experience: bench/NOTES.md).
 _CLIENT_KEEPALIVE = (
     ("grpc.keepalive_time_ms", 30_000),
     ("grpc.keepalive_timeout_ms", 10_000),

@@ -80,7 +80,6 @@ class _RecvPeer:
                 with self.cond:
                     self.busy = False
                     self.last_used = time.monotonic()
-        # stopping: release the channel and fail what is left
         with self.cond:
             ch, self.channel = self.channel, None
             left = list(self.queue)

@@ -1,12 +1,9 @@
 """Token sampling for a batch of sequences, with no host synchronisation on the device.
 
-Per step: ``prepare_sampling`` builds a ``SamplingBatch``, ``Sampler()(logits, batch)`` picks one
-token per row, in fp32: logprobs of the raw logits; repetition, presence, frequency penalties;
-greedy rows take the argmax (lowest index on ties); sampled rows apply temperature, top-k,
-top-p, min-p (ties with a cut-off are kept), then draw ``argmax(probs / E)``, E ~ Exp(1).
-Seeded rows draw E from their own generator, so their tokens do not depend on the batch. The
-engine owns ``generators`` (seq_id -> generator) across steps, pops a sequence's entry when it
-finishes, and calls the sampler exactly once per token appended to a seeded sequence.
+In fp32: raw-logit logprobs; penalties; greedy rows take the argmax (lowest index on ties);
+sampled rows apply temperature, top-k, top-p, min-p, then ``argmax(probs / E)``, E ~ Exp(1),
+seeded rows from their own generator. The engine owns ``generators`` (seq_id -> generator),
+pops a finished sequence's entry, and samples once per token appended to a seeded sequence.
 """
 from __future__ import annotations
 
