@@ -1,16 +1,9 @@
-"""A small synchronous client of the router's public API (used by ``pdserve generate``).
+"""A small synchronous client of the router's public API (used by ``pdserve generate``):
+``generate`` / ``stream_generate(address, prompt, SamplingParams(...))``.
 
-    from pdserve.common.sampling_params import SamplingParams
-    from pdserve.client import generate, stream_generate
-
-    for delta in stream_generate("localhost:50051", "What is the capital of France?",
-                                 SamplingParams(temperature=0, max_tokens=32)):
-        print(delta, end="", flush=True)
-
-``prompt`` is a string (one user message with ``chat=True``, plain text with ``chat=False``), a
-list of ``{"role", "content"}`` messages, or a list of token ids. A failed call raises the
-matching :class:`pdserve.common.grpc_utils.PdserveError` (InvalidArgument, Unavailable, ...).
-Importing this module does not import torch.
+``prompt``: a string (a user message with ``chat=True``, plain text otherwise), a list of
+``{"role", "content"}`` messages, or token ids. Failures raise the matching
+:class:`pdserve.common.grpc_utils.PdserveError`. Importing it does not import torch.
 """
 from __future__ import annotations
 

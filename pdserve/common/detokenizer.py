@@ -1,12 +1,8 @@
 """Incremental detokenization: the text each new token adds, without re-decoding everything.
 
-With a Rust (``tokenizers``) tokenizer whose ``decode`` has no clean-up pass, the work is done
-by ``tokenizers.decoders.DecodeStream`` (faster on the router's per-step path, same text:
-bench/detokenizer_compare.py, docs/dependencies.md). Any other tokenizer goes through the same
-algorithm in Python: two offsets into the completion, the text of
-``tokens[prefix_offset:read_offset]`` is already emitted; decoding ``tokens[prefix_offset:]``
-and taking what is past it gives the delta. Either way a delta ending in an incomplete UTF-8
-sequence is held back until the next token completes it.
+Uses ``tokenizers.decoders.DecodeStream`` when the tokenizer allows it (same text), else the
+two-offset algorithm in Python. A delta ending in an incomplete UTF-8 sequence is held back
+until the next token completes it.
 """
 from __future__ import annotations
 

@@ -1,8 +1,5 @@
-"""Every environment variable pdserve reads, in one place.
-
-Services and tools call these helpers; nothing else in the project reads ``os.environ`` for
-pdserve settings. Each variable is a default that a command-line flag overrides.
-"""
+"""Every environment variable pdserve reads, in one place: nothing else reads ``os.environ`` for
+pdserve settings, and each is a default that a command-line flag overrides."""
 from __future__ import annotations
 
 import os
@@ -79,14 +76,8 @@ def trace_file() -> str | None:
 
 
 def otel_trace_exporters() -> list[str]:
-    """The span exporters the standard OpenTelemetry variables ask for (empty: tracing off).
-
-    ``OTEL_TRACES_EXPORTER`` (``otlp``, ``console``; ``none`` = off), or ``otlp`` when only an
-    OTLP endpoint is set (``OTEL_EXPORTER_OTLP_ENDPOINT`` / ``..._TRACES_ENDPOINT``);
-    ``OTEL_SDK_DISABLED=true`` turns tracing off. Read here only to decide whether tracing is on
-    at all: the SDK reads the rest of the ``OTEL_*`` variables (endpoint, headers, sampler,
-    batching, resource attributes) itself.
-    """
+    """The span exporters the ``OTEL_*`` variables ask for (empty: tracing off): only whether
+    tracing is on is decided here; the SDK reads the other variables itself."""
     if os.environ.get("OTEL_SDK_DISABLED", "").strip().lower() == "true":
         return []
     names = [n.strip().lower() for n in os.environ.get("OTEL_TRACES_EXPORTER", "").split(",")]

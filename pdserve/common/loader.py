@@ -1,11 +1,6 @@
-"""Find a model by name or path and build it: HF checkpoint dirs, presets, dummy weights.
-
-``model`` may be:
-- a directory with ``config.json`` and ``*.safetensors`` (single or sharded): real weights;
-- ``"default"`` or ``"SmolLM2-135M-Instruct"``: the embedded default model (imported once
-  from its GGUF into a cached checkpoint dir, see pdserve/common/default_model.py);
-- a preset name from pdserve/common/presets (e.g. ``qwen3-0.6b``) or a path to a ``config.json``
-  file: that geometry with seeded random ("dummy") weights, for benchmarks and tests.
+"""Find a model by name or path and build it: an HF checkpoint dir (real weights), ``"default"``
+(the embedded model, default_model.py), or a preset name / ``config.json`` path (seeded dummy
+weights).
 """
 from __future__ import annotations
 

@@ -8,13 +8,10 @@ from dataclasses import dataclass, field
 class SamplingParams:
     """How to pick each next token and when to stop.
 
-    temperature 0 means greedy; top_k -1 (or 0) means off; top_p in (0, 1]; min_p in [0, 1].
-    Penalties follow the usual conventions: repetition_penalty (1.0 = off) divides positive /
-    multiplies negative logits of tokens seen in the prompt or output; presence_penalty and
-    frequency_penalty (0.0 = off) are subtracted for tokens seen in the output.
-    ``seed`` makes a sampled request reproducible whatever else is in the batch.
-    ``logprobs`` returns the log-probability (under the model's raw distribution) of each
-    chosen token.
+    temperature 0 = greedy; top_k -1 or 0 = off; top_p in (0, 1]; min_p in [0, 1];
+    repetition_penalty (1.0 = off) scales logits of tokens seen in prompt or output,
+    presence/frequency_penalty (0.0 = off) subtract for tokens seen in the output. ``seed``
+    makes a sampled request reproducible; ``logprobs`` returns each chosen token's raw logprob.
     """
 
     temperature: float = 1.0

@@ -1,19 +1,10 @@
 """Tracing (OpenTelemetry) and structured logs for every service; tracing is off unless asked for.
 
-``setup_tracing(service)`` runs once at process start, before any gRPC server or channel is
-made. Tracing is on when the standard ``OTEL_*`` variables name an exporter
-(``OTEL_TRACES_EXPORTER=otlp|console``, or an OTLP endpoint) or ``PDSERVE_TRACE_FILE`` names a
-file to append spans to as JSON lines; then gRPC servers and channels get OpenTelemetry's
-interceptors (the trace context travels in the call metadata: router -> prefill worker ->
-decode worker, PushKV included) and the helpers below record spans. When it is off nothing of
-OpenTelemetry is imported, gRPC gets no interceptor, and every helper returns at once.
-
-Spans made here carry the request id as ``pdserve.request_id``. Spans that end on another
-thread than they started (queue wait, prefill, decode: timed on the engine thread) are recorded
-after the fact with :func:`record_span` under a parent captured with :func:`parent`.
-
-``configure_logging(level, fmt)``: ``fmt="json"`` writes one JSON object per line with the
-request id (:func:`bind_request`) and, with tracing on, the trace and span ids.
+``setup_tracing(service)`` runs once at process start, before any gRPC server or channel. It
+turns tracing on when the ``OTEL_*`` variables name an exporter or ``PDSERVE_TRACE_FILE`` names
+a file; then gRPC gets OpenTelemetry's interceptors and the helpers record spans (with
+``pdserve.request_id``). Off: nothing of OpenTelemetry is imported and every helper returns at
+once. Spans timed on another thread are recorded afterwards with :func:`record_span`.
 """
 from __future__ import annotations
 
@@ -44,7 +35,6 @@ def enabled() -> bool:
     return _tracer is not None
 
 
-# ---- set-up ------------------------------------------------------------------------------
 def setup_tracing(service: str) -> bool:
     """Turn tracing on if the environment asks for it (see the module doc); True if on."""
     global _tracer
@@ -94,7 +84,6 @@ def _instrument_grpc(provider) -> None:
     GrpcAioInstrumentorClient(filter_=traced).instrument(tracer_provider=provider)
 
 
-# ---- spans -------------------------------------------------------------------------------
 def _attributes(request_id: str, attrs: dict[str, Any]) -> dict[str, Any]:
     out = {f"pdserve.{k}": v for k, v in attrs.items() if v is not None}
     if request_id:
@@ -139,7 +128,6 @@ def bind_request(request_id: str, **attrs: Any) -> None:
             current.set_attributes(_attributes(request_id, attrs))
 
 
-# ---- the file exporter -------------------------------------------------------------------
 class JsonLinesSpanExporter:
     """Appends each finished span to a file as one JSON object per line (several processes may
     share the file: each batch is one ``write`` to a file opened for appending)."""
@@ -175,7 +163,6 @@ def span_to_dict(s) -> dict[str, Any]:
             "status": s.status.status_code.name, "attributes": dict(s.attributes or {})}
 
 
-# ---- logs --------------------------------------------------------------------------------
 class JsonFormatter(logging.Formatter):
     """One JSON object per record: time, level, logger, message, request id, trace/span ids."""
 

@@ -1,17 +1,8 @@
 """SLO capacity: the highest Poisson rate a deployment serves within its SLOs (``pdserve bench
-compare --capacity``).
-
-A run at rate ``r`` *holds* when at least ``min_attainment`` (0.9) of its requests completed within
-every per-request SLO (``ttft_ms``, ``tpot_ms``, ``e2e_ms``: DistServe's attainment) and, when
-``itl_p99_ms`` is given, the run's ITL p99 is within it (a stutter guard). Attainment is taken
-to fall as the rate rises, so the capacity is bracketed and bisected:
-
-- from a rate list (``--request-rate 4,8,16,32``): the rates are run in increasing order until one
-  fails; the bracket is (the last that held, the first that failed);
-- from a bracket (``--capacity-range LO:HI``): ``LO`` and ``HI`` are run; ``LO`` failing gives
-  (0, LO), ``HI`` holding gives a capacity of at least ``HI`` (reported as a lower bound);
-- then the bracket ``(lo, hi)`` is halved, ``(lo + hi) / 2`` run each time, until ``hi - lo <=
-  tolerance`` (1 req/s). The capacity is ``lo`` (0: not even the lowest rate held).
+compare --capacity``). A rate holds when at least ``min_attainment`` of its requests met every
+per-request SLO and, if given, the run's ITL p99 is within ``itl_p99_ms``. The capacity is
+bracketed (from a rate list or ``LO:HI``) and bisected down to ``tolerance``; it is the last rate
+that held (0: none; a lower bound when ``HI`` held).
 """
 from __future__ import annotations
 

@@ -1,15 +1,9 @@
 """The load generator: ``Generation.Generate`` streams to the router from asyncio (grpc.aio),
 each streamed message time-stamped, in one or several client processes.
 
-:func:`run_load` takes the requests and their send offsets (from :mod:`.arrivals`). With
-``num_procs > 1`` it starts that many processes (``spawn``), deals the requests out round-robin
-(request ``i`` to process ``i % N``, keeping its offset, so the merged arrival process is the one
-asked for), shares ``max_concurrency`` out among them, waits until every process has its
-channels connected, then gives all one common start time (perf_counter; CLOCK_MONOTONIC, shared
-by the processes of one machine). Each process runs its own event loop and reports its records
-and its own CPU use (``time.process_time``, ``resource.getrusage``) so the result shows whether
-the client was a bottleneck; ``send_lag`` (how late requests left against their schedule) says
-the same from the other side.
+With ``num_procs > 1`` request ``i`` goes to process ``i % N`` with its offset, so the merged
+arrivals are the ones asked for; all start at one common ``perf_counter`` time once connected.
+Each process reports its records and CPU use, and ``send_lag`` shows whether it kept up.
 """
 from __future__ import annotations
 
@@ -44,11 +38,8 @@ _LOOP: asyncio.AbstractEventLoop | None = None
 
 
 def run_async(coro):
-    """Run ``coro`` on this process's one event loop (kept open between calls).
-
-    grpc.aio binds its completion-queue poller to the loop it first runs on; a fresh
-    ``asyncio.run`` per call leaves callbacks aimed at closed loops ("Event loop is closed").
-    """
+    """Run ``coro`` on this process's one event loop, kept open between calls (grpc.aio binds its
+    poller to the first loop it runs on)."""
     global _LOOP
     if _LOOP is None or _LOOP.is_closed():
         _LOOP = asyncio.new_event_loop()
@@ -159,7 +150,6 @@ async def _run_proc(address: str, items: Sequence[tuple[int, BenchRequest, float
     return records, info
 
 
-# ---- child processes ----------------------------------------------------------------------
 def _child_main(proc_no: int, address: str, items, limit, timeout, num_channels, q, go, start_val) -> None:
     pending = [0]
     last = [time.perf_counter()]

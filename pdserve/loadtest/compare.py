@@ -1,16 +1,7 @@
-"""Comparison mode: one workload and one rate sweep against two (or more) deployments.
-
-Either routers that already run (``--targets disagg=host:port,colocated=host:port``) or
-``pdserve up`` configurations that the tool starts, benchmarks and stops one after the other
-(``--launch``; by default (a) ``--prefill 1 --decode 1`` and (b) ``--prefill 0 --decode 2 --role
-both``, on the GPUs of ``--gpus``). Every deployment gets the very same requests and arrival
-times. Output: a markdown table (printed and saved), ``compare-<label>-<time>.json`` with each
-deployment's sweep, and ``..._goodput.png`` (goodput and output throughput against the rate,
-one line per deployment).
-
-With ``--capacity`` each deployment's rates are chosen by a bisection instead of the sweep
-(pdserve.loadtest.capacity): its SLO capacity goes into a second table (``capacity_markdown``), the
-JSON (``deployments[].capacity``) and ``..._capacity.png``.
+"""Comparison mode: one workload and one rate sweep (or, with ``--capacity``, a capacity
+bisection) against two or more deployments, running routers (``--targets``) or ``pdserve up``
+configurations started one after the other (``--launch``). Every deployment gets the same
+requests and arrival times. Output: a markdown table, a JSON file and PNG plots.
 """
 from __future__ import annotations
 

@@ -1,25 +1,10 @@
 """Serving workloads: lists of :class:`BenchRequest`, deterministic for a seed.
 
-=================  ==========================================================================
-``random``         input / output lengths uniform in the given ranges, random token ids
-``w-nano``         docs/design.md's W-nano (nano-vllm's bench) as a serving load: the 256
-                   prompts of ``randint(0, 10000)`` ids of length ``randint(100, 1024)``, then
-                   ``max_tokens = randint(100, 1024)`` each, all from ``random.seed(0)``;
-                   temperature 0.6, ignore_eos (142,827 prompt / 133,966 output tokens)
-``shared-prefix``  ``num_prefixes`` long system prompts; each request = one of them + a short
-                   random suffix (prefix caching and cache-aware routing)
-``multi-turn``     chat conversations: each turn's prompt is the previous turn's prompt + a reply
-                   + a new user message (prefix reuse across turns of one conversation)
-``prefill-heavy``  long prompts (~2k tokens), short outputs (16..64)
-``decode-heavy``   short prompts (64..128), long outputs (512)
-``jsonl``          a file of ``{"prompt": str, "max_tokens": n}``, ``{"messages": [...]}`` or
-                   ``{"token_ids": [...]}`` lines
-=================  ==========================================================================
-
-Synthetic prompts are token ids (``GenerateRequest.token_ids``) by default. With
-``prompt_format="text"`` they become text made of common English words, one word per token
-for the usual BPE tokenizers (so lengths are close to, not exactly, the target; the router's
-``usage.prompt_tokens`` gives the real count, which the metrics use).
+``random`` (uniform lengths), ``w-nano`` (docs/design.md's W-nano: 256 prompts of 100-1024
+random ids, 100-1024 output tokens, temperature 0.6, ignore_eos, ``random.seed(0)``),
+``shared-prefix``, ``multi-turn``, ``prefill-heavy``, ``decode-heavy`` and ``jsonl`` (a file).
+Synthetic prompts are token ids, or with ``prompt_format="text"`` English words of about one
+token each (the router's ``usage.prompt_tokens`` gives the real count).
 """
 from __future__ import annotations
 
@@ -143,14 +128,10 @@ def shared_prefix(num_prompts: int, num_prefixes: int, prefix_len: int, suffix_l
 
 def multi_turn(num_prompts: int, num_turns: int, num_prefixes: int, prefix_len: int, user_len: tuple[int, int],
                output_len: tuple[int, int], vocab: int, seed: int, active: int = 16) -> list[BenchRequest]:
-    """Chat conversations of ``num_turns`` turns (``ceil(num_prompts / num_turns)`` of them, cut
-    to ``num_prompts`` requests). Turn 1 = one of ``num_prefixes`` system prompts of
-    ``prefix_len`` tokens + a user message of ``user_len`` tokens; turn k+1 = turn k's prompt +
-    a reply of turn k's ``max_tokens`` tokens + a new user message. The replies are synthetic
-    (a served reply differs), so what a later turn can find cached is the earlier turns'
-    prompts. Order: conversations go ``active`` at a time; a group's first turns (shuffled),
-    then its second turns, ...: at a rate of R requests/s the turns of one conversation are
-    about ``active / R`` seconds apart. ``extra``: conversation, turn."""
+    """Chat conversations of ``num_turns`` turns, cut to ``num_prompts`` requests: turn 1 = a system
+    prompt (one of ``num_prefixes``) + a user message; turn k+1 = turn k's prompt + a synthetic
+    reply + a new user message. ``active`` conversations run at a time, turn by turn.
+    ``extra``: conversation, turn."""
     if num_turns < 1 or num_prefixes < 1 or active < 1:
         raise ValueError("num_turns, num_prefixes and active must be >= 1")
     rng = random.Random(seed)
@@ -234,10 +215,8 @@ def build(name: str, *, num_prompts: int | None = None, input_len: RangeArg = No
           seed: int = 0, prompt_format: str = "ids", dataset_path: str | None = None, num_prefixes: int = 8,
           prefix_len: int = 1024, temperature: float | None = None, ignore_eos: bool | None = None,
           max_model_len: int | None = None, num_turns: int = 4) -> list[BenchRequest]:
-    """Build a workload by name (see the module docstring). ``input_len``/``output_len`` are
-    ranges (``parse_range``) overriding the dataset's defaults; for ``shared-prefix``
-    ``input_len`` is the suffix length. ``temperature``/``ignore_eos`` override the dataset's
-    (0.0 / True for synthetic data, W-nano 0.6 / True, JSONL 0.0 / False)."""
+    """Build a workload by name; ``input_len``/``output_len`` ranges override the dataset's
+    defaults (``shared-prefix``: ``input_len`` is the suffix), as do ``temperature``/``ignore_eos``."""
     if name not in DATASETS:
         raise ValueError(f"dataset must be one of {DATASETS}, not {name!r}")
     if prompt_format not in PROMPT_FORMATS:

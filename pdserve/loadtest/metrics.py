@@ -1,34 +1,9 @@
-"""Per-request records of a streamed run, and the serving metrics computed from them.
+"""Per-request records of a streamed run, and the serving metrics computed from them, with vLLM's
+definitions and JSON keys (``vllm/benchmarks/serve.py``, ``calculate_metrics``).
 
-The definitions and the JSON key names are those of vLLM's serving benchmark
-(``benchmarks/benchmark_serving.py``, now ``vllm/benchmarks/serve.py``: ``calculate_metrics``):
-
-* **TTFT**: first message that carries at least one token, minus the send time.
-* **TPOT**: ``(e2e - ttft) / (output_tokens - 1)``, over requests with more than one output
-  token (for goodput a request of one token has TPOT 0, as vLLM counts it).
-* **ITL**: gaps between consecutive token-carrying messages. vLLM appends one ITL entry per
-  streamed chunk (the whole gap since the previous chunk), whatever number of tokens the chunk
-  carries; output tokens are counted from ``usage``. That is ``itl_mode="chunk"``, the default.
-  ``itl_mode="split"`` is SGLang's bench_serving convention instead: a message of ``k`` tokens
-  contributes ``k`` entries of ``gap / k`` (the first message's extra tokens contribute none).
-  With one token per message both are the same; ``mean_tokens_per_message`` tells whether they
-  differ.
-* **E2EL**: end of the stream (the call finished with OK), minus the send time.
-* Throughputs divide by the benchmark duration: ``completed / duration`` (``request_throughput``),
-  output tokens (``output_throughput``), input + output tokens (``total_token_throughput``).
-  Token totals count successful requests only (as vLLM).
-* **Goodput** (``request_goodput``): requests per second that completed and met every SLO given
-  (``ttft``, ``tpot``, ``e2el``, in ms; ``value <= slo``); ``None`` without SLOs.
-* **SLO attainment** (``slo_attainment``, with SLOs): the fraction of all requests sent that
-  completed and met every per-request SLO (DistServe's measure; a failed request misses).
-  ``itl_p99`` is a bound on the run, not on a request: ``itl_p99_ms`` (the run's 99th
-  percentile ITL) and ``itl_p99_ok`` are reported when it is given (pdserve.loadtest.capacity).
-* Statistics of a metric ``m`` (ms): ``mean_m_ms``, ``median_m_ms``, ``std_m_ms`` (population
-  std, ``np.std``) and ``p{P}_m_ms`` for each requested percentile (``np.percentile``, linear;
-  ``p99``, ``p99.9``); an empty metric reads 0, as in vLLM.
-
-Times are ``time.perf_counter()`` seconds (CLOCK_MONOTONIC on Linux: comparable between the
-client processes of one machine).
+TTFT, TPOT ``(e2e - ttft) / (output_tokens - 1)``, E2EL from the send time; ITL one gap per
+message (``itl_mode="chunk"``, vLLM) or ``k`` gaps of ``gap / k`` (``"split"``, SGLang).
+Goodput and SLO attainment count requests within every SLO (ms). Times: perf_counter seconds.
 """
 from __future__ import annotations
 
@@ -169,11 +144,8 @@ def slo_figures(records: Sequence[RequestRecord], slo: dict[str, float], itl_mod
 
 
 def peak_output_rate(records: Sequence[RequestRecord]) -> tuple[float, int]:
-    """(most output tokens received in one 1-s bucket, peak number of requests in flight).
-
-    vLLM's ``max_output_tokens_per_s`` / ``max_concurrent_requests``, here from the real
-    per-message times and token counts.
-    """
+    """(most output tokens received in one 1-s bucket, peak requests in flight): vLLM's
+    ``max_output_tokens_per_s`` / ``max_concurrent_requests``."""
     ok = [r for r in records if r.success]
     if not ok:
         return 0.0, 0

@@ -1,12 +1,7 @@
-"""The load generator's OpenAI HTTP backend (``pdserve bench serve --backend openai``).
-
-The same requests, arrival schedule and :class:`~pdserve.loadtest.metrics.RequestRecord` s as the
-gRPC backend (:mod:`pdserve.loadtest.client`), sent as streamed ``POST /v1/completions`` (token-id or
-text prompts) or ``/v1/chat/completions`` (text or chat prompts) with aiohttp, so the two front
-doors are measured on the same requests. Every server-sent chunk is time-stamped on arrival;
-``stream_options.continuous_usage_stats`` makes each chunk say how many tokens it carries (a
-chunk's text may lag its tokens while a character is incomplete), and the last chunk's usage
-gives the prompt, output and cached token counts. One client process (its own event loop).
+"""The load generator's OpenAI HTTP backend (``pdserve bench serve --backend openai``): the same
+requests and records as the gRPC backend, sent as streamed ``/v1/completions`` or
+``/v1/chat/completions`` with aiohttp (one process). ``continuous_usage_stats`` gives each
+chunk's token count; the last chunk's usage the prompt, output and cached counts.
 """
 from __future__ import annotations
 

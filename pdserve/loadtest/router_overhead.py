@@ -1,25 +1,10 @@
-"""The router alone, on this machine's CPU, in front of scripted workers (pdserve/loadtest/scripted_worker.py,
-separate processes): what it adds to a request, and how many streamed tokens it can fan out.
+"""The router alone, on this machine's CPU, in front of scripted workers (separate processes).
 
-1. **Added latency** (``latency``): sequential requests with ``--prompt-len`` (1024) token-id
-   prompts and ``--latency-max-tokens`` outputs, once straight to the workers and once through
-   the router, interleaved (direct, routed, routed, direct, ...). The direct client does what the
-   router does on the worker side and nothing else: co-located, ``Subscribe`` + ``Submit`` on a
-   ``both`` worker; disaggregated, ``Subscribe`` on the decode worker, ``Reserve`` there, then
-   ``Prefill`` on the prefill worker (the first token comes from its stream); both clients build
-   their first request message before the clock starts. The difference of
-   the two latency distributions (TTFT and E2E; p50, p90, p99, mean; and the percentiles of the
-   paired per-request differences) is what the router adds: its validation, block hashing,
-   placement, the extra gRPC hop, incremental detokenization. The router's CPU time per request
-   comes from /proc (also net of its idle use, measured for ``--idle-measure-s`` before the requests).
-2. **Fan-out** (``fanout``): a ``both`` worker stepping every ``--fanout-step-ms`` and a closed
-   loop of C concurrent streams (``--fanout-concurrency``), ``--fanout-max-tokens`` tokens each:
-   streamed tokens/s and messages/s the clients receive, against the worker's ideal
-   ``C * 1000 / step_ms`` and against the same load sent straight to the worker (a direct
-   subscriber: what the worker itself can deliver on this machine), with the CPU use of the router,
-   the worker and the client processes (cores = CPU seconds / wall seconds), and the router's CPU
-   microseconds per token.
-
+``latency``: sequential requests straight to the workers and through the router, interleaved;
+the difference of the TTFT/E2E distributions (and of paired requests) is what the router adds,
+with its CPU time per request from /proc net of idle use. ``fanout``: C concurrent streams on a
+``both`` worker stepping every ``--fanout-step-ms``, tokens/s and messages/s delivered through
+the router against the ideal and a direct subscriber, with each process's CPU use.
 Writes ``--output`` (default bench/results/router_overhead.json).
 """
 from __future__ import annotations
@@ -100,9 +85,8 @@ class DirectClient:
         pb = self._pb
         rid = f"{self.router_id}-{uuid.uuid4().hex[:8]}"
         params = common_pb2.SamplingParams(max_tokens=max_tokens, ignore_eos=True)
-        # The first request message is built before the clock starts, as the routed client's
-        # GenerateRequest is (a 1k-id message from a Python list costs ~0.1 ms on a CPU that idled);
-        # the Prefill request copies the ids from it after Reserve, as the router does.
+        # Build the first request message before the clock starts, as the routed client does; the
+        # Prefill request copies the ids from it after Reserve, as the router does.
         if self.prefill is None:
             first_req = pb.SubmitRequest(request_id=rid, token_ids=ids, params=params, router_id=self.router_id)
         else:

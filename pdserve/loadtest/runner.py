@@ -1,8 +1,6 @@
 """A serving run = a workload + an arrival process + a rate; a sweep = one run per rate (and per
-concurrency limit). Results go to ``<result-dir>/<name>.json`` (config + one vLLM-style metrics
-dict per point, rewritten after every point) with two PNGs beside it: ``<name>_latency_cdf.png``
-(TTFT, TPOT, E2E CDFs, one line per point) and ``<name>_throughput.png`` (throughput and goodput
-against the rate).
+concurrency limit). Writes ``<result-dir>/<name>.json`` (rewritten after every point) and two
+PNGs beside it (latency CDFs, throughput and goodput against the rate).
 """
 from __future__ import annotations
 
@@ -45,7 +43,6 @@ class RunOptions:
     http: Any = None    # pdserve.loadtest.openai_client.HttpTarget: the OpenAI HTTP API instead of gRPC
 
 
-# ---- environment --------------------------------------------------------------------------
 def git_commit() -> str:
     """HEAD, or ``PDSERVE_GIT_COMMIT`` where the tree has no .git (the device machines)."""
     from pdserve.common import env
@@ -96,7 +93,6 @@ def model_info(router: str, timeout: float = 60.0) -> dict[str, Any]:
     raise RuntimeError(f"router {router} not ready in {timeout:.0f} s: {last}")
 
 
-# ---- workload -----------------------------------------------------------------------------
 def build_requests(args: argparse.Namespace, info: dict[str, Any]) -> list[datasets.BenchRequest]:
     vocab = args.vocab_size or int(info.get("vocab_size") or 10000)
     return datasets.build(
@@ -149,7 +145,6 @@ def warmup(router: str, requests: Sequence[datasets.BenchRequest], n: int, timeo
         raise RuntimeError(f"warm-up request failed: {bad[0].status} {bad[0].error}")
 
 
-# ---- runs ---------------------------------------------------------------------------------
 def run_point(router: str, requests: Sequence[datasets.BenchRequest], rate: float, concurrency: int | None,
               opts: RunOptions, desc: str = "") -> tuple[dict[str, Any], dict[str, list[float]]]:
     """One run at one rate: its result dict (vLLM keys + config + client) and latency samples."""

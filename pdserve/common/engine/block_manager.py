@@ -1,11 +1,8 @@
 """Paged KV-cache blocks: free/used pools, reference counts and hash-chained prefix caching.
 
-A block holds ``block_size`` tokens of KV for all layers. A *full* block gets a hash (see
-pdserve/common/hashing.py) and is registered in ``hash_to_block_id``; a later sequence whose prefix has
-the same hash chain reuses it (reference count + 1) instead of computing it again. When a
-block's reference count drops to zero it goes back to the free pool but keeps its hash and
-contents, so it can still be hit until the pool hands it out again (least recently freed last:
-that is the eviction order).
+A full block gets a hash (pdserve/common/hashing.py) and can be reused by any sequence with the
+same hash chain; a freed block keeps its hash and contents until the pool hands it out again
+(least recently freed last: the eviction order).
 """
 from __future__ import annotations
 
@@ -38,13 +35,10 @@ class Block:
 class BlockManager:
     """Owns the block pool of one worker's KV cache.
 
-    Rules: ``allocate`` is called once for a WAITING sequence with an empty block table (for
-    its whole prompt, also when the prompt is then computed in chunks) and
-    sets ``num_cached_tokens`` to the prefix it found (always leaving at least the last prompt
-    block to compute, so the prefill has a token to produce logits from); ``may_append`` is
-    called before every decode step after ``can_append``; ``deallocate`` releases the whole
-    table. ``on_stored`` / ``on_evicted`` (optional) are told of block hashes entering and
-    leaving the cache, for the router's prefix index.
+    ``allocate`` once per WAITING sequence with an empty table, for its whole prompt; it sets
+    ``num_cached_tokens`` and never hits the last prompt block (the prefill needs a token to
+    compute). ``may_append`` before every decode step, after ``can_append``. ``on_stored`` /
+    ``on_evicted`` (optional) hear of hashes entering and leaving the cache (router's index).
     """
 
     def __init__(self, num_blocks: int, block_size: int,
@@ -63,7 +57,6 @@ class BlockManager:
         self.num_hit_tokens = 0      # prompt tokens served from the cache
         self.num_query_tokens = 0    # prompt tokens looked up
 
-    # ---- pool state -------------------------------------------------------------------
     @property
     def num_blocks(self) -> int:
         return len(self.blocks)
@@ -85,7 +78,6 @@ class BlockManager:
         return (self.num_free_blocks == self.num_blocks and not self.used_block_ids
                 and all(b.ref_count == 0 for b in self.blocks))
 
-    # ---- internals --------------------------------------------------------------------
     def _take_free_block(self, block_id: int, keep_hash: bool = False) -> Block:
         """Move a free block to the used pool; unless ``keep_hash``, its cached contents are evicted."""
         block = self.blocks[block_id]
@@ -121,11 +113,7 @@ class BlockManager:
                 self.on_stored(h)
 
     def _prefix_hits(self, seq: Sequence) -> list[int]:
-        """Block ids of the leading full blocks of ``seq`` found in the cache.
-
-        The block holding the last token is never a hit: the prefill needs at least one token
-        to compute, to produce the next token's logits.
-        """
+        """Block ids of the leading full blocks of ``seq`` found in the cache (never the last)."""
         hits: list[int] = []
         parent = NO_PARENT
         for i in range((seq.num_tokens - 1) // self.block_size):
@@ -137,7 +125,6 @@ class BlockManager:
             hits.append(block_id)
         return hits
 
-    # ---- public API -------------------------------------------------------------------
     def num_blocks_needed(self, seq: Sequence) -> int:
         """Blocks ``allocate(seq)`` would take out of the free pool (cached free blocks included)."""
         hits = self._prefix_hits(seq)
@@ -151,11 +138,8 @@ class BlockManager:
         return self.num_blocks_needed(seq) <= self.num_free_blocks
 
     def allocate(self, seq: Sequence, register: bool = True) -> None:
-        """Give ``seq`` a block table for all its tokens, reusing cached prefix blocks.
-
-        With ``register=False`` the new full blocks are not offered to other sequences until
-        ``register_blocks`` is called: for KV that will arrive later from a prefill worker.
-        """
+        """Give ``seq`` a block table for all its tokens, reusing cached prefix blocks; with
+        ``register=False`` new full blocks stay private until ``register_blocks`` (imported KV)."""
         assert not seq.block_table, f"{seq} already has blocks"
         hits = self._prefix_hits(seq)
         for block_id in hits:

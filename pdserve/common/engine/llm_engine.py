@@ -74,12 +74,9 @@ class LLMEngine:
         self.overlap_enabled = self._overlap_enabled()
         self.requests: dict[str, Sequence] = {}   # queued, running or reserved
         self.held: dict[str, Sequence] = {}       # prefill-only, first token out, blocks kept
-        # Called on this thread right after a prefill step is launched (its KV and tokens
-        # still being computed on the device): ``(seqs, launched)``, row i of ``launched`` is
-        # ``seqs[i]``. A prefill worker starts shipping the KV from here.
+        # Called on the engine thread right after a prefill step is launched: ``(seqs, launched)``.
         self.on_prefill_launch: Callable[[list[Sequence], LaunchedStep], None] | None = None
 
-    # ---- setup ------------------------------------------------------------------------
     def _max_model_len(self, num_blocks: int) -> int:
         model_max = self.source.config.max_position_embeddings
         wanted = self.config.max_model_len or min(model_max, DEFAULT_MAX_MODEL_LEN)
@@ -120,7 +117,6 @@ class LLMEngine:
         from transformers import AutoTokenizer
         return AutoTokenizer.from_pretrained(str(self.source.tokenizer_dir))
 
-    # ---- requests -----------------------------------------------------------------------
     def validate(self, prompt_token_ids: list[int], params: SamplingParams) -> None:
         """Raise InvalidParameter naming the field when the request cannot run here."""
         if not prompt_token_ids:
@@ -151,13 +147,9 @@ class LLMEngine:
         self.scheduler.add(seq)
         return seq
 
-    # ---- KV imported from a prefill worker (decode side) ----------------------------------
     def reserve(self, prompt_token_ids: list[int], params: SamplingParams, request_id: str) -> Sequence:
-        """Blocks for a prompt whose KV will arrive from elsewhere; reuses cached prefix blocks.
-
-        The new blocks are not offered to the prefix cache until ``admit_imported``.
-        Raises OutOfBlocks when the pool cannot hold the prompt now.
-        """
+        """Blocks for a prompt whose KV arrives from elsewhere (reusing cached prefix blocks), not
+        offered to the prefix cache until ``admit_imported``; raises OutOfBlocks if none fit now."""
         seq = self._new_sequence(prompt_token_ids, params, request_id)
         if not self.block_manager.can_allocate(seq):
             del self.requests[seq.request_id]
@@ -167,10 +159,8 @@ class LLMEngine:
         return seq
 
     def admit_imported(self, seq: Sequence, first_token_id: int, logprob: float | None) -> bool:
-        """The prompt's KV has landed: append the first token and join the decode batch.
-
-        Returns False if the first token already finished the request (its blocks are freed).
-        """
+        """The prompt's KV has landed: append the first token and join the decode batch; False
+        if that token already finished the request (blocks freed)."""
         seq.num_cached_tokens = seq.num_tokens
         self.block_manager.register_blocks(seq)
         finished = self._postprocess([seq], [first_token_id],
@@ -202,7 +192,6 @@ class LLMEngine:
     def has_unfinished(self) -> bool:
         return not self.scheduler.is_finished() or self.pending is not None
 
-    # ---- the loop -----------------------------------------------------------------------
     def step(self) -> StepOutput:
         start = time.perf_counter()
         out = self._step()

@@ -1,23 +1,10 @@
-"""CUDA graphs for mixed steps (chunked prefill): decode rows and prompt chunks in one replay.
+"""CUDA graphs for mixed steps (chunked prefill): decode rows and prompt chunks in one replay,
+since an eager mixed step is bound by host launch cost (chosen by measurement: bench/NOTES.md).
 
-An eager forward costs the host about 0.3 ms per layer in kernel launches (measured on an H100:
-~12 ms for the 36 layers of a Qwen3-8B geometry, bench/chunked_step.py), so a mixed step of a
-few hundred prompt tokens would be bound by the host, not the GPU. A mixed step is replayed
-from a graph instead when it fits one:
-
-- graphs are keyed by ``(nd, tc)``: ``nd`` decode rows padded up to a power of two (0
-  included: a step of chunks only), ``tc`` chunk tokens padded up to a bucket
-  (``CHUNK_BUCKETS``, at most the token budget and 2,048);
-- the static input holds the decode rows at ``[0, nd)`` and the chunk tokens at
-  ``[nd, nd + tc)``; padding rows get slot -1 (their KV store is skipped), decode padding
-  rows context 0; the prefill attention grid covers ``max_chunk_seqs`` sequences, those past
-  the real ones having no query (``cu_seqlens_q`` repeats its last value) and doing nothing;
-- the graph ends with the hidden states; the rows to sample are gathered after the replay and
-  the LM head and sampler run outside it.
-
-Larger chunks (where the GPU, not the host, is the bound), more chunk sequences than
-``max_chunk_seqs`` or more decode rows than the largest size run eagerly. Graphs are captured
-largest first into one memory pool.
+Graphs are keyed by ``(nd, tc)``: decode rows padded to a power of two (0 included) at
+``[0, nd)``, chunk tokens padded to a ``CHUNK_BUCKETS`` size at ``[nd, nd + tc)``; padding rows
+have slot -1 and context 0, padding chunk sequences no query. The graph ends with the hidden
+states; LM head and sampler run outside. Steps that do not fit a graph run eagerly.
 """
 from __future__ import annotations
 

@@ -1,8 +1,7 @@
 """Runs the model for one engine step: batch preparation, the forward, sampling.
 
-``prepare_prefill`` / ``prepare_decode`` turn scheduled Sequences into flat tensors
-(``input_ids``, ``positions``) and a ForwardContext (``slot_mapping``, ``context_lens``,
-``block_tables``, ``cu_seqlens_q``). The KV pool is one tensor
+``prepare_prefill`` / ``prepare_decode`` turn scheduled Sequences into flat ``input_ids`` /
+``positions`` and a ForwardContext; the KV pool is one tensor
 ``[num_blocks, num_layers, 2, block_size, num_kv_heads, head_dim]`` (docs/design.md).
 """
 from __future__ import annotations
@@ -91,7 +90,6 @@ class ModelRunner:
         self._sampling_key: tuple[int, ...] | None = None
         self._sampling_cache: SamplingBatch | None = None
 
-    # ---- KV pool ------------------------------------------------------------------------
     @property
     def block_bytes(self) -> int:
         c = self.model_config
@@ -153,7 +151,6 @@ class ModelRunner:
                 -(-max_model_len // self.block_size), max_model_len, self.device)
             self.mixed_graph_runner.capture()
 
-    # ---- batch preparation ----------------------------------------------------------------
     def _to_device(self, data: list, dtype: torch.dtype) -> torch.Tensor:
         t = torch.tensor(data, dtype=dtype, pin_memory=self.device.type == "cuda")
         return t.to(self.device, non_blocking=True)
@@ -173,9 +170,8 @@ class ModelRunner:
         return [seq.block_table[p // bs] * bs + p % bs for p in range(start, end)]
 
     def prepare_prefill(self, seqs: list[Sequence]) -> tuple[torch.Tensor, torch.Tensor, ForwardContext]:
-        """A step that computes prompt tokens: each sequence's tokens ``[num_cached_tokens,
-        num_cached_tokens + num_scheduled_tokens)``. Leading one-token rows whose earlier KV is all
-        cached (decode rows; the scheduler puts them first) go through decode attention."""
+        """A step computing tokens ``[num_cached_tokens, +num_scheduled_tokens)`` of each sequence;
+        leading one-token rows (decode rows) go through decode attention."""
         nd = _num_decode_rows(seqs)
         input_ids: list[int] = []
         positions: list[int] = []
@@ -214,7 +210,6 @@ class ModelRunner:
             block_tables=self._block_tables(seqs), max_context_len=max(context_lens))
         return self._to_device(input_ids, torch.int64), self._to_device(positions, torch.int64), ctx
 
-    # ---- one step -------------------------------------------------------------------------
     @torch.inference_mode()
     def run(self, seqs: list[Sequence], is_prefill: bool) -> tuple[list[int], list[float] | None]:
         """Forward + sampling for one step; returns each sequence's next token (and logprob)."""
@@ -223,15 +218,10 @@ class ModelRunner:
     @torch.inference_mode()
     def launch(self, seqs: list[Sequence], is_prefill: bool, src_rows: list[int] | None = None,
                prev_tokens: torch.Tensor | None = None) -> LaunchedStep:
-        """Enqueue forward + sampling for one step without waiting for the tokens.
-
-        Each sequence computes its ``num_scheduled_tokens`` tokens (decode steps: one); a token
-        is sampled for the sequences that reach their last token (``LaunchedStep.seqs``, in
-        step order; a prompt chunk that is not the last samples nothing). Decode rows: row ``i``
-        whose ``src_rows[i] >= 0`` takes its input token from ``prev_tokens[src_rows[i]]`` (the
-        previous step's sampled tokens, still on the device), so a step can start before the
-        host has seen the previous one's tokens.
-        """
+        """Enqueue forward + sampling for one step without waiting for the tokens; only sequences
+        that reach their last token sample (``LaunchedStep.seqs``, step order). Decode row ``i``
+        with ``src_rows[i] >= 0`` takes its input token from ``prev_tokens[src_rows[i]]`` on the
+        device."""
         if is_prefill:
             input_ids, positions, ctx = self.prepare_prefill(seqs)
         else:
@@ -255,7 +245,7 @@ class ModelRunner:
         else:
             launched = LaunchedStep(hidden.new_empty(0, dtype=torch.int64), None, self.device, sampled)
         if is_prefill:
-            for seq in sampled:   # a KV sender waits for this step only, not for what is queued after it
+            for seq in sampled:   # a KV sender waits for this step only
                 seq.kv_ready = launched.event
         return launched
 

@@ -1,30 +1,9 @@
-"""Overlapped steps: step N+1 is launched before the host has read step N's tokens.
+"""Overlapped steps: step N+1 is launched before the host has read step N's tokens (its
+decode rows take their input token on the device), so the host prepares while the GPU runs.
 
-While the GPU runs a decode step, the host would otherwise sit idle until the tokens arrive,
-then schedule and prepare the next step while the GPU idles. Here the next decode step is
-scheduled and launched first — its input tokens are taken on the device from the previous
-step's sampled tokens — and only then are the previous step's tokens read and processed.
-
-A prefill step is launched the same way: the next step (another prefill of waiting sequences,
-or the first decode) is launched before its sampled tokens are read, so the host prepares the
-next batch while the GPU computes this one. With chunked prefill a step mixes decode rows and
-prompt chunks; a prompt's next chunk needs no token from the step before (only its KV, which
-the GPU orders), and a prompt whose last chunk is pending decodes next with a placeholder.
-
-Rules that keep this exact:
-- each launched sequence gets a PLACEHOLDER token; its value is written in when the step is
-  resolved, in order;
-- a sequence that will stop by length after the pending token is left out of the next step
-  (so is a prefill-only sequence, which stops after its first token); one that stops on a token
-  value (EOS, a stop token) is found one step late: the extra token it got is dropped and its
-  blocks freed (later GPU work is ordered after that step);
-- a full block is offered to the prefix cache only once its tokens are known and the step that
-  computes its last token's KV has been launched;
-- a sequence waiting for (re)computation never holds a PLACEHOLDER when it is scheduled: one
-  preempted while a step was pending is resolved in the same engine step, before any later
-  prefill can pick it (a chunked step that preempts admits no waiting sequence);
-- no overlapped decode when a running sequence uses penalties (they need the token history on
-  the host).
+Exactness: a launched sequence holds a PLACEHOLDER until its step resolves (in order); one that
+stops on a token value is found a step late and its extra token dropped; a full block reaches
+the prefix cache only once its tokens are known; no overlap with penalties (host history).
 """
 from __future__ import annotations
 

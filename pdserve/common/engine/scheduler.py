@@ -1,41 +1,10 @@
 """Continuous batching: which sequences run in the next engine step, and how many tokens each.
 
-Chunked prefill (``enable_chunked_prefill``, the default) — one step under one token budget:
-
-1. **Decode rows first.** Every running sequence whose prompt is done gets its one token
-   (``num_scheduled_tokens = 1``), oldest first, up to ``max_num_seqs`` rows. When one needs a
-   new block and none is free, the newest running sequence (decoding or still prefilling) is
-   preempted: its blocks are released and it goes back to the front of the waiting queue, to be
-   recomputed (its full blocks usually still sit in the prefix cache, so the recompute is
-   mostly cache hits).
-2. **Then prompts still being prefilled**, oldest first: the next chunk of each,
-   ``min(remaining, budget left, long_prefill_token_threshold or no cap)`` tokens.
-3. **Then waiting sequences**, first come first served, while the budget, ``max_num_seqs`` and
-   the block pool allow; none in a step that preempted (a sequence preempted now must not be
-   rescheduled before its pending token is known). A prompt that does not fit the budget left
-   starts as a chunk only while fewer than ``max_num_partial_prefills`` prompts are partly
-   prefilled; otherwise it waits for the next step.
-
-A sequence's blocks are allocated for its whole prompt when it is admitted (not chunk by chunk):
-admission then guarantees that the prompt can finish without a preemption in the middle of it,
-and prefix-cache hits are taken once, at admission. Its new full blocks are offered to the prefix
-cache as the chunks that compute them are scheduled (never before: another request must not
-reuse KV that does not exist yet; within one step every token's KV is stored before any
-attention reads it). ``num_cached_tokens`` advances chunk by chunk; a sequence produces a token
-only in the step that computes the last token of its prompt (or of its recompute).
-
-Long prompts and short ones: with the defaults (one partial prefill, no per-chunk cap: vLLM's
-defaults) prompts are served first come first served and a partly prefilled prompt takes what
-the decode rows leave, so a short prompt behind a long one waits for at most the long one's
-remaining chunks. ``long_prefill_token_threshold`` caps each chunk so that later prompts share
-every step's budget (with ``max_num_partial_prefills`` > 1 they may also start as chunks).
-
-Without chunking (``enable_chunked_prefill=False``, the earlier behaviour, kept for comparison)
-a step is either a prefill step (whole prompts, up to ``max_num_batched_tokens`` tokens; it goes
-first whenever something waits and fits) or a decode step, and the budget must hold any prompt.
-
-Each scheduled sequence's ``num_scheduled_tokens`` says how many tokens the step computes for
-it. ``schedule`` returns the decode rows first (longest context first), then the chunks.
+Chunked prefill (default), one token budget per step: decode rows (out of blocks: preempt the
+newest running sequence), then next chunks of partial prompts, then waiting ones FCFS (none in
+a step that preempted). A prompt's blocks are all taken at admission, so it never preempts
+mid-way; a chunk's full blocks reach the prefix cache only once that chunk is scheduled.
+Without chunking a step is all prefill or all decode.
 """
 from __future__ import annotations
 
@@ -124,7 +93,6 @@ class Scheduler:
             return scheduled, True
         return self._schedule_decode(exclude), False
 
-    # ---- chunked prefill ----------------------------------------------------------------
     def _schedule_chunked(self, exclude: set[int] | None) -> tuple[list[Sequence], bool]:
         budget = self.config.max_num_batched_tokens
         num_preempted = self.num_preemptions
@@ -178,7 +146,6 @@ class Scheduler:
         seq.num_scheduled_tokens = n
         self.block_manager.register_blocks(seq, seq.num_cached_tokens + n)
 
-    # ---- whole prompts (chunking off) ---------------------------------------------------
     def _schedule_prefill(self) -> list[Sequence]:
         scheduled: list[Sequence] = []
         num_tokens = 0
@@ -197,7 +164,6 @@ class Scheduler:
             scheduled.append(seq)
         return scheduled
 
-    # ---- decode rows ---------------------------------------------------------------------
     def _schedule_decode(self, exclude: set[int] | None = None, budget: int | None = None,
                          partial: list[Sequence] | None = None) -> list[Sequence]:
         """One token for each running sequence whose prompt is done (``exclude``: seq ids to
@@ -235,10 +201,8 @@ class Scheduler:
         if partial is not None:
             partial.extend(s for s in running[i:] if s.num_tokens - s.num_cached_tokens > 1)
         self.running = deque(running + excluded) if excluded else deque(running)
-        # Rows longest context first: the decode attention kernel starts its programs in row
-        # order, so the longest sequences start first and a ragged batch ends with short work
-        # (bench/attention_balance.py: 3-4% less attention time at batch 192-256). Stable, so
-        # the order only changes when the batch membership does.
+        # Longest context first: the decode kernel starts programs in row order, so a ragged batch
+        # ends with short work (chosen by measurement: bench/NOTES.md). Stable sort.
         scheduled.sort(key=_num_tokens, reverse=True)
         return scheduled
 

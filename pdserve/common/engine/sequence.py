@@ -23,12 +23,9 @@ class SequenceStatus(Enum):
 class Sequence:
     """Token ids (prompt + completion) and the KV blocks that hold them.
 
-    ``block_table`` lists the block ids holding tokens ``[i*block_size, (i+1)*block_size)``.
-    ``num_cached_tokens`` counts leading tokens whose KV is already in the cache (prefix hits,
-    KV imported from a prefill worker, or chunks computed by earlier steps) and need not be
-    computed. A step computes tokens ``[num_cached_tokens, num_cached_tokens +
-    num_scheduled_tokens)``; it samples a token for the sequence only when that range ends at
-    ``num_tokens`` (``completes_in_step``): a decode row, or the last chunk of a prompt.
+    ``block_table[i]`` holds tokens ``[i*block_size, (i+1)*block_size)``; the first
+    ``num_cached_tokens`` have KV in the cache. A step computes ``num_scheduled_tokens`` more and
+    samples a token only when that reaches ``num_tokens`` (``completes_in_step``).
     """
 
     _counter = itertools.count()

@@ -1,16 +1,7 @@
-"""Measured step times of one engine, for the router's estimates (WorkerStats).
-
-Each ``LLMEngine.step`` call that returns work is timed from entry to return. With overlapped
-steps a call launches the next step and waits for the previous one's tokens, so in steady state
-a call lasts one GPU step. The figures are exponential moving averages (weight ``ALPHA`` for the
-newest step), kept per step kind:
-
-- ``decode_step_ms``: steps with decode rows only;
-- ``mixed_step_ms``: steps with decode rows and prompt chunks;
-- ``prefill_tokens_per_s``: prompt tokens computed per second of steps that computed any
-  (mixed steps included: the decode rows ride along in the same forward).
-
-Zero means "not measured yet".
+"""Measured step times of one engine, for the router's estimates (WorkerStats): exponential
+moving averages (weight ``ALPHA`` for the newest) of ``decode_step_ms`` (decode rows only),
+``mixed_step_ms`` (decode rows and chunks) and ``prefill_tokens_per_s`` (steps computing prompt
+tokens). Each timed ``LLMEngine.step`` call that returned work counts; zero = not measured yet.
 """
 from __future__ import annotations
 

@@ -1,15 +1,7 @@
-"""A warm-up step before the first request (CUDA): every Triton kernel variant the engine will
-launch is compiled here, not in the middle of serving.
-
-Triton compiles a kernel the first time it sees a new set of constexprs or argument
-specialisations (~0.5-1.5 s each). Without this, the first batched prefill and the first
-sampled decode of a fresh engine pay for it: in the offline W-nano run that was ~2 s of an
-8 s run (bench/NOTES.md, run 8).
-
-The warm-up runs two sequences of several blocks each through one prefill, two decode steps
-(one sampled with temperature, one greedy row) and one mixed step (a decode row and a chunk), on
-blocks taken straight from the free pool with no block-manager bookkeeping: nothing is allocated,
-registered or counted afterwards.
+"""A warm-up step before the first request (CUDA), so that every Triton kernel variant the
+engine launches is compiled before serving (chosen by measurement: bench/NOTES.md). It runs a
+prefill, a sampled and a greedy decode and a mixed step of two multi-block sequences on free
+blocks, with no block-manager bookkeeping: nothing is allocated, registered or counted.
 """
 from __future__ import annotations
 

@@ -1,10 +1,4 @@
-"""gRPC plumbing shared by every pdserve server and client (grpc.aio only; no engine imports).
-
-- :mod:`.errors`: domain exceptions and their status codes;
-- :mod:`.interceptor`: the server interceptor that maps them to statuses;
-- :mod:`.server`: ``build_server`` / ``serve`` (limits, health, reflection, graceful
-  shutdown), ``client_channel`` and ``wait_ready``.
-"""
+"""gRPC plumbing shared by every pdserve server and client (grpc.aio only; no engine imports)."""
 from pdserve.common.grpc_utils.errors import (
     AlreadyExists,
     Cancelled,

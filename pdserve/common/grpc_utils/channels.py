@@ -1,10 +1,6 @@
-"""Long-lived client channels that follow rotated credentials.
-
-A channel reads the process's client credential files (pdserve.common.security: certificate, key, CA,
-internal token) when it is made. :class:`RenewingChannels` keeps one channel per address and,
-when the files' stamp changes (cert-manager renewed the certificate, a Secret update replaced
-the token), makes new channels for later calls and closes the old ones after ``grace_s``, so
-calls already on them finish. Nothing restarts.
+"""Long-lived client channels that follow rotated credentials: :class:`RenewingChannels` keeps
+one channel per address and, when the credential files' stamp changes, makes new channels for
+later calls and closes the old ones after ``grace_s``.
 """
 from __future__ import annotations
 

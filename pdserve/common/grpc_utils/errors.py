@@ -1,11 +1,8 @@
 """Domain exceptions of pdserve and their gRPC status codes.
 
-Servicers and the code they call raise these; the error interceptor
-(:mod:`pdserve.common.grpc_utils.interceptor`) turns them into the mapped status with the exception's
-message. ``ValueError`` also maps to INVALID_ARGUMENT, and a failed downstream call
-(``grpc.aio.AioRpcError``, e.g. router -> worker) that nobody caught keeps its own status. A client that catches a
-``grpc.RpcError`` can turn it back into the matching exception with :func:`from_rpc_error`,
-so that a status crosses a hop (worker -> router -> client) unchanged.
+The error interceptor maps them (and ``ValueError``: INVALID_ARGUMENT) to statuses; an uncaught
+downstream ``AioRpcError`` keeps its own. :func:`from_rpc_error` turns a status back into the
+exception, so it crosses a hop unchanged.
 """
 from __future__ import annotations
 
@@ -100,11 +97,8 @@ def status_for(exc: BaseException) -> tuple[grpc.StatusCode, str] | None:
 
 
 def from_rpc_error(err: grpc.RpcError) -> PdserveError:
-    """The domain exception matching a failed call's status (INTERNAL for unmapped codes).
-
-    INVALID_ARGUMENT comes back as :class:`InvalidArgument` with an empty ``field`` and the
-    original details (which already name the field).
-    """
+    """The domain exception matching a failed call's status (INTERNAL for unmapped codes;
+    INVALID_ARGUMENT keeps the details, which name the field, with an empty ``field``)."""
     code = err.code() if hasattr(err, "code") else None
     details = (err.details() if hasattr(err, "details") else None) or str(code)
     if code == grpc.StatusCode.INVALID_ARGUMENT:

@@ -1,18 +1,10 @@
 """gRPC server and channel helpers shared by the router and the workers (grpc.aio only).
 
-    server = build_server("[::]:50053", [Service("pdserve.v1.Worker", add_WorkerServicer_to_server,
-                                                 servicer), ...])
-    await serve(server, startup=load_model, drain=finish_in_flight, grace_s=30)
-
-Every server gets: explicit message size limits (64 MiB by default), the error interceptor,
-``grpc.health.v1`` (overall "" and one entry per registered service, NOT_SERVING until
-:meth:`GrpcServer.set_serving`), server reflection, and graceful shutdown on SIGTERM/SIGINT
-(health NOT_SERVING -> ``drain(grace_s)`` -> ``server.stop(remaining grace)``; a second signal
-stops at once). Clients use :func:`client_channel` (same limits, keepalive) and
-:func:`wait_ready`. TLS, mutual TLS and bearer tokens come from :mod:`pdserve.common.security`
-(``security=`` of :func:`build_server` and :func:`client_channel`); without them a port is
-plaintext and open, and says so in the log. Reflection is served as ``grpc.reflection.v1``
-(asked first by current clients) and ``v1alpha`` (older ones).
+``build_server`` gives every server message size limits, the error interceptor,
+``grpc.health.v1`` (NOT_SERVING until :meth:`GrpcServer.set_serving`), reflection (v1 and
+v1alpha) and optional security (:mod:`pdserve.common.security`; without it a port is plaintext
+and says so in the log). ``serve`` shuts down on SIGTERM/SIGINT: NOT_SERVING -> ``drain`` ->
+stop (a second signal stops at once). Clients use :func:`client_channel` and :func:`wait_ready`.
 """
 from __future__ import annotations
 
@@ -42,14 +34,8 @@ REFLECTION_V1 = "grpc.reflection.v1.ServerReflection"
 SERVING = health_pb2.HealthCheckResponse.SERVING
 NOT_SERVING = health_pb2.HealthCheckResponse.NOT_SERVING
 
-# Keepalive: clients ping every 30 s (also without calls, so idle router->worker channels
-# notice a dead peer); servers accept pings down to 10 s apart and ping clients every 60 s
-# (a dead router's Subscribe stream is noticed and its requests cancelled).
-# Reconnects: the first retry after 100 ms (a restarted worker is found fast; a dead one
-# refuses at once). ``min_reconnect_backoff_ms`` is also gRPC's shortest time allowed for one
-# connection attempt: at 100 ms a busy process (its event loop starved by the engine) failed
-# first connections on loopback with "connect() timed out" (a prefill worker's first PushKV to
-# a decode worker, under the CI's load), so an attempt may take up to 5 s.
+# Keepalive on both sides so idle channels and a dead router's Subscribe stream are noticed.
+# ``min_reconnect_backoff_ms`` also bounds one connection attempt (chosen by experience: bench/NOTES.md).
 _CLIENT_KEEPALIVE = (
     ("grpc.keepalive_time_ms", 30_000),
     ("grpc.keepalive_timeout_ms", 10_000),
@@ -152,9 +138,8 @@ class GrpcServer:
 
 
 def _register_reflection_v1() -> None:
-    """Add ``grpc/reflection/v1/reflection.proto`` to the default descriptor pool (clients
-    describe the service too): v1alpha's file with the package renamed, as the two protos are
-    identical but for it. grpcio-reflection ships only v1alpha."""
+    """Add ``grpc/reflection/v1/reflection.proto`` to the default pool: v1alpha's file renamed
+    (grpcio-reflection ships only v1alpha; the protos differ only in the package)."""
     pool = descriptor_pool.Default()
     try:
         pool.FindServiceByName(REFLECTION_V1)
@@ -197,12 +182,10 @@ def build_server(
     options: Sequence[tuple[str, Any]] = (),
     security: ServerSecurity | None = None,
 ) -> GrpcServer:
-    """Create a grpc.aio server bound to ``address`` ("host:port"; port 0 picks a free one).
-
-    Registers ``services``, health and reflection (unless ``security.reflection`` is off);
-    ``security`` adds TLS and the auth interceptor (health stays open); ``interceptors`` run
-    inside the error and auth interceptors. Raises :class:`Unavailable` when the address
-    cannot be bound.
+    """Create a grpc.aio server bound to ``address`` ("host:port"; port 0 picks a free one) with
+    ``services``, health, reflection (unless ``security.reflection`` is off) and ``security``;
+    ``interceptors`` run inside the error and auth interceptors. Raises :class:`Unavailable`
+    when the address cannot be bound.
     """
     security = security or ServerSecurity()
     server = grpc.aio.server(
@@ -237,12 +220,9 @@ async def serve(
     grace_s: float = 30.0,
     handle_signals: bool = True,
 ) -> None:
-    """Run ``server`` until SIGTERM/SIGINT (or :meth:`GrpcServer.request_shutdown`).
-
-    Starts the server (NOT_SERVING), awaits ``startup()`` (load the model, register...), sets
-    SERVING, waits, then shuts down gracefully (see :meth:`GrpcServer.shutdown`). A second
-    signal during the shutdown stops at once.
-    """
+    """Run ``server`` until SIGTERM/SIGINT (or :meth:`GrpcServer.request_shutdown`): start
+    (NOT_SERVING), await ``startup()``, SERVING, then :meth:`GrpcServer.shutdown`; a second
+    signal stops at once."""
     loop = asyncio.get_running_loop()
     installed: list[signal.Signals] = []
     signals_seen = 0
@@ -290,11 +270,8 @@ def client_channel(
     interceptors: Sequence[grpc.aio.ClientInterceptor] | None = None,
     security: ClientSecurity | None = None,
 ) -> grpc.aio.Channel:
-    """A grpc.aio channel to ``address`` with pdserve's size limits and keepalive.
-
-    ``security`` (default: the process's, :func:`pdserve.common.security.set_default_client_security`;
-    plaintext unless set) adds TLS, a client certificate and the internal token.
-    """
+    """A grpc.aio channel to ``address`` with pdserve's size limits and keepalive; ``security``
+    defaults to the process's (:func:`pdserve.common.security.set_default_client_security`)."""
     security = security if security is not None else default_client_security()
     all_options = _merge([*_size_options(max_message_bytes), *_CLIENT_KEEPALIVE, *security.options()],
                          options)
@@ -308,10 +285,8 @@ def client_channel(
 
 async def wait_ready(address: str, timeout: float, service: str = "",
                      poll_s: float = 0.1, security: ClientSecurity | None = None) -> None:
-    """Poll ``grpc.health.v1`` at ``address`` until ``service`` ("" = overall) is SERVING.
-
-    Raises :class:`Unavailable` (saying what was last seen) when ``timeout`` seconds pass.
-    """
+    """Poll ``grpc.health.v1`` at ``address`` until ``service`` ("" = overall) is SERVING; raises
+    :class:`Unavailable` after ``timeout`` seconds."""
     deadline = time.monotonic() + timeout
     last = "no answer"
     async with client_channel(address, security=security) as channel:

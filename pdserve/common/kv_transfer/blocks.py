@@ -1,15 +1,7 @@
-"""Gather / scatter of whole KV blocks of the paged pool, and the chunking of a transfer.
-
-The pool is one tensor per worker, ``kv_cache[num_blocks, num_layers, 2, block_size,
-num_kv_heads, head_dim]`` (docs/design.md, "KV cache layout"): one block of all layers is
-contiguous, so a request's blocks are gathered with one ``index_select`` over dim 0 and cross
-the wire as one message (or a few, when larger than ``max_message_bytes``).
-
-Both sides of a transfer cut it into the same chunks: ``plan_chunks(num_blocks,
-bytes_per_block(kv_cache), max_message_bytes)``, so ``max_message_bytes`` must be the same on
-the prefill and the decode worker of a deployment (the default is). One message beats several:
-each NCCL send/recv from idle pays ~0.1 ms of start-up (bench/nccl_register_probe.py), more than
-the gather and scatter of the same bytes cost.
+"""Gather / scatter of whole KV blocks of the paged pool
+``kv_cache[num_blocks, num_layers, 2, block_size, num_kv_heads, head_dim]``, and the chunking of
+a transfer. Both sides cut a transfer into the same ``plan_chunks``, so ``max_message_bytes``
+must match on a pair; few large messages are preferred (chosen by measurement: bench/NOTES.md).
 """
 from __future__ import annotations
 
@@ -20,8 +12,7 @@ import torch
 
 from .errors import KvTransferError
 
-#: Largest single message on a pair channel (bytes); larger transfers are cut along the block
-#: dimension. Both sides of a pair must use the same value.
+#: Largest single message on a pair channel (bytes); the same on both sides of a pair.
 DEFAULT_MAX_MESSAGE_BYTES = 512 * 1024 * 1024
 
 BlockIds = Sequence[int] | torch.Tensor
@@ -61,8 +52,8 @@ def check_block_ids(block_ids: BlockIds, num_blocks: int) -> list[int]:
 
 def plan_chunks(num_blocks: int, block_bytes: int,
                 max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES) -> list[tuple[int, int]]:
-    """``[(start, end), ...]`` slices of the block list, each at most ``max_message_bytes``
-    (but at least one block). Deterministic: both sides of a pair compute the same plan."""
+    """``[(start, end), ...]`` block slices of at most ``max_message_bytes`` (at least one block);
+    deterministic, so both sides compute the same plan."""
     if num_blocks <= 0:
         return []
     per = max(1, int(max_message_bytes) // max(1, int(block_bytes)))
@@ -90,9 +81,8 @@ def _index_tensor(ids: BlockIds, device: torch.device) -> torch.Tensor:
 
 
 def _wide_rows(t: torch.Tensor) -> torch.Tensor:
-    """``t`` ([n, ...], contiguous) as ``[n, k]`` rows of the widest integer type dividing a
-    row: the copy kernels then move 8 bytes per element instead of 2 (bf16), several times
-    faster on a GPU. Bit-exact: only the view's dtype changes."""
+    """``t`` ([n, ...], contiguous) as ``[n, k]`` rows of the widest integer dtype dividing a row,
+    so copies move 8-byte elements; bit-exact (only the view's dtype changes)."""
     rows = t.view(t.shape[0], -1)
     for dtype in (torch.int64, torch.int32, torch.int16):
         size = torch.empty(0, dtype=dtype).element_size()
@@ -108,13 +98,10 @@ def _stream_ctx(stream):
 def gather_blocks(kv_cache: torch.Tensor, block_ids: BlockIds,
                   out: torch.Tensor | None = None,
                   stream: torch.cuda.Stream | None = None) -> torch.Tensor:
-    """The blocks ``block_ids`` (in that order) as one contiguous tensor
-    ``[len(block_ids), *kv_cache.shape[1:]]``: one ``index_select`` over dim 0.
+    """Blocks ``block_ids`` (in order) as ``[len(block_ids), *kv_cache.shape[1:]]``.
 
-    ``out``: a reusable staging buffer with at least ``len(block_ids)`` blocks of the pool's
-    shape and dtype (any contiguous tensor of enough elements; its leading part is used).
-    ``stream``: on CUDA, the side stream the copy runs on (the caller orders it after the
-    writes of the KV, e.g. ``stream.wait_stream(compute_stream)``).
+    ``out``: optional contiguous staging buffer of the pool's dtype with enough elements;
+    ``stream``: CUDA side stream to copy on (the caller orders it after the KV writes).
     """
     n = len(block_ids)
     block_shape = tuple(kv_cache.shape[1:])
@@ -138,12 +125,8 @@ def gather_blocks(kv_cache: torch.Tensor, block_ids: BlockIds,
 
 def scatter_blocks(kv_cache: torch.Tensor, block_ids: BlockIds, buffer: torch.Tensor,
                    stream: torch.cuda.Stream | None = None) -> None:
-    """Write ``buffer[i]`` into block ``block_ids[i]`` of the pool (``index_copy_`` over dim 0).
-
-    ``buffer``: ``[len(block_ids), *kv_cache.shape[1:]]`` (or any contiguous tensor of exactly
-    that many elements), same dtype and device as the pool. ``stream``: on CUDA, the side
-    stream it runs on.
-    """
+    """Write ``buffer[i]`` ([n, *kv_cache.shape[1:]] elements, pool dtype) into block
+    ``block_ids[i]``; ``stream``: CUDA side stream to copy on."""
     n = len(block_ids)
     block_shape = tuple(kv_cache.shape[1:])
     if buffer.numel() != n * kv_cache[0].numel():

@@ -1,45 +1,11 @@
 """A 2-rank process group for one (prefill worker, decode worker, epoch): the pair channel.
 
-Rank 0 is the prefill worker (sender), rank 1 the decode worker (receiver). The group is built
-without ``init_process_group`` (no global default group): a client ``TCPStore`` connection to
-the decode worker's store, wrapped in ``PrefixStore(f"pdserve/{prefill_id}/{decode_id}/{epoch}")``,
-then ``ProcessGroupGloo`` (CPU tensors) or ``ProcessGroupNCCL`` (CUDA tensors). Tensors cross
-as raw bytes (a ``uint8`` view): any dtype, no pickle.
-
-Rendezvous authentication: with a ``secret`` (one per channel epoch, chosen by the prefill
-worker with :func:`new_pair_secret` and handed to the decode worker in the authenticated PushKV
-call), the store prefix ends with it, ``pdserve/{prefill_id}/{decode_id}/{epoch}/{secret}``.
-Every rendezvous key (the join key, Gloo's addresses, NCCL's unique id) lives under that
-prefix, and a store client can only read or write keys it can name: a stranger who reaches the
-store cannot find the pair's keys, cannot plant its own address or unique id there, and so
-cannot become the peer of either rank. The secret never appears in logs or error messages
-(``prefix`` is the name without it).
-
-Construction is a rendezvous: it returns once both ranks have joined and exchanged a small
-handshake (which also makes NCCL create its communicator now, outside any CUDA graph and
-outside the first transfer). It raises ``KvTransferError`` after ``timeout`` seconds.
-
-Blocking and streams
---------------------
-* CPU (Gloo): ``send``/``recv`` block until the message has crossed (or the timeout) and
-  return ``None``.
-* CUDA (NCCL): the operation is enqueued after the caller's current stream (through the
-  channel's side stream ``channel.stream``), the call then waits (polling, the GIL released)
-  until it has completed or the timeout passed, and returns a ``torch.cuda.Event`` recorded on
-  the side stream after the operation. Work that uses the received data on another stream
-  must wait on it: ``torch.cuda.current_stream().wait_event(event)``.
-* A timeout or a failure marks the channel broken: it cannot be used again (``is_broken``);
-  build a new one with a new epoch. On NCCL a timed-out channel is aborted at once
-  (``ProcessGroupNCCL.abort``), which also releases the kernels stuck in it.
-* ``abort()`` may be called from any thread. On NCCL it aborts the communicator, so an
-  operation waiting in another thread fails promptly. Gloo cannot interrupt an operation in
-  flight: it fails when the peer drops its side of the channel (or dies), or at its timeout.
-
-NCCL error handling: a peer that dies must not take this process down, so unless the
-environment already sets it, ``TORCH_NCCL_ASYNC_ERROR_HANDLING`` defaults to ``2`` (clean up
-the communicator only, never kill the process) for the NCCL groups built here. Timeouts are
-enforced by this module (then the group is aborted); the group's own watchdog timeout is set
-longer, as a backstop.
+Rank 0 is the prefill worker (sender), rank 1 the decode worker (receiver); Gloo for CPU
+tensors, NCCL for CUDA tensors; tensors cross as raw bytes. The store prefix ends with the
+epoch's one-time ``secret``, so only a client that knows it can find or plant rendezvous keys;
+the secret never appears in logs (``prefix`` omits it). Construction returns once both ranks
+joined and handshook, or raises ``KvTransferError`` after ``timeout`` seconds. A timeout or a
+failure breaks the channel for good (``is_broken``); a new epoch builds a new one.
 """
 from __future__ import annotations
 
@@ -100,8 +66,7 @@ def _nccl_available() -> bool:
 
 
 class Op:
-    """A started send or receive: the torch Work, the tensor it uses (kept alive until the
-    operation is waited), and whether it was waited already (CPU)."""
+    """A started send or receive; holds its tensor alive until waited."""
 
     __slots__ = ("work", "tensor", "done")
 
@@ -112,21 +77,12 @@ class Op:
 
 
 class PairChannel:
-    """One pair channel. See the module docstring for the blocking and stream rules.
+    """One pair channel.
 
-    Args:
-        store: the decode worker's store, ``"host:port"`` (a client connection is opened) or
-            an existing ``torch.distributed.Store``.
-        prefill_id, decode_id, epoch: name the channel (the store prefix).
-        rank: 0 on the prefill worker (sender), 1 on the decode worker (receiver).
-        device: ``cpu`` -> Gloo; ``cuda[:i]`` -> NCCL, bound to that device.
-        timeout: seconds for the rendezvous and for each ``send``/``recv``.
-        stream: CUDA side stream to use (one is created otherwise).
-        cancel: rank 1 only: polled while waiting for rank 0 to join; when it returns True
-            the construction gives up (a newer epoch superseded this one).
-        high_priority: NCCL: run the communication on a high-priority stream.
-        secret: the epoch's one-time rendezvous secret (both ranks must pass the same one;
-            see the module docstring); empty: none.
+    ``store`` is ``"host:port"`` or a ``dist.Store``; ``rank`` 0 sends, 1 receives;
+    ``device`` cpu -> Gloo, cuda -> NCCL; ``timeout`` (s) bounds the rendezvous and each
+    ``send``/``recv``; ``cancel`` (rank 1) aborts the join when it returns True;
+    ``secret`` must be the same on both ranks (empty: none).
     """
 
     def __init__(self, store: str | dist.Store, prefill_id: str, decode_id: str, epoch: int,
@@ -165,7 +121,6 @@ class PairChannel:
         self._store: dist.Store | None = None
         self._build(store, cancel, high_priority)
 
-    # ----------------------------------------------------------------- state
     @property
     def is_broken(self) -> bool:
         """True after a failure, a timeout, ``abort()`` or ``close()``."""
@@ -184,7 +139,6 @@ class PairChannel:
         return KvTransferError(f"pair channel {self.prefix} (rank {self.rank}, {self.backend}): "
                                f"{what}{detail}")
 
-    # ----------------------------------------------------------------- set-up
     def _build(self, store, cancel, high_priority) -> None:
         deadline = time.monotonic() + self.timeout
         client = connect_store(store, self.timeout) if isinstance(store, str) else store
@@ -194,9 +148,7 @@ class PairChannel:
             prefix_store.set(_JOIN_KEY, "1")
         else:
             self._wait_for_sender(prefix_store, deadline, cancel)
-        # The process-group construction and the handshake can block (NCCL's communicator
-        # set-up has no timeout of its own): run them in a helper thread and give up on it at
-        # the deadline.
+        # NCCL's communicator set-up has no timeout: build in a helper thread, give up at the deadline.
         result: dict = {}
         done = threading.Event()
         abandoned = threading.Event()
@@ -250,8 +202,6 @@ class PairChannel:
             return dist.ProcessGroupGloo(prefix_store, self.rank, 2, _seconds(left))
         # Unless set, do not let an NCCL error (a dead peer) kill this process.
         os.environ.setdefault("TORCH_NCCL_ASYNC_ERROR_HANDLING", "2")
-        # Point-to-point on the eagerly created communicator is serialized with the group's
-        # other operations: that is what a pair channel wants; don't warn about it.
         os.environ.setdefault("TORCH_NCCL_SHOW_EAGER_INIT_P2P_SERIALIZATION_WARNING", "false")
         opts = dist.ProcessGroupNCCL.Options()
         opts.is_high_priority_stream = bool(high_priority)
@@ -265,7 +215,6 @@ class PairChannel:
         pg = dist.ProcessGroupNCCL(prefix_store, self.rank, 2, opts)
         eager = getattr(pg, "eager_connect_single_device", None)
         if eager is not None:
-            # Create the communicator now, bound to this device (not lazily inside a transfer).
             eager(self.device)
         return pg
 
@@ -282,7 +231,6 @@ class PairChannel:
             if got != [_HANDSHAKE_MAGIC, self.epoch]:
                 raise self._error(f"bad handshake {got}")
 
-    # ----------------------------------------------------------------- operations
     def _pg_or_raise(self):
         pg = self._pg
         if pg is None or self.is_broken:
@@ -291,8 +239,7 @@ class PairChannel:
         return pg
 
     def isend(self, tensor: torch.Tensor, tag: int = 0):
-        """Start sending ``tensor`` (its bytes) to the peer; returns an ``Op``. On CUDA it runs
-        after the work already enqueued on ``self.stream``."""
+        """Start sending ``tensor``; returns an ``Op`` (CUDA: ordered after ``self.stream``)."""
         pg = self._pg_or_raise()
         try:
             if self.is_cuda:
@@ -304,8 +251,7 @@ class PairChannel:
             raise self._error("send failed", e) from e
 
     def irecv(self, tensor: torch.Tensor, tag: int = 0):
-        """Start receiving into ``tensor`` (its bytes) from the peer; returns an ``Op``. On CUDA
-        it runs after the work already enqueued on ``self.stream``."""
+        """Start receiving into ``tensor``; returns an ``Op`` (CUDA: ordered after ``self.stream``)."""
         pg = self._pg_or_raise()
         try:
             if self.is_cuda:
@@ -333,8 +279,7 @@ class PairChannel:
             raise self._error("channel was aborted" + (f" ({self._reason})" if self._reason else ""))
 
     def synchronize(self, works: Iterable, deadline: float) -> None:
-        """Block until every work has completed, or fail (and break the channel) at the
-        deadline (a ``time.monotonic()`` value)."""
+        """Block until every work completed; at ``deadline`` (monotonic) break the channel and raise."""
         works = [w for w in works if w is not None]
         if not self.is_cuda:
             for w in works:
@@ -360,11 +305,9 @@ class PairChannel:
                 self._fail(what)
                 self.abort(what)
                 raise self._error(f"{what} (peer dead or stalled?)")
-            # Yield (the GIL too) for the first ~2 ms: most transfers end within it; then
-            # sleep in small steps (a receive posted ahead of its prefill waits that long, and
-            # the moment its data lands is the handover latency: see _fine_timer_slack).
+            # Yield first, then short sleeps (chosen by measurement: bench/NOTES.md).
             time.sleep(0 if now - t_start < 0.002 else _POLL_SLEEP_S)
-        for w in works:  # completed; re-raise a recorded error (e.g. communicator aborted)
+        for w in works:  # re-raise a recorded error (e.g. communicator aborted)
             self.wait(w, deadline)
 
     def _run(self, starts: list[Callable], deadline: float, pg=None):
@@ -373,8 +316,7 @@ class PairChannel:
         return works
 
     def send(self, tensor: torch.Tensor, tag: int = 0) -> torch.cuda.Event | None:
-        """Send ``tensor`` and wait until it has crossed (``timeout``). Returns None on CPU; on
-        CUDA an event recorded on the side stream after the send."""
+        """Send ``tensor`` and wait until it crossed; CUDA: returns an event after the send."""
         deadline = time.monotonic() + self.timeout
         if self.stream is not None:     # CUDA
             self.stream.wait_stream(torch.cuda.current_stream(self.device))
@@ -383,8 +325,7 @@ class PairChannel:
         return self._record()
 
     def recv(self, tensor: torch.Tensor, tag: int = 0) -> torch.cuda.Event | None:
-        """Receive into ``tensor`` and wait until it has landed (``timeout``). Returns None on
-        CPU; on CUDA an event the caller's streams must wait on before using ``tensor``."""
+        """Receive into ``tensor``; CUDA: returns an event to wait on before reading it."""
         deadline = time.monotonic() + self.timeout
         if self.stream is not None:     # CUDA
             self.stream.wait_stream(torch.cuda.current_stream(self.device))
@@ -403,7 +344,6 @@ class PairChannel:
         """CUDA: an event after everything enqueued on the side stream so far; CPU: None."""
         return self._record()
 
-    # ----------------------------------------------------------------- teardown
     def _fail(self, reason: str) -> None:
         with self._lock:
             if not self._broken:
@@ -411,13 +351,10 @@ class PairChannel:
             self._broken = True
 
     def abort(self, reason: str = "aborted") -> None:
-        """Break the channel now (any thread). NCCL: abort the communicator, so operations
-        stuck in it end. Gloo: mark it broken (an operation in flight ends when the peer drops
-        its side, or at its timeout); the owner thread then calls ``close()``."""
+        """Break the channel (any thread). NCCL aborts the communicator; Gloo only marks it
+        broken, since destroying it under a waiting thread is unsafe: the owner calls ``close()``."""
         self._fail(reason)
         if not self.is_cuda:
-            # Gloo: only mark it broken here. Destroying the group while another thread waits
-            # in it is not safe; the owner thread calls close() once its operation ended.
             return
         with self._lock:
             pg, self._pg = self._pg, None
@@ -426,8 +363,7 @@ class PairChannel:
             _abort_pg(pg, self.is_cuda)
 
     def close(self) -> None:
-        """Release the channel. NCCL communicators are aborted rather than destroyed, so
-        closing never waits for a peer."""
+        """Release the channel; NCCL communicators are aborted, so it never waits for a peer."""
         with self._lock:
             self._closed = True
             pg, self._pg = self._pg, None
@@ -441,8 +377,7 @@ _slack = threading.local()
 
 
 def _fine_timer_slack() -> None:
-    """Linux: let this thread's short sleeps end on time (1 us timer slack instead of the
-    default 50 us), so a completed transfer is seen within ~10-20 us. Once per thread."""
+    """Linux: 1 us timer slack for this thread's short sleeps (once per thread)."""
     if getattr(_slack, "done", False):
         return
     _slack.done = True

@@ -1,24 +1,8 @@
-"""Which pair channels of one worker to close: bookkeeping only (no torch, unit-testable).
+"""Which pair channels of one worker to close: bookkeeping only (no torch).
 
-A pair channel holds a communicator on each side (on NCCL, GPU memory for its buffers; see
-bench/pair_channel_memory.py for the figure), and a prefill worker in a deployment of P prefill
-and D decode workers could hold one per decode worker. So each side bounds them:
-
-* a channel unused for ``idle_s`` seconds is closed;
-* when a new channel is about to be opened and ``max_open`` are open already, the least
-  recently used channels that are not busy (a transfer in flight) are closed first, until the
-  new one fits (if every open channel is busy the new one is opened anyway: a transfer never
-  waits for another pair's);
-* a closed channel is re-created at the pair's next transfer, with a new epoch (the sender owns
-  the epochs; the receiver sees the higher epoch on PushKV and joins the new channel).
-
-Formula: with ``open`` the channels open, ``idle(k) = now - last_used(k)``::
-
-    close = {k not busy : idle(k) >= idle_s}
-            + least recently used first, among the other channels not busy, while
-              |open| - |close| + opening > max_open
-
-``max_open`` 0 (or less) = no cap; ``idle_s`` 0 (or less) = never idle-closed.
+Channels not ``busy`` and idle for ``idle_s`` seconds close; then, while ``opening`` more would
+exceed ``max_open``, the least recently used non-busy ones close (all busy: open anyway, a
+transfer never waits for another pair's). ``max_open``/``idle_s`` <= 0: no cap / no idle close.
 """
 from __future__ import annotations
 

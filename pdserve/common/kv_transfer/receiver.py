@@ -80,7 +80,6 @@ class _RecvPeer:
                 with self.cond:
                     self.busy = False
                     self.last_used = time.monotonic()
-        # stopping: release the channel and fail what is left
         with self.cond:
             ch, self.channel = self.channel, None
             left = list(self.queue)
@@ -92,8 +91,8 @@ class _RecvPeer:
                                         f"epoch {item.epoch} cancelled"))
 
     def close_if_idle(self, now: float, idle_s: float) -> bool:
-        """Close the channel if it has been unused for ``idle_s`` (nothing queued or running);
-        its epoch is then refused (the sender, which closes after half that, uses a new one)."""
+        """Close the channel if unused for ``idle_s`` with nothing queued or running; its epoch
+        is then refused (the sender closes after half that and moves to a new epoch)."""
         with self.cond:
             ch = self.channel
             if ch is None or self.busy or self.queue or now - self.last_used < idle_s:
@@ -171,26 +170,12 @@ def _fail(item: _Post, exc: BaseException) -> None:
 class KvReceiver:
     """Decode side: receives blocks into the local pool, in post order per prefill worker.
 
-    ``post`` is called by the PushKV handler before it answers; it returns a
-    ``concurrent.futures.Future`` that resolves to ``Received(num_bytes, event, first_token)``
-    once the blocks are in ``kv_cache`` (``event`` is None on CPU; on CUDA a
-    ``torch.cuda.Event`` after the scatter, which the decode step's stream must wait on;
-    ``first_token`` is set when posted ``with_first_token``), or raises ``KvTransferError``
-    (timeout, peer death, superseded epoch, receiver closed). The blocks must stay reserved
-    until the future is done, whatever the request's fate (cancel included): the sender may
-    still be writing them.
-
-    Thread model: one daemon thread per prefill worker (created at its first post), each with
-    its own pair channel (rank 1) and, on CUDA, its own side stream; so many prefill workers
-    can send at once, each in order.
-
-    ``timeout`` applies to each receive from the moment its thread starts it (after the
-    earlier receives from the same prefill worker), and to joining a new channel.
-    ``max_message_bytes`` must equal the senders' (both cut a transfer the same way).
-
-    Channels unused for ``idle_close_s`` (default twice ``PDSERVE_KV_IDLE_CLOSE_S``: the
-    sender closes its side first and moves to a new epoch) are closed at the next post, and
-    their epoch is refused from then on; the pair's next transfer builds a new channel.
+    ``post`` (PushKV handler) returns a Future of ``Received`` once the blocks are in
+    ``kv_cache``, or of ``KvTransferError``. The blocks must stay reserved until the future is
+    done, whatever the request's fate: the sender may still be writing them. One daemon thread,
+    pair channel (rank 1) and CUDA side stream per prefill worker. ``timeout`` bounds each
+    receive from its start and each join; ``max_message_bytes`` must equal the senders';
+    channels idle for ``idle_close_s`` close at the next post and their epoch is refused.
     """
 
     def __init__(self, kv_cache: torch.Tensor, decode_worker_id: str,
@@ -238,11 +223,8 @@ class KvReceiver:
 
     def post(self, prefill_worker_id: str, epoch: int, block_ids: BlockIds, *,
              with_first_token: bool = False, secret: str = "") -> Future:
-        """Post the receive announced by one PushKV (``with_first_token``: the first token's
-        8 bytes end the last message). Raises ``KvTransferError`` at once (so PushKV can answer
-        an error and nothing is sent) when the epoch is older than one already posted, or is
-        known broken here, or the block ids are bad. ``secret``: the epoch's rendezvous secret
-        (PushKV.pair_secret; see channel.py)."""
+        """Post the receive announced by one PushKV. Raises ``KvTransferError`` at once (PushKV
+        answers an error, nothing is sent) for a stale or broken epoch or bad block ids."""
         epoch = int(epoch)
         ids = check_block_ids(block_ids, self.kv_cache.shape[0])
         self.close_idle()
@@ -282,8 +264,7 @@ class KvReceiver:
         return future
 
     def drop_peer(self, prefill_worker_id: str, join_timeout: float = 1.0) -> None:
-        """Forget a prefill worker (gone for good): stop its thread, close its channel, fail
-        its pending receives."""
+        """Forget a prefill worker: stop its thread, close its channel, fail its receives."""
         with self._lock:
             peer = self._peers.pop(prefill_worker_id, None)
         if peer is not None:
@@ -304,9 +285,8 @@ class KvReceiver:
         peer.thread.join(join_timeout)
 
     def close(self, join_timeout: float = 2.0) -> None:
-        """Stop every thread and channel; pending receives fail with KvTransferError. A thread
-        blocked in a Gloo receive ends at its timeout (daemon threads: they never keep the
-        process alive)."""
+        """Stop every thread and channel; pending receives fail. A thread in a Gloo receive ends
+        at its timeout (daemon threads)."""
         with self._lock:
             self._closed = True
             peers = list(self._peers.values())

@@ -17,8 +17,7 @@ from .transfer import FirstTokenRef, _enqueue_send_on, initial_epoch
 log = logging.getLogger(__name__)
 
 class PendingSend:
-    """A send started by ``KvSender.start_send``: ``wait()`` blocks until it has crossed and
-    returns ``(num_bytes, seconds)`` (seconds from the start call), or raises
+    """A started send: ``wait()`` returns ``(num_bytes, seconds since start)`` or raises
     ``KvTransferError`` (the pair's channel is then broken and its epoch bumped)."""
 
     def __init__(self, sender: KvSender, pair: _SendPair, channel: PairChannel | None,
@@ -57,9 +56,7 @@ class _SendPair:
     channel: PairChannel | None = None
     store_address: str = ""
     stream: torch.cuda.Stream | None = None
-    # CPU staging buffers, reused across transfers (fresh host memory costs page faults);
-    # on CUDA the caching allocator does this job
-    staging: list = field(default_factory=lambda: [None, None])
+    staging: list = field(default_factory=lambda: [None, None])   # CPU staging, reused
     last: PendingSend | None = None   # CPU: the next send waits for it (shared staging)
     last_used: float = 0.0              # time.monotonic() of the channel's last use
     inflight: int = 0                   # sends started and not waited yet (the channel is busy)
@@ -68,30 +65,14 @@ class _SendPair:
 
 
 class KvSender:
-    """Prefill side: ships blocks of the local pool to decode workers.
+    """Prefill side: ships blocks of the local pool to decode workers, one pair channel (rank 0)
+    per decode worker, built lazily per epoch.
 
-    One pair channel per decode worker, created lazily at the first send of an epoch (rank 0).
-    ``start_send`` enqueues a send and returns a ``PendingSend``; ``send_blocks`` also waits.
-
-    How a prefill worker uses it for one request (the lock keeps PushKV order == send order,
-    and never two PushKV to one decode worker in flight; the wait is outside it, so the next
-    request's PushKV overlaps this transfer)::
-
-        with sender.lock(decode_id):
-            epoch = sender.next_epoch(decode_id)
-            stub.PushKV(..., channel_epoch=epoch, block_ids=ids, ...)   # receive posted
-            pending = sender.start_send(decode_id, store_address, epoch, kv_cache, ids)
-        nbytes, secs = pending.wait()
-
-    If PushKV fails with NOT_FOUND nothing was posted: skip the send. If it fails in a way that
-    leaves it unknown whether the receive was posted (deadline, UNAVAILABLE), call
-    ``mark_broken(decode_id)``. Any failure of a send marks the channel broken and bumps the
-    pair's epoch itself (the sends queued behind it on that channel fail too).
-
-    Open channels are bounded (:mod:`.channel_lru`): at most ``max_channels`` (LRU-first
-    closing of idle ones when a new one is needed) and none unused for ``idle_close_s``; a
-    closed channel's pair gets a new epoch from ``next_epoch``, so the next transfer re-creates
-    it transparently. Defaults: ``PDSERVE_KV_MAX_CHANNELS`` / ``PDSERVE_KV_IDLE_CLOSE_S``.
+    Per request, under ``lock(decode_id)`` (PushKV order == send order, one PushKV in flight per
+    pair): ``next_epoch`` -> PushKV -> ``start_send``; ``PendingSend.wait()`` outside the lock.
+    PushKV NOT_FOUND: skip the send; an unknown outcome (deadline, UNAVAILABLE): ``mark_broken``.
+    A failed send breaks the channel and bumps the epoch. At most ``max_channels`` open, none
+    idle past ``idle_close_s`` (:mod:`.channel_lru`).
     """
 
     def __init__(self, prefill_worker_id: str, *, timeout: float = DEFAULT_TIMEOUT,
@@ -122,13 +103,11 @@ class KvSender:
             return pair
 
     def lock(self, decode_worker_id: str) -> threading.RLock:
-        """The (re-entrant) lock of the pair; ``send_blocks`` takes it too. Hold it across
-        ``next_epoch`` + PushKV + ``send_blocks``."""
+        """The pair's re-entrant lock; hold it across ``next_epoch`` + PushKV + ``start_send``."""
         return self._pair(decode_worker_id).lock
 
     def next_epoch(self, decode_worker_id: str) -> int:
-        """The epoch to put in the next PushKV to this decode worker (a channel idle for
-        ``idle_close_s`` is closed here first: the transfer then builds a fresh one)."""
+        """The epoch for the next PushKV to this decode worker (closes an idle channel first)."""
         pair = self._pair(decode_worker_id)
         with pair.lock:
             now = time.monotonic()
@@ -138,8 +117,8 @@ class KvSender:
             return pair.epoch
 
     def pair_secret(self, decode_worker_id: str) -> str:
-        """The current epoch's rendezvous secret, for PushKV.pair_secret ("" unless
-        ``pair_secrets``). Take it after ``next_epoch`` under ``lock()``."""
+        """The current epoch's secret for PushKV.pair_secret ("" unless ``pair_secrets``);
+        take it after ``next_epoch`` under ``lock()``."""
         return self._secret_of(self._pair(decode_worker_id))
 
     def _secret_of(self, pair: _SendPair) -> str:
@@ -197,8 +176,7 @@ class KvSender:
                     kv_cache: torch.Tensor, block_ids: BlockIds, *,
                     ready_event: torch.cuda.Event | None = None,
                     first_token: FirstTokenRef | None = None) -> tuple[int, float]:
-        """``start_send(...).wait()``: returns ``(num_bytes, seconds)`` once the data has
-        crossed."""
+        """``start_send(...).wait()``: ``(num_bytes, seconds)`` once the data crossed."""
         return self.start_send(decode_worker_id, store_address, epoch, kv_cache, block_ids,
                                ready_event=ready_event, first_token=first_token).wait()
 
@@ -206,18 +184,13 @@ class KvSender:
                    kv_cache: torch.Tensor, block_ids: BlockIds, *,
                    ready_event: torch.cuda.Event | None = None,
                    first_token: FirstTokenRef | None = None) -> PendingSend:
-        """Start sending blocks ``block_ids`` of ``kv_cache`` (in that order) to the decode
-        worker, whose matching receive was posted by a PushKV with ``epoch``; ``first_token``'s
-        8 bytes, if given, end the last message (the receive must have been posted
-        ``with_first_token``).
+        """Start sending blocks ``block_ids`` of ``kv_cache`` for the receive a PushKV with
+        ``epoch`` posted (``first_token`` only if posted ``with_first_token``).
 
-        CUDA: the gather waits for ``ready_event`` if given, else for the calling thread's
-        current stream (where the KV was written). The call may come before that event has
-        fired (the prefill step still running): everything is enqueued behind it, so the data
-        moves as soon as the KV exists; the call returns once it is enqueued (after building the
-        channel, the first time). CPU (Gloo): it first waits for the pair's previous send.
-        Raises ``KvTransferError`` at once for bad input or a failed start (the epoch is then
-        bumped); ``PendingSend.wait`` raises for a failed transfer.
+        CUDA: enqueued behind ``ready_event`` (else the current stream), so it may be called
+        before the prefill step finished; returns once enqueued. CPU: waits for the pair's
+        previous send first. Bad input or a failed start raises ``KvTransferError`` now (epoch
+        bumped); a failed transfer raises from ``PendingSend.wait``.
         """
         pair = self._pair(decode_worker_id)
         label = f"{self.prefill_worker_id}->{decode_worker_id}"
@@ -277,8 +250,8 @@ class KvSender:
 
     def _failed(self, pair: _SendPair, ch: PairChannel | None, exc: BaseException,
                 label: str) -> KvTransferError:
-        """Break the pair's channel (once: only if ``ch`` is still its channel, or none was
-        built) and return the error to raise."""
+        """Break the pair's channel (only if ``ch`` is still it, or none was built); returns the
+        error to raise."""
         with pair.lock:
             old = pair.epoch
             if ch is None or pair.channel is ch:
@@ -288,9 +261,8 @@ class KvSender:
         return KvTransferError(msg)
 
     def close(self, wait: float = 1.0) -> None:
-        """Abort every channel (no peer needed); a send in flight fails. The sender cannot be
-        used afterwards. Waits up to ``wait`` seconds per pair for a send in flight to end
-        (a Gloo send ends at its timeout or when the peer drops; it then cleans up itself)."""
+        """Abort every channel (a send in flight fails); waits up to ``wait`` s per pair for it.
+        The sender is unusable afterwards."""
         with self._lock:
             self._closed = True
             pairs = list(self._pairs.values())

@@ -1,13 +1,6 @@
-"""The TCPStore a decode worker hosts; pair channels rendezvous through it.
-
-Each pair channel lives under its own prefix ``pdserve/{prefill_id}/{decode_id}/{epoch}/{secret}``
-(channel.py), so one store serves every prefill worker, a new epoch never sees an old epoch's
-keys, and a client that does not know the epoch's secret cannot find them. Only rendezvous keys
-(a few short strings per channel) go through the store; no tensors, no pickle.
-
-Where it listens: ``TCPStore`` itself always listens on every interface. With ``bind_host``
-the store is given a socket bound to that address only (the pod's IP on Kubernetes), so it is
-not reachable through any other interface of the machine.
+"""The TCPStore a decode worker hosts; pair channels rendezvous through it, each under its own
+secret prefix (channel.py). Only short rendezvous keys go through it; ``bind_host`` restricts
+listening to one address (TCPStore alone listens on every interface).
 """
 from __future__ import annotations
 
@@ -58,12 +51,10 @@ def _listen_socket(host: str, port: int) -> socket.socket:
 
 
 class KvStoreServer:
-    """Hosts the decode worker's ``torch.distributed.TCPStore`` (master, no fixed world size).
+    """Hosts the decode worker's ``TCPStore`` (master, no fixed world size).
 
-    ``host``: the address it is known by; a wildcard host (``0.0.0.0``) is advertised as this
-    machine's host name unless ``advertise_host`` is given. ``bind_host``: listen on that
-    address only (None or a wildcard: every interface, TCPStore's own behaviour). ``port`` 0
-    picks a free port (``.port`` tells which).
+    A wildcard ``host`` is advertised as the host name unless ``advertise_host`` is given;
+    ``bind_host`` listens on that address only; ``port`` 0 picks a free one (``.port``).
     """
 
     def __init__(self, host: str = "0.0.0.0", port: int = 50054, *,
@@ -109,8 +100,7 @@ class KvStoreServer:
 
     @property
     def local_address(self) -> str:
-        """An address of the store that works from this machine (loopback, or the bound
-        address)."""
+        """An address of the store that works from this machine (loopback or the bound one)."""
         host = f"[{self._local_host}]" if ":" in self._local_host else self._local_host
         return f"{host}:{self._port}"
 

@@ -1,28 +1,10 @@
-"""The KV transfer protocol over pair channels and its data path; ``KvSender`` (sender.py,
-prefill) and ``KvReceiver`` (receiver.py, decode) follow it.
+"""The KV transfer protocol over pair channels, followed by ``KvSender`` and ``KvReceiver``.
 
-Ordering contract (protos/pdserve/v1/worker.proto, PushKV): the decode worker posts its
-receives in PushKV call order; the prefill worker sends in the order its PushKV calls
-returned and never has two PushKV in flight to the same decode worker. Both sides then issue
-the same messages in the same order on the pair channel.
-
-A transfer of ``n`` blocks is cut into ``plan_chunks(n, bytes_per_block, max_message_bytes)``
-messages (one message unless it is larger than ``max_message_bytes``). A run of consecutive
-block ids is sent from / received into the pool directly; other blocks go through a staging
-buffer (``gather_blocks`` / ``scatter_blocks``), double-buffered so that the gather (scatter)
-of one chunk overlaps the transfer of the next (previous) one.
-
-The first token may ride along: 8 bytes (``int32`` token id, ``float32`` log-probability)
-appended to the last message, which both sides then stage even when its blocks are
-consecutive (one more NCCL operation would cost ~0.05-0.1 ms of start-up; a staged copy of one
-chunk costs less). A prefill worker thus starts the transfer as soon as its prefill step is
-launched, before the token exists on the host (the send is ordered after the step on the GPU),
-and the decode worker learns the token from the channel.
-
-Epochs: each (prefill, decode) pair has a current epoch, chosen by the prefill worker and
-carried in PushKV. Any failure of a send makes the prefill worker bump its epoch; a post with a
-newer epoch makes the decode worker abort the old channel (failing the receives still queued
-on it) and join a fresh one. See ``KvSender`` and ``KvReceiver``.
+Both sides issue the same messages in PushKV order (the prefill worker never has two PushKV in
+flight to one decode worker). ``n`` blocks cross as ``plan_chunks`` messages: consecutive block
+ids pool to pool, others through two staging buffers. The first token (8 bytes) may ride at the
+end of the last message, so a send can start before the token reaches the host. Any send
+failure bumps the pair's epoch; a newer epoch makes the receiver abort the old channel.
 """
 from __future__ import annotations
 
@@ -38,16 +20,13 @@ log = logging.getLogger(__name__)
 
 
 def initial_epoch() -> int:
-    """A fresh epoch for a new sender: microseconds since the Unix epoch, so that a restarted
-    prefill worker always uses a larger epoch than its previous incarnation did."""
+    """A fresh epoch: microseconds since the Unix epoch, larger than a restarted worker's last."""
     return time.time_ns() // 1000
 
 
-# ============================================================================ first token
 class FirstTokenRef:
-    """Where a prefill step's sampled token for one sequence will be: row ``row`` of
-    ``token_ids`` ([B] int64) and of ``logprobs`` ([B] fp32, or None), on the pool's device.
-    On CUDA they must be written before the step's ``ready_event``."""
+    """Row ``row`` of a step's ``token_ids`` ([B] int64) and ``logprobs`` ([B] fp32 or None),
+    on the pool's device; on CUDA written before the step's ``ready_event``."""
 
     __slots__ = ("token_ids", "logprobs", "row")
 
@@ -70,7 +49,6 @@ def parse_first_token(msg: torch.Tensor) -> tuple[int, float]:
     return int(host[0]), float(host[1:2].view(torch.float32)[0])
 
 
-# ============================================================================ data path
 _TOKEN_BYTES = 8
 
 
@@ -93,10 +71,8 @@ def _enqueue_send_on(ch: PairChannel, kv_cache: torch.Tensor, ids: list[int],
                      ready_event: torch.cuda.Event | None = None,
                      staging: list | None = None,
                      first_token: FirstTokenRef | None = None) -> list:
-    """Start sending the blocks ``ids`` of ``kv_cache`` (with ``first_token``'s 8 bytes at the
-    end of the last message, if given) over ``ch``; returns the operations, which the caller
-    must ``ch.synchronize`` (each keeps its tensor alive until then). ``staging``: two reusable
-    buffer slots (CPU; on CUDA the caching allocator reuses)."""
+    """Start sending blocks ``ids`` of ``kv_cache`` (``first_token`` at the end); the caller must
+    ``ch.synchronize`` the returned operations. ``staging``: two reusable buffer slots."""
     block_bytes = bytes_per_block(kv_cache)
     chunks = plan_chunks(len(ids), block_bytes, max_message_bytes)
     stream = ch.stream
@@ -107,8 +83,7 @@ def _enqueue_send_on(ch: PairChannel, kv_cache: torch.Tensor, ids: list[int],
             stream.wait_stream(torch.cuda.current_stream(kv_cache.device))
     slots: list = staging if staging is not None else [None, None]
     last: list = [None, None]   # the last send from each staging buffer
-    ops: list = []              # every send: each must be waited (a Gloo send is cancelled
-                                # if its Work is dropped before completion)
+    ops: list = []              # all must be waited: a dropped Gloo Work cancels its send
     ctx = torch.cuda.stream(stream) if stream is not None else _Null()
     with ctx:  # staging buffers are allocated on (and freed in the order of) the side stream
         for i, (s, e) in enumerate(chunks):
@@ -137,10 +112,8 @@ def _recv_blocks_on(ch: PairChannel, kv_cache: torch.Tensor, ids: list[int],
                     max_message_bytes: int, deadline: float,
                     staging: list | None = None, with_first_token: bool = False,
                     ) -> tuple[int, tuple[int, float] | None]:
-    """Receive the blocks ``ids`` of ``kv_cache`` over ``ch`` and scatter them into the pool
-    (``with_first_token``: the last message also carries the first token's 8 bytes). Returns
-    ``(num_bytes, (token id, logprob) or None)``. On return the data has landed (CPU) or the
-    scatter is enqueued on ``ch.stream`` after the completed receive (CUDA)."""
+    """Receive blocks ``ids`` into ``kv_cache``; returns ``(num_bytes, (token, logprob) or None)``.
+    On return the data landed (CPU) or its scatter is enqueued on ``ch.stream`` (CUDA)."""
     block_bytes = bytes_per_block(kv_cache)
     chunks = plan_chunks(len(ids), block_bytes, max_message_bytes)
     stream = ch.stream
@@ -188,5 +161,3 @@ class _Null:
     def __exit__(self, *exc):
         return False
 
-
-# ============================================================================ sender

@@ -9,11 +9,8 @@ from pdserve.common.layers.attention_backends import get_backend
 
 
 class PagedAttention(nn.Module):
-    """Stores the new tokens' K/V into this layer's paged cache, then attends.
-
-    ``k_cache`` / ``v_cache`` are bound by the ModelRunner after the KV pool is allocated:
-    ``[num_blocks, block_size, num_kv_heads, head_dim]`` views into the shared pool.
-    """
+    """Stores the new tokens' K/V into this layer's paged cache, then attends; ``k_cache`` /
+    ``v_cache`` (``[num_blocks, block_size, Hkv, D]`` views) are bound by the ModelRunner."""
 
     def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, backend: str = "torch") -> None:
         super().__init__()

@@ -1,40 +1,9 @@
 """Token sampling for a batch of sequences, with no host synchronisation on the device.
 
-Once per engine step the engine calls :func:`prepare_sampling` to turn the batch's
-``SamplingParams`` into a :class:`SamplingBatch` of device tensors (plus host-side flags so the
-common case does no extra work), then ``Sampler()(logits, batch)`` picks one token per row.
-
-Order of operations inside :meth:`Sampler.forward` (every step in fp32, whatever the logits'
-dtype; steps whose flag is off for the whole batch are skipped, and an all-greedy batch with no
-penalty and no logprobs is a bare ``argmax``):
-
-1. ``logprobs`` (only when some row asked for them): ``log_softmax`` of the RAW logits — before
-   penalties, temperature and filtering — gathered later at the chosen token.
-2. Penalties: repetition (tokens seen in the prompt or the completion: positive logits divided
-   by the penalty, negative ones multiplied), then presence (subtracted once for tokens seen in
-   the completion) and frequency (subtracted once per occurrence in the completion).
-3. Greedy rows (temperature 0) take the argmax of the penalised logits (ties: lowest index).
-4. Sampled rows: divide by the temperature, then top-k, then top-p (nucleus: keep the smallest
-   set of most likely tokens whose cumulative probability, renormalised after top-k, reaches
-   top_p; the top token is always kept), then min-p (drop tokens whose probability is below
-   ``min_p`` times the largest one). Each filter is a per-row cut-off logit, so tokens tied
-   with the cut-off are kept (as in HF's and vLLM's top-k), and a row is filtered the same
-   whichever path (no sort, partial or full sort) the rest of the batch selects. Then sample
-   with the exponential race:
-   ``argmax(probs / E)`` with ``E ~ Exponential(1)`` i.i.d. per token, which draws from
-   ``probs`` exactly and needs no ``multinomial`` / host sync.
-   Rows with a seed draw their ``E`` from their own ``torch.Generator`` (one draw of ``V``
-   values per step), so a seeded request yields the same tokens whatever else is in the batch
-   and wherever its row sits; the other rows share one batched draw from the global RNG.
-
-Engine contract for seeded requests: ``prepare_sampling`` gets a ``generators`` dict (seq_id ->
-generator) that the engine owns and keeps across steps (also across preemption). The first time
-a seeded, sampled sequence is seen a generator is created on the device, seeded with the
-request's seed, and advanced by one draw per completion token the sequence already has (so a
-decode worker that imports a sequence whose first token the prefill worker sampled continues
-the same random stream). The engine must ``generators.pop(seq.seq_id, None)`` when the sequence
-finishes, and must call ``Sampler.forward`` exactly once per token it appends to a seeded
-sequence (each call advances that sequence's generator).
+In fp32: raw-logit logprobs; penalties; greedy rows take the argmax (lowest index on ties);
+sampled rows apply temperature, top-k, top-p, min-p, then ``argmax(probs / E)``, E ~ Exp(1),
+seeded rows from their own generator. The engine owns ``generators`` (seq_id -> generator),
+pops a finished sequence's entry, and samples once per token appended to a seeded sequence.
 """
 from __future__ import annotations
 
@@ -72,15 +41,10 @@ _NEG_INF = float("-inf")
 
 @dataclass
 class SamplingBatch:
-    """Per-step sampling inputs for ``B`` rows over a vocabulary of ``vocab_size`` tokens.
+    """Per-step sampling inputs for ``B`` rows over ``vocab_size`` tokens, on the model's device.
 
-    Tensors live on the model's device (the six fp32 per-row fields are rows of one [6, B]
-    tensor, copied to the device in one transfer). Rows of greedy sequences carry their
-    parameters too, but the flags only count sampled rows for top-k / top-p / min-p (filtering
-    cannot change an argmax). ``output_counts`` ([B, V] fp32, occurrences of each token in the
-    completion) is built only when ``any_penalty``; ``prompt_mask`` ([B, V] bool, token appears
-    in the prompt) only when ``any_repetition_penalty``. Rows without a penalty have all-zero
-    counts / masks.
+    The top-k/top-p/min-p flags count sampled rows only; ``output_counts`` exists only when
+    ``any_penalty``, ``prompt_mask`` only when ``any_repetition_penalty`` (zero for rows without).
     """
 
     temperatures: torch.Tensor            # [B] fp32, 0 = greedy
@@ -140,13 +104,9 @@ def _flat_indices(rows: list[list[int]], V: int, pin: bool) -> torch.Tensor:
 
 def prepare_sampling(seqs: Sequence[SampledSequence], vocab_size: int, device: torch.device,
                      generators: dict[int, torch.Generator]) -> SamplingBatch:
-    """Build the :class:`SamplingBatch` for ``seqs`` (row ``i`` is ``seqs[i]``).
-
-    ``vocab_size`` must equal the width of the logits given to the sampler. ``generators`` is
-    owned by the engine (see the module docstring): generators for seeded sampled sequences are
-    created here on first sight and stored under ``seq.seq_id``; the engine drops them when the
-    sequence finishes.
-    """
+    """Build the :class:`SamplingBatch` for ``seqs`` (row ``i`` is ``seqs[i]``); ``vocab_size``
+    is the logits' width. Creates missing generators of seeded sampled sequences in the
+    engine-owned ``generators``, advanced past their existing completion tokens."""
     device = torch.device(device)
     V = int(vocab_size)
     pin = device.type == "cuda"
@@ -277,8 +237,7 @@ class Sampler(nn.Module):
 
     @staticmethod
     def _fused_ok(logits: torch.Tensor, batch: SamplingBatch) -> bool:
-        """Temperature-only rows (greedy or sampled, unseeded), on CUDA: one fused pass
-        (pdserve.common.ops.sampling)."""
+        """Temperature-only unseeded rows on CUDA: one fused pass (ops/sampling.py)."""
         return (use_fused(logits) and not batch.any_penalty and not batch.need_logprobs
                 and not batch.any_top_k and not batch.any_top_p and not batch.any_min_p
                 and not batch.seeded_rows)
@@ -331,12 +290,8 @@ class Sampler(nn.Module):
 
 
 def _top_k_top_p(x: torch.Tensor, batch: SamplingBatch) -> None:
-    """Top-k then top-p, in place on ``x``, from the ``sort_k`` largest logits of each row.
-
-    Both filters end as one cut-off logit per row (``x < cutoff`` is dropped), so no scatter
-    back from sorted order is needed and a row's result never depends on the path the rest of
-    the batch sends it down. Tokens tied with the cut-off value are kept.
-    """
+    """Top-k then top-p, in place on ``x``, from each row's ``sort_k`` largest logits, each as one
+    cut-off logit per row (ties kept), so a row's result never depends on the batch's path."""
     V = x.shape[1]
     if batch.sort_k >= V:
         vals = x.sort(dim=-1, descending=True).values
@@ -346,9 +301,7 @@ def _top_k_top_p(x: torch.Tensor, batch: SamplingBatch) -> None:
     if batch.any_top_k:
         kth = vals.gather(1, (batch.top_ks.clamp(max=width) - 1).unsqueeze(1))
         vals.masked_fill_(vals < kth, _NEG_INF)
-    # Nucleus over the distribution renormalised after top-k: keep sorted positions
-    # 0..n-1 with n = 1 + #(inclusive cumsum < top_p), so the top token always stays and
-    # the token that reaches top_p is kept. Rows with top_p = 1 keep everything.
+    # Nucleus after top-k: keep n = 1 + #(inclusive cumsum < top_p) sorted positions.
     cum = torch.softmax(vals, dim=-1).cumsum_(dim=-1)
     n_keep = (cum < batch.top_ps.unsqueeze(1)).sum(dim=-1, keepdim=True) + 1
     n_keep = torch.where((batch.top_ps < 1.0).unsqueeze(1), n_keep, width)

@@ -1,9 +1,7 @@
 """One decoder implementation for Llama, Qwen2 and Qwen3 checkpoints.
 
-Differences are flags of ModelConfig: ``qk_norm`` (Qwen3), ``attention_bias`` (q/k/v bias:
-Qwen2, or Llama with attention_bias), ``o_bias``, ``mlp_bias``, tied or untied embeddings, GQA.
-Q/K/V and gate/up projections are merged into one matmul each; ``load_weights`` splits HF
-checkpoint tensors into the merged parameters.
+Differences are ModelConfig flags (``qk_norm``, ``attention_bias``, ``o_bias``, ``mlp_bias``,
+tied embeddings); Q/K/V and gate/up are merged matmuls that ``load_weights`` fills from HF tensors.
 """
 from __future__ import annotations
 

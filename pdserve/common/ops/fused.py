@@ -1,15 +1,7 @@
-"""Fused elementwise kernels for the decoder layer (Triton), each with its torch reference.
-
-- ``rms_norm(x, weight, eps, residual=None)``: one pass; with ``residual`` it also adds it
-  first and returns the sum (the fused add + norm of every layer after the first).
-- ``silu_and_mul(x)``: ``silu(x[:, :I]) * x[:, I:]``.
-- ``qk_norm_rope(qkv, positions, cos_sin, ...)``: splits the merged QKV projection, applies the
-  per-head RMSNorm to q and k (Qwen3; skipped when no weight is given) and rotary embedding
-  ("rotate half" convention), writing contiguous q and k; v stays a view of ``qkv``.
-
-Numerics follow the checkpoints' reference: the residual sum is rounded to the activation dtype
-before the norm, statistics in fp32, the normalized value rounded to the dtype before the
-weight. One program per token row; no host syncs; CUDA-graph safe.
+"""Fused elementwise Triton kernels for the decoder layer, each with its torch reference:
+``rms_norm`` (optionally fused residual add), ``silu_and_mul`` and ``qk_norm_rope`` (split
+QKV, per-head RMSNorm, rotary; v stays a view of ``qkv``). Numerics follow the checkpoints'
+reference (fp32 statistics, dtype rounding before the weight). No host syncs; CUDA-graph safe.
 """
 from __future__ import annotations
 
@@ -141,10 +133,8 @@ def qk_norm_rope(qkv: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor, 
                  ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """qkv: [T, (Hq+2Hkv)*D]; cos/sin: [P, D] fp32 caches -> q [T,Hq,D], k [T,Hkv,D], v [T,Hkv,D] (view).
 
-    With ``k_cache``/``v_cache`` (``[num_blocks, block_size, Hkv, D]``, head dim contiguous) and
-    ``slot_mapping[T]``, the same kernel also writes each token's K and V into the cache at its
-    slot, as ``pdserve.common.ops.kv_store.store_kvcache`` would (negative slots are skipped): one
-    kernel less per layer.
+    With ``k_cache``/``v_cache`` and ``slot_mapping[T]`` it also stores K and V into the paged
+    cache (negative slots skipped), as ``kv_store.store_kvcache`` would.
     """
     T = qkv.shape[0]
     q = torch.empty(T, num_q, head_dim, dtype=qkv.dtype, device=qkv.device)

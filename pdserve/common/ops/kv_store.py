@@ -1,13 +1,6 @@
-"""Triton kernel that writes new tokens' K/V into the paged cache.
-
-``store_kvcache(key, value, k_cache, v_cache, slot_mapping)``: ``key``/``value`` are
-``[N, Hkv, D]`` (the head dim contiguous; token and head strides arbitrary, e.g. slices of a
-fused qkv projection), ``k_cache``/``v_cache`` ``[num_blocks, block_size, Hkv, D]`` views with
-arbitrary strides except a contiguous head dim (docs/design.md, "KV cache layout"),
-``slot_mapping[N]`` int32/int64 with ``slot = block_id * block_size + offset``; negative slots
-are padding and are skipped (nothing is written for them). One program per token copies all
-``Hkv * D`` elements of K and of V; values are cast to the cache dtype. No allocation and no
-host sync: safe inside a CUDA graph.
+"""Triton kernel writing new tokens' K/V ``[N, Hkv, D]`` (head dim contiguous) into paged
+``[num_blocks, block_size, Hkv, D]`` caches at ``slot_mapping[N]``; negative slots are skipped,
+values cast to the cache dtype. No allocation, no host sync: CUDA-graph safe.
 """
 from __future__ import annotations
 

@@ -1,54 +1,11 @@
 """Triton paged-attention kernels: decode (split-KV, GQA-packed) and varlen prefill.
 
-Signatures (docs/design.md, "Attention ops"; the keyword-only arguments are extras):
-
-    paged_attention_decode(q[B,Hq,D], k_cache, v_cache, block_tables[B,max_blocks] int32,
-                           context_lens[B] int32, scale, *, out=None, workspace=None,
-                           num_splits=None, max_context_len=None,
-                           block_n=None, num_warps=None, num_stages=None) -> out[B,Hq,D]
-    paged_attention_prefill(q[T,Hq,D], k_cache, v_cache, cu_seqlens_q[B+1] int32,
-                            context_lens[B] int32, block_tables[B,max_blocks] int32,
-                            max_seqlen_q: int, scale, *, out=None,
-                            block_m=None, block_n=None, num_warps=None,
-                            num_stages=None) -> out[T,Hq,D]
-
-Caches are ``[num_blocks, block_size, Hkv, D]`` views with any strides except a contiguous head
-dim (one layer of ``kv_cache[num_blocks, num_layers, 2, block_size, Hkv, D]``). K/V are read
-through the block table one token row (``D`` contiguous elements) at a time, ``BLOCK_N`` tokens
-(several pages when ``block_size < BLOCK_N``, part of a page otherwise) per loop iteration, so
-any block size works. ``head_dim`` must be a power of two (16..256); ``Hq % Hkv == 0``.
-Softmax statistics and accumulators are fp32 (online softmax in base 2); the output has q's
-dtype. fp32 inputs use IEEE fp32 dot products (no TF32). A sequence with context length 0
-gets zeros.
-
-Decode
-------
-One program handles one (sequence, KV head, split): the ``G = Hq // Hkv`` query heads of the
-group are packed into the rows of one ``tl.dot`` (padded to ``max(16, next_pow2(G))`` rows with
-masks, so G = 3 works), so each K/V tile is loaded once per group. The context of a sequence is
-cut into ``num_splits`` equal ranges of whole ``BLOCK_N`` tiles; with more than one split,
-kernel 1 writes each split's running max / sum / unnormalized accumulator to an fp32 workspace
-and kernel 2 combines them; with one split, kernel 1 writes the output directly. The grid is
-``(Hkv, num_splits, B)``: programs start KV head fastest, so the heads of one sequence run
-together (they read interleaved 256-byte pieces of the same token rows) and, with the rows
-sorted longest context first, the longest sequences start first. The number of
-splits is picked on the host from the batch size, ``Hkv``, the SM count and an upper bound of
-the context (``max_context_len`` when given, otherwise ``block_tables.shape[1] * block_size``):
-no device value is read.
-
-CUDA graphs: pass ``out`` (``[>=B, Hq, D]``, q's dtype), ``workspace`` (from
-``alloc_decode_workspace(max_batch, Hq, D, max_splits, device)``) and a fixed ``num_splits``
-(<= ``max_splits``); then the wrapper allocates nothing, does no host sync and launches the same
-kernels on every replay (the per-sequence split ranges are computed on the device from
-``context_lens``). Even without them the wrapper never syncs; it allocates only ``out`` and,
-when splitting, a workspace.
-
-Prefill
--------
-Grid ``(cdiv(max_seqlen_q, BLOCK_M), Hq, B)``: each program computes ``BLOCK_M`` queries of one
-head of one sequence, flash-attention style over ``BLOCK_N`` key tiles: first the tiles fully
-below the diagonal (no mask), then the diagonal tiles with the causal-with-offset mask.
-``max_seqlen_q`` (a host int) only sizes the grid. No host sync.
+Caches are ``[num_blocks, block_size, Hkv, D]`` views with a contiguous head dim; any block
+size works. ``D`` a power of two (16..256), ``Hq % Hkv == 0``; fp32 softmax statistics and
+accumulators, output in q's dtype. Decode grid ``(Hkv, num_splits, B)`` packs a KV head's query
+heads into one ``tl.dot``; with ``num_splits > 1`` a second kernel combines the fp32 workspace.
+Given ``out``, ``workspace`` and a fixed ``num_splits`` decode allocates nothing (CUDA-graph
+safe). Prefill grid ``(cdiv(max_seqlen_q, BLOCK_M), Hq, B)``. Neither syncs with the host.
 """
 from __future__ import annotations
 
@@ -70,12 +27,7 @@ _MIN_TOKENS_PER_SPLIT = 128     # do not split a context finer than this
 _WS_PAD = 16                    # workspace row = D accumulators + m + l, padded to 16 floats
 
 
-# ----------------------------------------------------------------------------------------------
-# kernels
-# ----------------------------------------------------------------------------------------------
-
-# Integer arguments that change from batch to batch are not specialised: Triton would compile a
-# new variant (a stall of ~1 s) the first time such a value is 1 or a multiple of 16.
+# Per-batch integers are not specialised: no recompile when one becomes 1 or a multiple of 16.
 @triton.jit(do_not_specialize=["num_splits", "stride_btb"])
 def _decode_split_kernel(
     q_ptr, k_ptr, v_ptr, bt_ptr, cl_ptr, out_ptr, ws_ptr,
@@ -272,10 +224,6 @@ def _prefill_kernel(
                  o.to(out_ptr.dtype.element_ty), mask=m_mask[:, None])
 
 
-# ----------------------------------------------------------------------------------------------
-# host side
-# ----------------------------------------------------------------------------------------------
-
 _SM_COUNT: dict[int, int] = {}
 
 
@@ -316,14 +264,9 @@ def alloc_decode_workspace(max_batch: int, num_q_heads: int, head_dim: int, max_
 
 def decode_num_splits(batch: int, num_kv_heads: int, max_context_len: int,
                       device: torch.device | str, max_splits: int = DECODE_MAX_SPLITS) -> int:
-    """Number of KV splits so that ``batch * num_kv_heads * splits`` programs fill the GPU.
-
-    Host-only arithmetic (safe to call while capturing a CUDA graph): about four programs per
-    SM (``4 * SMs / programs``, rounded). Measured on an H100 in CUDA graphs with ragged
-    W-nano contexts (bench/attention_balance.py, attention_balance_graph_h100.json): batch 32 x
-    8 KV heads 81 -> 76 us with 2 splits, batch 16 66 -> 45 us with 4, batch 8 65 -> 27 us
-    with 6; from batch 48 up one split is as fast. Never splits a context below
-    ``_MIN_TOKENS_PER_SPLIT`` tokens.
+    """KV splits so that ``batch * num_kv_heads * splits`` is about four programs per SM, never
+    below ``_MIN_TOKENS_PER_SPLIT`` tokens a split. Host-only (safe during graph capture);
+    chosen by measurement: bench/NOTES.md.
     """
     device = torch.device(device)
     programs = max(1, batch * num_kv_heads)
@@ -351,13 +294,10 @@ def paged_attention_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
                            num_stages: int | None = None) -> torch.Tensor:
     """Decode attention: ``q[B, Hq, D]``, one query per sequence at position ``context_lens-1``.
 
-    ``out``: optional preallocated ``[>=B, Hq, D]`` output (q's dtype); rows ``:B`` are written
-    and ``out[:B]`` is returned. ``workspace``: optional preallocated split workspace from
-    ``alloc_decode_workspace`` (``shape[0] >= B``, ``shape[2] >= num_splits``). ``num_splits``:
-    fixed number of KV splits (default: ``decode_num_splits`` on ``max_context_len``, which
-    defaults to ``block_tables.shape[1] * block_size``). ``block_n`` / ``num_warps`` /
-    ``num_stages``: tuning overrides. With ``out``, ``workspace`` and ``num_splits`` given,
-    nothing is allocated and nothing is synchronized (CUDA-graph capture safe).
+    ``out``: optional ``[>=B, Hq, D]`` (``out[:B]`` is returned); ``workspace``: from
+    ``alloc_decode_workspace``; ``num_splits``: default ``decode_num_splits`` on
+    ``max_context_len`` (default ``block_tables.shape[1] * block_size``). With all three given
+    nothing is allocated or synchronized (CUDA-graph capture safe).
     """
     B = q.shape[0]
     Hq, Hkv, D, block_size = _check_common(q, k_cache, v_cache)
@@ -433,8 +373,7 @@ def _prefill_config(dtype: torch.dtype, head_dim: int, max_seqlen_q: int,
     if max_seqlen_q <= 64:
         return 64, 64, 4, 3
     if head_dim <= 128:
-        # W-nano's prefill step (16k tokens of 100-1024-token prompts, D=128) on an H100:
-        # 225 us vs 302 us for (128, 64, 8, 3), the best of 36 (prefill_sweep_h100.json)
+        # chosen by measurement: bench/NOTES.md
         return 64, 32, 4, 2
     return 128, 64, 8, 3
 
@@ -448,10 +387,9 @@ def paged_attention_prefill(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
                             num_stages: int | None = None) -> torch.Tensor:
     """Varlen prefill over the paged cache, causal with offset ``context_lens[b] - q_len_b``.
 
-    ``q[T, Hq, D]``: the new tokens of the B sequences back to back (``cu_seqlens_q[B+1]``),
-    whose K/V are already stored in the cache. ``max_seqlen_q`` (host int, >= every q_len)
-    sizes the grid. ``out``: optional preallocated ``[T, Hq, D]`` output. Requires
-    ``context_lens[b] >= q_len_b``. No host sync.
+    ``q[T, Hq, D]``: the B sequences' new tokens back to back (``cu_seqlens_q[B+1]``), their K/V
+    already in the cache; ``max_seqlen_q`` (host int) sizes the grid; ``out``: optional
+    ``[T, Hq, D]``. Requires ``context_lens[b] >= q_len_b``. No host sync.
     """
     T = q.shape[0]
     Hq, Hkv, D, block_size = _check_common(q, k_cache, v_cache)

@@ -1,18 +1,8 @@
 """Pure-torch references for the paged-attention ops (docs/design.md, "Attention ops").
 
-They run on the CPU and the GPU, accept any floating dtype, compute in float32 and return the
-query dtype. They are the oracle for the Triton kernels and also the CPU production path of the
-"torch" attention backend, so they are vectorized where it is cheap:
-
-- decode is vectorized over the batch: it gathers ``k_cache[block_tables]`` (padding ``-1``
-  entries clamped to block 0 and masked out by ``context_lens``) and runs one batched matmul
-  per step per layer, with GQA handled by grouping the query heads of each KV head;
-- prefill loops over the sequences of the batch (their lengths differ) and calls
-  ``scaled_dot_product_attention`` once per sequence with a causal-with-offset mask.
-
-Both return zeros for a sequence whose ``context_lens`` is 0 (padding rows of a CUDA-graph
-batch), as the Triton kernels do. Prefill reads the sequence lengths to the host (``tolist``);
-store uses boolean indexing: these synchronize on the GPU, which is fine for a reference.
+Any device and floating dtype; computed in fp32, returned in the query's dtype. The oracle for
+the Triton kernels and the CPU path of the "torch" backend. They synchronize with the GPU
+(fine for a reference); a sequence with ``context_lens`` 0 gets zeros.
 """
 from __future__ import annotations
 
@@ -24,11 +14,8 @@ __all__ = ["store_kvcache_ref", "paged_attention_decode_ref", "paged_attention_p
 
 def store_kvcache_ref(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor,
                       v_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
-    """Write ``key``/``value`` ``[N, Hkv, D]`` into the paged caches at ``slot_mapping[N]``.
-
-    ``k_cache``/``v_cache``: ``[num_blocks, block_size, Hkv, D]`` (views with any block stride,
-    written in place). A negative slot is padding and is skipped.
-    """
+    """Write ``key``/``value`` ``[N, Hkv, D]`` into ``[num_blocks, block_size, Hkv, D]`` caches
+    at ``slot_mapping[N]`` (in place); negative slots are skipped."""
     block_size = k_cache.shape[1]
     slots = slot_mapping.to(torch.long)
     valid = slots >= 0
@@ -47,10 +34,8 @@ def store_kvcache_ref(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Ten
 def paged_attention_decode_ref(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                                block_tables: torch.Tensor, context_lens: torch.Tensor,
                                scale: float) -> torch.Tensor:
-    """One query per sequence: ``q[B, Hq, D]`` attends to keys ``0..context_lens[b]-1``.
-
-    ``block_tables[B, max_blocks]`` int32, padded with -1. Returns ``out[B, Hq, D]`` in q's dtype.
-    """
+    """One query per sequence: ``q[B, Hq, D]`` attends to keys ``0..context_lens[b]-1``; returns
+    ``out[B, Hq, D]`` in q's dtype."""
     B, Hq, D = q.shape
     if B == 0:
         return torch.empty_like(q)
@@ -75,13 +60,8 @@ def paged_attention_prefill_ref(q: torch.Tensor, k_cache: torch.Tensor, v_cache:
                                 cu_seqlens_q: torch.Tensor, context_lens: torch.Tensor,
                                 block_tables: torch.Tensor, max_seqlen_q: int,
                                 scale: float) -> torch.Tensor:
-    """Varlen prefill over the paged cache, causal with offset.
-
-    ``q[T, Hq, D]`` holds the new tokens of all sequences back to back (``cu_seqlens_q[B+1]``);
-    their K/V are already in the cache. Query ``i`` of sequence ``b`` sits at position
-    ``context_lens[b] - q_len_b + i`` and sees keys ``0..position`` (the cached prefix fully).
-    ``max_seqlen_q`` is unused here (kept for the shared signature). Returns ``out[T, Hq, D]``.
-    """
+    """Varlen prefill, causal with offset: query ``i`` of sequence ``b`` (``q[T, Hq, D]``, split by
+    ``cu_seqlens_q[B+1]``) sits at ``context_lens[b] - q_len_b + i``; returns ``out[T, Hq, D]``."""
     del max_seqlen_q
     T, Hq, D = q.shape
     _, block_size, Hkv, _ = k_cache.shape

@@ -1,19 +1,9 @@
-"""Fused temperature sampling for the common case: one read of the logits, one random number
-per row.
+"""Fused temperature sampling: one read of the logits, one random number per row.
 
-A row with temperature ``T > 0`` draws token ``i`` with probability ``softmax(logits / T)_i``
-by inverse-CDF sampling. Kernel 1 cuts each row into chunks of CHUNK columns and keeps, per
-(row, chunk), the chunk's max and its sum of ``exp(logits / T - max)`` (base 2). Kernel 2, one
-program per row, combines the chunks into the row's normaliser, draws one uniform ``u``
-(Triton's counter-based Philox keyed by a per-step ``seed`` and the row), picks the chunk where
-the cumulative mass passes ``u`` and scans that chunk alone for the token. Rows with ``T == 0``
-take the plain argmax (ties: lowest index). The logits are read once in full plus one chunk per
-row; nothing of size ``[B, V]`` is written. Used by the sampler only when no row needs
-top-k/top-p/min-p, penalties, a per-request seed or logprobs.
-
-(A Gumbel-max pass, ``argmax(logits / T + G)``, draws from the same distribution but needs a
-random number and two logarithms per logit: at batch 256 it took ~0.15 ms of a decode step on
-an H100 against ~0.09 ms for this one, bench/NOTES.md run 21.)
+Row ``T > 0`` draws ``softmax(logits / T)`` by inverse CDF over per-chunk maxima and masses
+(Philox keyed by a per-step ``seed`` and the row); ``T == 0`` takes the argmax (lowest index on
+ties). Nothing of size ``[B, V]`` is written. Used only when no row needs top-k/top-p/min-p,
+penalties, a per-request seed or logprobs. Chosen over Gumbel-max by measurement: bench/NOTES.md.
 """
 from __future__ import annotations
 

@@ -1,13 +1,6 @@
-"""Security flags of the router and the workers (each with a ``PDSERVE_*`` environment default).
-
-Public port (router only): ``--tls-cert``/``--tls-key`` (TLS), ``--tls-client-ca`` (also
-require client certificates of that CA), ``--auth-tokens-file`` (bearer tokens, one per line).
-Internal API (router -> workers, prefill -> decode; every worker port):
-``--internal-tls-cert``/``--internal-tls-key``/``--internal-tls-ca`` (mutual TLS: a worker
-accepts only peers whose certificate chains to the CA, and checks nothing else),
-``--internal-tls-server-name`` (the name in the workers' certificates), and
-``--internal-token-file`` (a shared token: sent by callers, accepted by workers; the way to
-authenticate the internal API without TLS). ``--reflection off`` on every service.
+"""Security flags of the router and the workers (each with a ``PDSERVE_*`` environment default):
+``--tls-*``/``--auth-tokens-file`` for the router's public port, ``--internal-*`` for the
+internal API (mutual TLS with a CA, or a shared token), and ``--reflection``.
 """
 from __future__ import annotations
 

@@ -1,11 +1,6 @@
 """Who may call: the server interceptor that checks bearer tokens (or a verified client
-certificate), and the client side that sends a token.
-
-One :class:`AuthInterceptor` per server guards every method, unary and streaming alike, before
-the handler runs; ``grpc.health.v1`` stays open (Kubernetes probes carry no token). A caller
-is let in when its ``authorization: Bearer <token>`` metadata holds an accepted token, or,
-where ``accept_peer_cert`` is set (the internal ports), when its TLS connection presented a
-client certificate that chains to the configured CA. Everyone else gets UNAUTHENTICATED.
+certificate) before every handler, and the client side that sends a token. ``grpc.health.v1``
+stays open (probes carry no token); everyone else without credentials gets UNAUTHENTICATED.
 """
 from __future__ import annotations
 
@@ -88,11 +83,8 @@ def _rebuild(handler: grpc.RpcMethodHandler, allowed: Callable[[Any], bool],
 
 
 class AuthInterceptor(grpc.aio.ServerInterceptor):
-    """Bearer tokens and/or verified client certificates in front of every method.
-
-    ``tokens``: the accepted tokens (None: no token is accepted). ``accept_peer_cert``: a
-    verified client certificate is enough. With neither, every guarded call is refused.
-    """
+    """Bearer ``tokens`` (None: none accepted) and/or, with ``accept_peer_cert``, verified client
+    certificates in front of every method; with neither every guarded call is refused."""
 
     def __init__(self, tokens: BearerTokens | None, accept_peer_cert: bool = False,
                  open_prefixes: Sequence[str] = OPEN_METHOD_PREFIXES) -> None:
@@ -134,7 +126,6 @@ def _skip(data: bytes) -> None:
     return None
 
 
-# ---------------------------------------------------------------- client side
 def _with_token(details: grpc.aio.ClientCallDetails, value: str) -> grpc.aio.ClientCallDetails:
     metadata = grpc.aio.Metadata(*(details.metadata or ()))
     metadata.add(AUTHORIZATION, value)

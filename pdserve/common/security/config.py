@@ -1,12 +1,6 @@
-"""What one gRPC port and one process's outgoing channels apply: TLS, tokens, reflection.
-
-- :class:`ServerSecurity`: a listening port (the router's public port; a worker's port, which
-  only the router and the other workers call: the internal API).
-- :class:`ClientSecurity`: the channels a process opens to workers (router -> workers,
-  prefill -> decode). A process sets its own once at start-up
-  (:func:`set_default_client_security`); :func:`pdserve.common.grpc_utils.client_channel` applies it.
-
-Everything off (the default) is plaintext without authentication, as ``make run`` uses.
+"""What one gRPC port (:class:`ServerSecurity`) and one process's channels to workers
+(:class:`ClientSecurity`, set once at start-up) apply: TLS, tokens, reflection. All off by
+default: plaintext without authentication.
 """
 from __future__ import annotations
 
@@ -26,14 +20,9 @@ log = logging.getLogger(__name__)
 
 @dataclass(frozen=True)
 class ServerSecurity:
-    """Security of one listening port.
-
-    ``tls``: the server's certificate and key (and ``ca`` to check client certificates);
-    ``require_client_cert``: mutual TLS, the handshake refuses clients without a certificate
-    of ``tls.ca``; ``tokens_file``: bearer tokens accepted (one per line); ``accept_peer_cert``:
-    a verified client certificate is accepted instead of a token (the internal API);
-    ``reflection``: serve gRPC reflection.
-    """
+    """Security of one listening port: ``tls`` files; ``require_client_cert`` (mutual TLS with
+    ``tls.ca``); ``tokens_file`` (accepted bearer tokens); ``accept_peer_cert`` (a verified client
+    certificate instead of a token: the internal API); ``reflection``."""
 
     tls: TlsFiles | None = None
     require_client_cert: bool = False
@@ -79,13 +68,9 @@ class ServerSecurity:
 
 @dataclass(frozen=True)
 class ClientSecurity:
-    """Security of outgoing channels to workers.
-
-    ``tls``: ``ca`` to check the server, ``cert``/``key`` to present (mutual TLS);
-    ``token_file``: its first token is sent as ``authorization: Bearer``; ``server_name``: the
-    name workers' certificates are checked for (instead of the host in the address: workers
-    are reached by pod IP).
-    """
+    """Security of outgoing channels to workers: ``tls`` (``ca``; ``cert``/``key`` for mutual
+    TLS); ``token_file`` (its first token is sent); ``server_name`` (checked in the workers'
+    certificates instead of the address host: workers are reached by pod IP)."""
 
     tls: TlsFiles | None = None
     token_file: Path | None = None
@@ -102,10 +87,8 @@ class ClientSecurity:
             object.__setattr__(self, "_token", BearerTokens.from_file(self.token_file).first_token())
 
     def files_stamp(self) -> tuple:
-        """(path, mtime, size) of every file these credentials come from. Channels read the
-        files when they are made; a holder of long-lived channels compares stamps and makes new
-        channels when it changes (a certificate or token rotated on disk, as cert-manager and
-        Secret updates do), see :class:`RenewingChannels`."""
+        """(path, mtime, size) of every credential file, to notice rotation
+        (:class:`RenewingChannels`)."""
         paths = [*(self.tls.paths() if self.tls is not None else ()), *filter(None, [self.token_file])]
         return tuple(_stamp(p) for p in paths)
 

@@ -1,13 +1,6 @@
-"""TLS material from files: server credentials that re-read the files, client credentials.
-
-Certificates and keys are PEM files (a Kubernetes ``kubernetes.io/tls`` Secret mounted as a
-volume: ``tls.crt``, ``tls.key``, ``ca.crt``). A server re-reads them when one of them
-changes (modification time or size), at the next TLS handshake: cert-manager rotates a
-certificate and new connections get the new one without a restart; connections already open
-keep theirs. A changed set that does not load (a key that does not match its certificate, a
-file half written) is logged and the previous set stays in use.
-
-Clients read their files when a channel is created (:func:`channel_credentials`).
+"""TLS material from PEM files: server credentials re-read at the next handshake when a file
+changes (a set that fails to load is logged and the previous one kept), and client credentials
+read when a channel is made.
 """
 from __future__ import annotations
 
@@ -24,13 +17,8 @@ log = logging.getLogger(__name__)
 
 @dataclass(frozen=True)
 class TlsFiles:
-    """One party's TLS files.
-
-    ``cert``/``key``: its own certificate chain and private key (both or neither; a client
-    without them does server-only TLS). ``ca``: the CA bundle that peers' certificates must
-    chain to (a server: client certificates are then required; a client: the server's
-    certificate is checked against it, else against the system roots).
-    """
+    """One party's TLS files: ``cert``/``key`` (both or neither) and ``ca``, the bundle peers
+    must chain to (server: client certificates then required; client: else the system roots)."""
 
     cert: Path | None = None
     key: Path | None = None
@@ -71,11 +59,7 @@ def check_key_pair(cert: Path, key: Path) -> None:
 
 
 class ReloadingServerCredentials:
-    """A server's TLS material, re-read when its files change (see the module docstring).
-
-    ``require_client_cert``: the handshake refuses clients without a certificate that chains
-    to ``files.ca`` (mutual TLS).
-    """
+    """A server's TLS material, re-read when its files change; ``require_client_cert``: mutual TLS."""
 
     def __init__(self, files: TlsFiles, require_client_cert: bool) -> None:
         if not files.has_identity:

@@ -1,13 +1,5 @@
-"""Bearer tokens: a file of accepted tokens, checked in constant time.
-
-The file holds one token per line (blank lines and lines starting with ``#`` are skipped), so a
-Kubernetes Secret with one key mounts it as-is. The file is re-read when its modification time
-or size changes, so a rotated Secret takes effect without a restart.
-
-    tokens = BearerTokens.from_file("/etc/pdserve/tokens")
-    tokens.check("Bearer s3cret")  # -> True / False
-
-Used by the gRPC auth interceptor (:mod:`pdserve.common.security.auth`) and by the HTTP API for 401s.
+"""Bearer tokens: a file of accepted tokens (one per line, ``#`` comments), re-read when it
+changes, checked in constant time. Used by the gRPC auth interceptor and the HTTP API.
 """
 from __future__ import annotations
 

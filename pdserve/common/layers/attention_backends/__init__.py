@@ -1,10 +1,5 @@
-"""Attention backends, picked by name and imported lazily.
-
-``get_backend("torch")`` returns the reference backend; ``"triton"`` the project's own kernels
-(GPU, or the CPU under TRITON_INTERPRET=1). ``"auto"`` takes the first backend of the device's
-preference list (``AUTO_ORDER``) whose module imports: triton > torch on CUDA, torch elsewhere.
-Nothing GPU-only is imported until a backend is asked for.
-"""
+"""Attention backends by name, imported lazily: ``"torch"`` (reference), ``"triton"`` (own
+kernels), ``"auto"`` (first importable of ``AUTO_ORDER`` for the device type)."""
 from __future__ import annotations
 
 import importlib

@@ -1,17 +1,8 @@
-"""The attention backend interface.
+"""The attention backend interface (shapes and conventions: ops/__init__.py).
 
-Rules every backend follows:
-- ``store_kv`` writes the new tokens' K/V into the paged cache at ``slot_mapping``; a negative
-  slot is padding and is skipped.
-- ``prefill`` runs after ``store_kv`` for the same tokens and reads K/V for the whole context
-  (cached prefix + new tokens) from the cache through ``block_tables``; causal with an offset:
-  query ``i`` of sequence ``b`` sits at position ``context_lens[b] - q_len_b + i``.
-- ``decode`` has exactly one query per sequence, at position ``context_lens[b] - 1``.
-- K/V caches are ``[num_blocks, block_size, num_kv_heads, head_dim]`` views with an arbitrary
-  block stride (see docs/design.md, "KV cache layout"); the inner three dims are contiguous.
-- No backend allocates in ``decode`` beyond its output, so that it can run inside a CUDA graph.
-- ``out`` (optional, q's shape and dtype, last dim contiguous): where to write the result; it is
-  also returned. A mixed step writes its decode rows and its prompt chunks into one tensor.
+``prefill`` runs after ``store_kv`` for the same tokens and reads the whole context through
+``block_tables``; ``decode`` has one query per sequence and allocates nothing beyond its output
+(CUDA-graph safe). ``out`` (optional, q's shape and dtype) receives and is returned the result.
 """
 from __future__ import annotations
 

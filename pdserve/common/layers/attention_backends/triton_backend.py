@@ -1,8 +1,7 @@
 """The project's Triton kernels (pdserve/common/ops): the default backend on CUDA.
 
-Decode reads optional extras from the forward context: a preallocated split-KV workspace and
-a fixed split count (set by the CUDA-graph runner, so nothing is allocated inside a graph),
-and the host-side max context length (eager decode picks its split count from it).
+Decode takes the context's optional split-KV workspace and split count (CUDA graphs) and its
+host-side max context length (eager split count).
 """
 from __future__ import annotations
 
