@@ -5,18 +5,21 @@ from __future__ import annotations
 import argparse
 
 from pdserve.common import env
+from pdserve.common.config import EngineConfig
 
 
 def add_chunked_prefill_arguments(p: argparse.ArgumentParser) -> None:
-    """vLLM's flags for chunked prefill (also used by the offline CLI and benchmarks)."""
+    """vLLM's flags for chunked prefill (also used by the offline CLI and benchmarks); defaults: EngineConfig's."""
+    d = EngineConfig()
     p.add_argument("--enable-chunked-prefill", action=argparse.BooleanOptionalAction,
-                   default=env.get_bool("ENABLE_CHUNKED_PREFILL", True),
+                   default=env.get_bool("ENABLE_CHUNKED_PREFILL", d.enable_chunked_prefill),
                    help="mix decode rows and prompt chunks in one step under --max-num-batched-tokens "
                         "(env PDSERVE_ENABLE_CHUNKED_PREFILL; default on)")
-    p.add_argument("--max-num-partial-prefills", type=int, default=env.get_int("MAX_NUM_PARTIAL_PREFILLS", 1),
+    p.add_argument("--max-num-partial-prefills", type=int,
+                   default=env.get_int("MAX_NUM_PARTIAL_PREFILLS", d.max_num_partial_prefills),
                    help="prompts that may be partly prefilled at once (chunked prefill)")
     p.add_argument("--long-prefill-token-threshold", type=int,
-                   default=env.get_int("LONG_PREFILL_TOKEN_THRESHOLD", 0),
+                   default=env.get_int("LONG_PREFILL_TOKEN_THRESHOLD", d.long_prefill_token_threshold),
                    help="cap on one prompt's chunk per step, so later prompts share the budget; 0 = no cap")
 
 
