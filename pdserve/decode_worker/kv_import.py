@@ -7,7 +7,8 @@ from __future__ import annotations
 import logging
 import time
 
-from pdserve.common.engine.llm_engine import DuplicateRequest, OutOfBlocks
+from pdserve.common.engine.handoff import OutOfBlocks
+from pdserve.common.engine.llm_engine import DuplicateRequest
 from pdserve.common.grpc_utils.errors import AlreadyExists, FailedPrecondition, NotFound, ResourceExhausted
 from pdserve.common.kv_transfer import KvReceiver, KvTransferError
 from pdserve.common.sampling_params import SamplingParams

@@ -72,7 +72,7 @@ class DecodeState:
     # ---- admission paths -------------------------------------------------------------
     def reserve(self, engine: LLMEngine, request_id: str, token_ids: list[int], params: SamplingParams,
                 lease_ms: int, deadline: float | None, router_id: str) -> tuple[list[int], int]:
-        seq = engine.reserve(token_ids, params, request_id)
+        seq = engine.kv_handoff.reserve(token_ids, params, request_id)
         lease = (lease_ms or self.default_lease_ms) / 1000.0
         self.tracked[request_id] = Tracked(seq, router_id, deadline, time.time() + lease, Phase.RESERVED)
         self.tracker.begin(request_id, KIND_REMOTE, "Reserve")
@@ -112,7 +112,7 @@ class DecodeState:
         self.transfer_bytes += num_bytes
         t.advance(Phase.ACTIVE)
         self.tracker.ready(request_id)
-        if not engine.admit_imported(t.seq, first_token, logprob):
+        if not engine.kv_handoff.admit(t.seq, first_token, logprob):
             reason = _finish_reason(t.seq)
             self.tracker.end(request_id, reason)
             self._emit(t, finished_output(t.seq, reason))

@@ -142,7 +142,7 @@ def test_prefill_worker_ships_after_the_last_chunk(checkpoint, overlap):
     while eng.has_unfinished():
         eng.step()
     assert launched == {f"p{i}": exp[0] for i, exp in enumerate([expected[3], expected[-1], expected[5]])}
-    assert set(eng.held) == {s.request_id for s in seqs} and all(s.block_table for s in seqs)
+    assert set(eng.kv_handoff.held) == {s.request_id for s in seqs} and all(s.block_table for s in seqs)
     for s in seqs:
-        eng.release_held(s)
+        eng.kv_handoff.release(s)
     assert eng.block_manager.is_whole()

@@ -89,11 +89,11 @@ def test_overlapped_prefill_only_holds_blocks_after_the_first_token(checkpoint):
     eng.add_request(prompts[0], params, request_id="decoding")       # a normal request beside them
     while eng.has_unfinished():
         eng.step()
-    assert set(eng.held) == {s.request_id for s in seqs}
+    assert set(eng.kv_handoff.held) == {s.request_id for s in seqs}
     for seq, exp, prompt in zip(seqs, expected, prompts):
         assert seq.token_ids == prompt + exp[:1] and seq.block_table
     for seq in seqs:
-        eng.release_held(seq)
+        eng.kv_handoff.release(seq)
     assert eng.block_manager.is_whole()
 
 
@@ -114,10 +114,10 @@ def test_prefill_launch_hook_and_first_token_that_ends_the_request(checkpoint, o
         eng.step()
     launched = {rid: tok for step in seen for rid, tok in step}
     assert launched == {s.request_id: exp[0] for s, exp in zip(seqs, expected)}
-    assert set(eng.held) == {s.request_id for s in seqs}
+    assert set(eng.kv_handoff.held) == {s.request_id for s in seqs}
     assert all(s.finish_reason is not None and s.block_table for s in seqs)
     for seq in seqs:
-        eng.release_held(seq)
+        eng.kv_handoff.release(seq)
     assert eng.block_manager.is_whole()
 
 

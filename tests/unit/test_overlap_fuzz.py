@@ -49,15 +49,15 @@ def _run(overlap: bool, seed: int, stops: dict[str, int], chunking: dict = UNCHU
                 results[seq.request_id] = (None, "cancelled")
         out = eng.step()
         for seq in out.finished:
-            if seq.request_id in eng.held:
+            if seq.request_id in eng.kv_handoff.held:
                 held[seq.request_id] = list(seq.token_ids)
             else:
                 reason = seq.finish_reason.value if seq.finish_reason else None
                 results[seq.request_id] = (seq.token_ids[seq.num_prompt_tokens:], reason)
         step += 1
         assert step < 5000
-    for rid in list(eng.held):
-        eng.release_held(eng.held[rid])
+    for rid in list(eng.kv_handoff.held):
+        eng.kv_handoff.release(eng.kv_handoff.held[rid])
     assert eng.block_manager.is_whole() and eng.pending is None
     return results, held, eng.scheduler.num_preemptions
 

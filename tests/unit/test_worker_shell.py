@@ -80,7 +80,7 @@ def test_combined_hooks_run_both_roles_in_order() -> None:
 
 def test_decode_handoff_moves_only_forward_one_phase_at_a_time() -> None:
     engine = LLMEngine(EngineConfig(model="tiny-qwen3", device="cpu", num_kv_blocks=8, block_size=16))
-    seq = engine.reserve(list(range(3, 20)), SamplingParams(max_tokens=2), "r1")
+    seq = engine.kv_handoff.reserve(list(range(3, 20)), SamplingParams(max_tokens=2), "r1")
     t = Tracked(seq, "router", None, None, Phase.RESERVED)
     with pytest.raises(RuntimeError, match="reserved -> active"):
         t.advance(Phase.ACTIVE)

@@ -13,9 +13,10 @@ from dataclasses import dataclass, field
 from pdserve.common.config import EngineConfig
 from pdserve.common.engine import overlap
 from pdserve.common.engine.block_manager import BlockManager
+from pdserve.common.engine.handoff import KvHandoff
 from pdserve.common.engine.model_runner import LaunchedStep, ModelRunner
 from pdserve.common.engine.scheduler import Scheduler, SchedulerConfig
-from pdserve.common.engine.sequence import Sequence, SequenceStatus
+from pdserve.common.engine.sequence import Sequence
 from pdserve.common.engine.step_timer import StepTimer
 from pdserve.common.engine.warmup import scratch_blocks, warm_up
 from pdserve.common.loader import ModelSource, resolve_model
@@ -23,10 +24,6 @@ from pdserve.common.outputs import FinishReason
 from pdserve.common.sampling_params import InvalidParameter, SamplingParams
 
 logger = logging.getLogger(__name__)
-
-
-class OutOfBlocks(RuntimeError):
-    """The KV pool cannot hold the request now."""
 
 
 class DuplicateRequest(ValueError):
@@ -73,7 +70,7 @@ class LLMEngine:
         self.step_timer = StepTimer()
         self.overlap_enabled = self._overlap_enabled()
         self.requests: dict[str, Sequence] = {}   # queued, running or reserved
-        self.held: dict[str, Sequence] = {}       # prefill-only, first token out, blocks kept
+        self.kv_handoff = KvHandoff(self)         # reserve / admit (import), hold / release (export)
         # Called on the engine thread right after a prefill step is launched: ``(seqs, launched)``.
         self.on_prefill_launch: Callable[[list[Sequence], LaunchedStep], None] | None = None
 
@@ -129,7 +126,7 @@ class LLMEngine:
             raise InvalidParameter("prompt", f"{len(prompt_token_ids)} tokens leave no room to generate "
                                              f"within the model context of {self.max_model_len} tokens")
 
-    def _new_sequence(self, prompt_token_ids: list[int], params: SamplingParams,
+    def new_sequence(self, prompt_token_ids: list[int], params: SamplingParams,
                       request_id: str | None) -> Sequence:
         self.validate(prompt_token_ids, params)
         if request_id is not None and request_id in self.requests:
@@ -141,50 +138,18 @@ class LLMEngine:
     def add_request(self, prompt_token_ids: list[int], params: SamplingParams,
                     request_id: str | None = None, prefill_only: bool = False) -> Sequence:
         """Queue a request. ``prefill_only``: stop after the first token and keep the blocks
-        (the prompt's KV) until ``release_held`` — for a prefill worker that ships them."""
-        seq = self._new_sequence(prompt_token_ids, params, request_id)
+        (the prompt's KV) until ``kv_handoff.release``, for a prefill worker that ships them."""
+        seq = self.new_sequence(prompt_token_ids, params, request_id)
         seq.prefill_only = prefill_only
         self.scheduler.add(seq)
         return seq
-
-    def reserve(self, prompt_token_ids: list[int], params: SamplingParams, request_id: str) -> Sequence:
-        """Blocks for a prompt whose KV arrives from elsewhere (reusing cached prefix blocks), not
-        offered to the prefix cache until ``admit_imported``; raises OutOfBlocks if none fit now."""
-        seq = self._new_sequence(prompt_token_ids, params, request_id)
-        if not self.block_manager.can_allocate(seq):
-            del self.requests[seq.request_id]
-            raise OutOfBlocks(f"{self.block_manager.num_blocks_needed(seq)} KV blocks needed, "
-                              f"{self.block_manager.num_free_blocks} free")
-        self.block_manager.allocate(seq, register=False)
-        return seq
-
-    def admit_imported(self, seq: Sequence, first_token_id: int, logprob: float | None) -> bool:
-        """The prompt's KV has landed: append the first token and join the decode batch; False
-        if that token already finished the request (blocks freed)."""
-        seq.num_cached_tokens = seq.num_tokens
-        self.block_manager.register_blocks(seq)
-        finished = self._postprocess([seq], [first_token_id],
-                                     [logprob] if seq.sampling_params.logprobs else None)
-        if finished:
-            return False
-        self.scheduler.add_running(seq)
-        return True
-
-    def release_held(self, seq: Sequence) -> None:
-        """Free the blocks a prefill-only sequence kept after its first token."""
-        self.held.pop(seq.request_id, None)
-        if seq.block_table:
-            self.block_manager.deallocate(seq)
 
     def abort(self, request_id: str, reason: FinishReason = FinishReason.CANCELLED) -> Sequence | None:
         """Finish a request wherever it is (queued, running, reserved or held) and free its
         blocks; None if unknown or already done."""
         seq = self.requests.pop(request_id, None)
         if seq is None:
-            seq = self.held.pop(request_id, None)
-            if seq is not None:
-                self.release_held(seq)
-            return seq
+            return self.kv_handoff.release_id(request_id)
         self.scheduler.finish(seq, reason)
         self.model_runner.release(seq)
         return seq
@@ -224,7 +189,7 @@ class LLMEngine:
         sampled = launched.seqs
         want = [s.sampling_params.logprobs for s in sampled]
         lp = [x if w else None for x, w in zip(logprobs, want)] if logprobs is not None else None
-        out.finished = self._postprocess(sampled, token_ids, lp)
+        out.finished = self.postprocess(sampled, token_ids, lp)
         out.seqs, out.new_token_ids = sampled, token_ids
         return out
 
@@ -232,13 +197,13 @@ class LLMEngine:
         if self.on_prefill_launch is not None:
             self.on_prefill_launch(seqs, launched)
 
-    def _postprocess(self, seqs: list[Sequence], token_ids: list[int], logprobs) -> list[Sequence]:
+    def postprocess(self, seqs: list[Sequence], token_ids: list[int], logprobs) -> list[Sequence]:
         finished = []
         for i, (seq, token_id) in enumerate(zip(seqs, token_ids)):
             seq.append_token(token_id, logprobs[i] if logprobs is not None else None)
             reason = self.scheduler.stop_reason(seq)
             if seq.prefill_only:
-                self._hold(seq, reason)
+                self.kv_handoff.hold(seq, reason)
                 finished.append(seq)
             elif reason is not None:
                 self.finish(seq, reason)
@@ -249,17 +214,6 @@ class LLMEngine:
         self.scheduler.finish(seq, reason)
         self.requests.pop(seq.request_id, None)
         self.model_runner.release(seq)
-
-    def _hold(self, seq: Sequence, reason: FinishReason | None = None) -> None:
-        """A prefill-only sequence after its first token: out of the batch, blocks kept (also
-        when that token ends the request, ``reason``: a send of its KV may be reading them)."""
-        if seq in self.scheduler.running:
-            self.scheduler.running.remove(seq)
-        seq.status = SequenceStatus.FINISHED
-        seq.finish_reason = reason
-        self.requests.pop(seq.request_id, None)
-        self.model_runner.release(seq)
-        self.held[seq.request_id] = seq
 
     def stats(self) -> dict[str, int | float | bool]:
         bm = self.block_manager

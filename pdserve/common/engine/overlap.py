@@ -92,7 +92,7 @@ def resolve(engine, step: PendingStep, out) -> None:
         out.new_token_ids.append(token)
         reason = sched.stop_reason_at(seq, token, pos + 1)
         if seq.prefill_only:                           # first token out: keep the blocks, stop
-            engine._hold(seq, reason)
+            engine.kv_handoff.hold(seq, reason)
             out.finished.append(seq)
         elif reason is not None:
             del seq.token_ids[pos + 1:]                # a speculative next placeholder, if any

@@ -1,0 +1,79 @@
+"""The engine's half of the KV handoff between workers (no gRPC, no transfer code).
+
+Export (prefill worker): a request added with ``prefill_only`` leaves the batch after its first
+token with its blocks kept (:meth:`KvHandoff.hold`) until :meth:`KvHandoff.release`, since a KV
+send may read them until then. Import (decode worker): :meth:`KvHandoff.reserve` takes blocks
+for a prompt whose KV arrives from elsewhere; :meth:`KvHandoff.admit` puts it in the decode batch
+with its first token once the KV landed. ``LLMEngine.abort`` ends a held or reserved request too.
+Engine thread only.
+"""
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from pdserve.common.engine.sequence import Sequence, SequenceStatus
+from pdserve.common.outputs import FinishReason
+from pdserve.common.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    from pdserve.common.engine.llm_engine import LLMEngine
+
+
+class OutOfBlocks(RuntimeError):
+    """The KV pool cannot hold the request now."""
+
+
+class KvHandoff:
+    def __init__(self, engine: LLMEngine) -> None:
+        self.engine = engine
+        self.held: dict[str, Sequence] = {}    # prefill-only, first token out, blocks kept
+
+    # ---- import (decode side) -------------------------------------------------------------
+    def reserve(self, prompt_token_ids: list[int], params: SamplingParams, request_id: str) -> Sequence:
+        """Blocks for a prompt whose KV arrives from elsewhere (reusing cached prefix blocks), not
+        offered to the prefix cache until :meth:`admit`; raises OutOfBlocks if none fit now."""
+        engine = self.engine
+        seq = engine.new_sequence(prompt_token_ids, params, request_id)
+        bm = engine.block_manager
+        if not bm.can_allocate(seq):
+            del engine.requests[seq.request_id]
+            raise OutOfBlocks(f"{bm.num_blocks_needed(seq)} KV blocks needed, {bm.num_free_blocks} free")
+        bm.allocate(seq, register=False)
+        return seq
+
+    def admit(self, seq: Sequence, first_token_id: int, logprob: float | None) -> bool:
+        """The prompt's KV has landed: append the first token and join the decode batch; False
+        if that token already finished the request (blocks freed)."""
+        engine = self.engine
+        seq.num_cached_tokens = seq.num_tokens
+        engine.block_manager.register_blocks(seq)
+        if engine.postprocess([seq], [first_token_id], [logprob] if seq.sampling_params.logprobs else None):
+            return False
+        engine.scheduler.add_running(seq)
+        return True
+
+    # ---- export (prefill side) ------------------------------------------------------------
+    def hold(self, seq: Sequence, reason: FinishReason | None = None) -> None:
+        """A prefill-only sequence after its first token: out of the batch, blocks kept (also
+        when that token ends the request, ``reason``)."""
+        engine = self.engine
+        if seq in engine.scheduler.running:
+            engine.scheduler.running.remove(seq)
+        seq.status = SequenceStatus.FINISHED
+        seq.finish_reason = reason
+        engine.requests.pop(seq.request_id, None)
+        engine.model_runner.release(seq)
+        self.held[seq.request_id] = seq
+
+    def release(self, seq: Sequence) -> None:
+        """Free the blocks a held sequence kept."""
+        self.held.pop(seq.request_id, None)
+        if seq.block_table:
+            self.engine.block_manager.deallocate(seq)
+
+    def release_id(self, request_id: str) -> Sequence | None:
+        """Release the held sequence ``request_id``; None if there is none."""
+        seq = self.held.pop(request_id, None)
+        if seq is not None:
+            self.release(seq)
+        return seq
