@@ -6,6 +6,7 @@ from pdserve.router.policy import (  # noqa: E402
     DecodeCandidate,
     PrefillCandidate,
     decode_score,
+    free_tokens,
     pick_decode,
     pick_prefill,
     prefill_cost,
@@ -114,3 +115,36 @@ def test_prefill_fewest_uncached_prompt_tokens() -> None:
     assert prefill_cost(p1_cached, 64, BS) == 60
     assert pick_prefill([p1_cached, p2], prompt_tokens=64, block_size=BS) == "p1"
     assert pick_prefill([], 64, BS) is None
+
+
+def test_load_below_the_free_band_costs_nothing() -> None:
+    """Pools of 2,048 blocks of 4 tokens: free_tokens = 2,048 * 4 / 8 = 1,024. A conversation's
+    worker running earlier turns (900 tokens) while three peers idle: mean 225 < 1,024, so it is
+    not charged and keeps the turn (400 cached tokens against the peers' 40)."""
+    conv = DecodeCandidate("conv", matched_blocks=100, inflight_tokens=900, used_blocks=300, total_blocks=2048)
+    peers = [DecodeCandidate(f"p{i}", matched_blocks=10, total_blocks=2048) for i in range(3)]
+    assert free_tokens([conv, *peers], BS) == 1024
+    assert decode_score(conv, BS, 1.0, mean_load=225, free_tokens=1024) == 400
+    assert pick_decode([conv, *peers], prompt_tokens=500, block_size=BS) == "conv"
+    # the same loads with unknown pools (free 0): 400 - (900 - 225) = -275 < 40 -> a peer
+    bare = [DecodeCandidate(c.key, c.matched_blocks, c.inflight_tokens) for c in (conv, *peers)]
+    assert free_tokens(bare, BS) == 0
+    assert pick_decode(bare, 500, BS) == "p0"
+    # over the band by 300 (1,324 tokens): 400 - 300 = 100 > 40 -> still conv
+    warm = DecodeCandidate("conv", matched_blocks=100, inflight_tokens=1324, total_blocks=2048)
+    assert decode_score(warm, BS, 1.0, mean_load=331, free_tokens=1024) == 100
+    assert pick_decode([warm, *peers], 500, BS) == "conv"
+
+
+def test_a_saturated_fleet_balances_above_the_mean() -> None:
+    """Mean 3,500 > free 1,024: the mean is the threshold again. conv: 400 - (5,000 - 3,500) =
+    -1,100; the peers with 3,000: 40 - 0 -> the least loaded of them, then fewer requests."""
+    conv = DecodeCandidate("conv", matched_blocks=100, inflight_tokens=5000, total_blocks=2048)
+    p0 = DecodeCandidate("p0", matched_blocks=10, inflight_tokens=3000, inflight_requests=2, total_blocks=2048)
+    p1 = DecodeCandidate("p1", matched_blocks=10, inflight_tokens=3000, inflight_requests=1, total_blocks=2048)
+    p2 = DecodeCandidate("p2", matched_blocks=10, inflight_tokens=3000, inflight_requests=1, total_blocks=2048)
+    assert decode_score(conv, BS, 1.0, mean_load=3500, free_tokens=1024) == -1100
+    assert pick_decode([conv, p0, p1, p2], 500, BS, turn=0) == "p1"
+    assert pick_decode([conv, p0, p1, p2], 500, BS, turn=1) == "p2"
+    # the smallest pool sets the band: one pool of 512 blocks -> 512 * 4 / 8 = 256
+    assert free_tokens([conv, DecodeCandidate("s", total_blocks=512)], BS) == 256
