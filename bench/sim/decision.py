@@ -26,7 +26,9 @@ import statistics
 import time
 from dataclasses import dataclass
 
+import pdserve.router.flow as flow_mod
 from pdserve.common.hashing import block_hash_chain
+from pdserve.router import pd_policy, policy
 from pdserve.router.flow import Flow, Job
 from pdserve.router.prefix_index import PrefixIndex, PromptHasher
 from pdserve.router.settings import RouterSettings
@@ -154,7 +156,9 @@ def time_parts(flow: Flow, prompts: list[list[int]]) -> dict:
     """Mean thread CPU time (us) of the decision's parts over the requests: hashing the prompt
     (``PromptHasher``, the requests in order, as the router sees them),
     the prefix match, the decode pick (candidates + pdserve.router.policy) and the prefill placement
-    (pdserve.router.pd_policy), each run alone."""
+    (pdserve.router.pd_policy), each run alone; ``decode_policy`` / ``prefill_policy``: of those,
+    ``pick_decode`` / ``decide`` alone on the snapshots the flow built for the same requests (the
+    rest is the flow's building of one snapshot per worker)."""
     registry = flow.registry
     index = registry.prefix_index
     chains = [block_hash_chain(p, BLOCK) for p in prompts]
@@ -168,6 +172,9 @@ def time_parts(flow: Flow, prompts: list[list[int]]) -> dict:
     parts = {"hash": lambda i: hasher.chain(prompts[i], BLOCK), "match": lambda i: index.match(chains[i]),
              "decode_pick": lambda i: flow._choose_decode(jobs[i], registry.decode_workers(), 0),
              "prefill_placement": lambda i: flow._place_prefill(jobs[i], decode, prefillers, 0)}
+    picks, decides = _captured(flow, jobs, decode, prefillers)
+    parts["decode_policy"] = lambda i: policy.pick_decode(*picks[i])
+    parts["prefill_policy"] = lambda i: pd_policy.decide(*decides[i])
     out = {}
     for name, fn in parts.items():
         t0 = time.thread_time_ns()
@@ -175,6 +182,22 @@ def time_parts(flow: Flow, prompts: list[list[int]]) -> dict:
             fn(i)
         out[name] = round((time.thread_time_ns() - t0) / len(prompts) / 1000, 1)
     return out
+
+
+def _captured(flow: Flow, jobs: list[Job], decode, prefillers) -> tuple[list[tuple], list[tuple]]:
+    """The arguments of each request's ``pick_decode`` and ``decide`` calls, as the flow makes them."""
+    picks: list[tuple] = []
+    decides: list[tuple] = []
+    saved = flow_mod.pick_decode, flow_mod.decide
+    flow_mod.pick_decode = lambda *a: picks.append(a) or saved[0](*a)
+    flow_mod.decide = lambda *a: decides.append(a) or saved[1](*a)
+    try:
+        for j in jobs:
+            flow._choose_decode(j, flow.registry.decode_workers(), 0)
+            flow._place_prefill(j, decode, prefillers, 0)
+    finally:
+        flow_mod.pick_decode, flow_mod.decide = saved
+    return picks, decides
 
 
 async def _run(cfg: DecisionBenchConfig, workloads: list[str]) -> dict:

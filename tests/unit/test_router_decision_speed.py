@@ -184,3 +184,26 @@ def test_prompt_hasher_equals_the_chain_and_reuses_only_equal_blocks() -> None:
         assert hasher.chain(p, BS) == block_hash_chain(p, BS), p
     assert hasher.num_reused_blocks > 0
     assert len(hasher._last) <= 4
+
+
+def test_prompt_hasher_reuses_each_conversations_previous_turn() -> None:
+    """Three conversations over one system prompt, their turns interleaved: each turn takes the
+    whole chain of its own previous turn (not only the system prompt of the latest prompt), which
+    it replaces; the memory stays within max_prompts."""
+    rng = random.Random(12)
+    system = [rng.randrange(1000) for _ in range(4 * BS)]
+    convs = [system + [rng.randrange(1000) for _ in range(2 * BS)] for _ in range(3)]
+    hasher = PromptHasher(max_prompts=3)
+    for p in convs:
+        assert hasher.chain(p, BS) == block_hash_chain(p, BS)
+    for _turn in range(3):
+        for i, p in enumerate(convs):
+            before = hasher.num_reused_blocks
+            longer = p + [rng.randrange(1000) for _ in range(3 * BS + 1)]
+            assert hasher.chain(longer, BS) == block_hash_chain(longer, BS)
+            assert hasher.num_reused_blocks - before == len(p) // BS       # all of its previous turn
+            convs[i] = longer
+    assert sum(len(v) for v in hasher._last.values()) == 3                  # one per conversation
+    other = [rng.randrange(1000) for _ in range(2 * BS)]                    # a new first block
+    assert hasher.chain(other, BS) == block_hash_chain(other, BS)
+    assert sum(len(v) for v in hasher._last.values()) <= 3
