@@ -2,11 +2,11 @@
 
 Decode worker (role decode or both), ``mode="kv"`` (the default)::
 
-    score(w) = matched_tokens(w) - alpha * excess_tokens(w)
-    excess_tokens(w) = max(0, load_tokens(w) - max(mean_load, free_tokens))
+    score(w) = matched_tokens(w) - alpha * pressure * excess_tokens(w)
+    excess_tokens(w) = max(0, load_tokens(w) - mean_load)
     load_tokens(w) = inflight_tokens(w) + other_tokens(w)
     mean_load = mean(load_tokens over the candidates that fit)
-    free_tokens = FREE_POOL_FRACTION * block_size * min(num_total_blocks over the candidates that fit)
+    pressure = min(1, mean_load / (LOADED_POOL_FRACTION * block_size * min(num_total_blocks)))
 
 - ``matched_tokens``: prompt tokens of the request whose KV the worker already holds, from the
   prefix index (leading full blocks of the request's hash chain) times the block size;
@@ -17,29 +17,29 @@ Decode worker (role decode or both), ``mode="kv"`` (the default)::
   minus this router's ``inflight_tokens`` at the time of that poll, floored at 0; stale by at
   most one poll interval (the raw stats figure is not used as load: it lags this router's own
   requests both ways, e.g. it still shows a request that ended since the poll);
-- ``excess_tokens``: load is only a cost above the fleet's mean, and never below
-  ``free_tokens``. A worker that holds a conversation's previous turns also runs them
-  (multi-turn chat: the next turn often arrives while several earlier ones still decode), so
-  its load exceeds its cache advantage over an idle peer; charged from 0, load would send every
-  next turn away from its KV. Charged above the mean, a worker keeps its prefixes until it
-  carries more than ``matched / alpha`` tokens above the average ("unless it is really
-  overloaded");
-- ``free_tokens``: a lightly loaded fleet is not balanced at the cost of its caches. With
-  fewer requests than workers the mean is a fraction of one request, so a conversation's
-  worker, running two or three of its turns, sits far above it while its pool is nearly empty;
-  load below ``FREE_POOL_FRACTION`` (1/8) of the smallest KV pool costs nothing: there the
-  policy is pure cache affinity (the oracle's choice). Once the mean exceeds it (a saturated
-  fleet) the mean-relative rule above holds alone, and with it the balance. Unknown pool sizes
-  (``num_total_blocks`` 0) give ``free_tokens`` 0;
-- ``alpha`` (``--load-alpha``, default 1.0): one token of load above that threshold costs as
-  much as one cached prompt token saves. 0 = pure cache affinity; large = least-loaded among
-  the workers above it.
+- ``excess_tokens``: load is only a cost above the fleet's mean. A worker that holds a
+  conversation's previous turns also runs them (multi-turn chat: the next turn often arrives
+  while earlier ones still decode), so its load exceeds its cache advantage over an idle peer;
+  charged from 0, load would send every next turn away from its KV;
+- ``pressure``: how loaded the fleet is, from 0 (idle) to 1 (the mean load reaches
+  ``LOADED_POOL_FRACTION``, a quarter, of the smallest KV pool among the candidates that fit;
+  1 when a pool size is unknown, ``num_total_blocks`` 0). A lightly loaded fleet is not
+  balanced at the cost of its caches: with fewer requests than workers the mean is a fraction
+  of one request, while a conversation's worker runs several of its turns at once and sits far
+  above it with a nearly empty pool. Excess load there costs little (a decode step barely grows
+  with it), a lost prefix costs its whole prompt again; so the load term fades in with the
+  fleet's load. In a saturated fleet (pressure 1) a worker keeps its prefixes until it carries
+  more than ``matched / alpha`` tokens above the average ("unless it is really overloaded"),
+  which holds the balance (max/mean of tokens in flight) there;
+- ``alpha`` (``--load-alpha``, default 1.0): at pressure 1, one token of load above the mean
+  costs as much as one cached prompt token saves. 0 = pure cache affinity; large =
+  least-loaded among the workers above the mean.
 
 The highest score wins; a worker whose last stats show too few allocatable blocks for the
 request (``num_total_blocks - num_used_blocks`` < blocks still needed) is only chosen when no
-worker fits. Ties (e.g. a prompt no worker holds: every worker at or below the threshold
-scores 0) go to the lower ``load_tokens``, then fewer requests in flight, then round-robin
-(``turn``) so that equal workers share the load.
+worker fits. Ties (e.g. a prompt no worker holds: every worker at or below the mean scores 0)
+go to the lower ``load_tokens``, then fewer requests in flight, then round-robin (``turn``) so
+that equal workers share the load.
 
 Prefill worker (role prefill), ``mode="kv"``::
 
@@ -56,9 +56,9 @@ cached prefixes; ``round-robin`` takes the ``turn``-th worker in key order, igno
 
 Cost: a decode pick reads each candidate's fields in a few list comprehensions (fit, loads,
 matched blocks, pools) and scores no worker one by one in the usual case: no score exceeds
-``max(matched) * block_size``, and a worker holding the longest prefix at or below the threshold
+``max(matched) * block_size``, and a worker holding the longest prefix at or below the mean
 reaches it, so the winner is the least-loaded such worker. Only when every holder of the longest
-prefix is above the threshold are all candidates scored (``decode_score``).
+prefix is above the mean are all candidates scored (``decode_score``).
 """
 from __future__ import annotations
 
@@ -66,7 +66,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 ROUTING_MODES = ("kv", "least-loaded", "round-robin")
-FREE_POOL_FRACTION = 0.125   # load below this share of the smallest KV pool is not charged (decode)
+LOADED_POOL_FRACTION = 0.25  # decode: a mean load of this share of the smallest KV pool is pressure 1
 
 
 @dataclass(slots=True)
@@ -94,17 +94,19 @@ def decode_load_tokens(c: DecodeCandidate, block_size: int = 0) -> int:
 
 
 def decode_score(c: DecodeCandidate, block_size: int, alpha: float, mean_load: float = 0.0,
-                 free_tokens: float = 0.0) -> float:
-    """matched_tokens - alpha * max(0, load_tokens - max(mean_load, free_tokens)) (see the module
+                 pressure: float = 1.0) -> float:
+    """matched_tokens - alpha * pressure * max(0, load_tokens - mean_load) (see the module
     docstring)."""
-    excess = c.inflight_tokens + c.other_tokens - max(mean_load, free_tokens)
-    return c.matched_blocks * block_size - (alpha * excess if excess > 0 else 0.0)
+    excess = c.inflight_tokens + c.other_tokens - mean_load
+    return c.matched_blocks * block_size - (alpha * pressure * excess if excess > 0 else 0.0)
 
 
-def free_tokens(candidates: Sequence[DecodeCandidate], block_size: int) -> float:
-    """FREE_POOL_FRACTION of the smallest KV pool among ``candidates`` (0 when one is unknown)."""
+def fleet_pressure(candidates: Sequence[DecodeCandidate], block_size: int, mean_load: float) -> float:
+    """min(1, mean_load / (LOADED_POOL_FRACTION of the smallest KV pool among ``candidates``));
+    1 when a pool is unknown."""
     pools = [c.total_blocks for c in candidates]
-    return FREE_POOL_FRACTION * block_size * max(0, min(pools)) if pools else 0.0
+    loaded = LOADED_POOL_FRACTION * block_size * min(pools) if pools else 0.0
+    return min(1.0, mean_load / loaded) if loaded > 0 else 1.0
 
 
 def _round_robin(keys: list[str], turn: int) -> str:
@@ -135,20 +137,20 @@ def pick_decode(candidates: Sequence[DecodeCandidate], prompt_tokens: int, block
     if mode == "least-loaded":
         return _least_loaded(fitting, loads, range(len(fitting)), turn)
     mean = sum(loads) / len(loads)
-    threshold = max(mean, free_tokens(fitting, block_size))
     matched = [c.matched_blocks for c in fitting]
     longest = max(matched)
     top = [i for i, m in enumerate(matched) if m == longest]
-    if alpha == 0 or min(map(loads.__getitem__, top)) <= threshold:
+    if alpha == 0 or min(map(loads.__getitem__, top)) <= mean:
         # a holder of the longest prefix has no excess: its score, longest * block_size, is the
         # highest any worker can have; only such holders reach it, and the least loaded wins.
         if block_size > 0 and alpha >= 0:
             return _least_loaded(fitting, loads, top, turn)
+    weight = alpha * fleet_pressure(fitting, block_size, mean)
     best: tuple | None = None        # every candidate scored: decode_score, inlined
     ties: list[str] = []
     for c, load in zip(fitting, loads):
-        excess = load - threshold
-        rank = (c.matched_blocks * block_size - (alpha * excess if excess > 0 else 0.0), -load, -c.inflight_requests)
+        excess = load - mean
+        rank = (c.matched_blocks * block_size - (weight * excess if excess > 0 else 0.0), -load, -c.inflight_requests)
         if best is None or rank > best:
             best, ties = rank, [c.key]
         elif rank == best:

@@ -14,7 +14,7 @@ from bench.sim import decision
 from pdserve.common.grpc_utils import Unavailable
 from pdserve.common.hashing import block_hash_chain
 from pdserve.router.attempt import Retry, Step
-from pdserve.router.policy import DecodeCandidate, decode_score, free_tokens, pick_decode
+from pdserve.router.policy import DecodeCandidate, decode_score, fleet_pressure, pick_decode
 from pdserve.router.prefix_index import PrefixIndex, PromptHasher
 
 BS = 4
@@ -69,14 +69,14 @@ def test_pick_decode_is_the_highest_decode_score() -> None:
         assert decode_score(got, BS, 1.0, mean) == best
 
 
-def _rank(c: DecodeCandidate, alpha: float, mean: float, free: float) -> tuple:
-    return (decode_score(c, BS, alpha, mean, free), -(c.inflight_tokens + c.other_tokens), -c.inflight_requests)
+def _rank(c: DecodeCandidate, alpha: float, mean: float, pressure: float) -> tuple:
+    return (decode_score(c, BS, alpha, mean, pressure), -(c.inflight_tokens + c.other_tokens), -c.inflight_requests)
 
 
 @pytest.mark.parametrize("alpha", [0.0, 0.5, 1.0, 4.0])
 def test_pick_decode_fast_path_equals_the_definition(alpha: float) -> None:
     """The pick (which scores no worker one by one when a holder of the longest prefix is at or
-    below the threshold) against the definition: every fitting candidate scored, its best rank,
+    below the mean) against the definition: every fitting candidate scored, its best rank,
     ties by key in round-robin order. Pools differ, some workers do not fit, loads straddle
     the free band (1/8 of the smallest pool: 64 * 4 / 8 = 32 tokens and up)."""
     rng = random.Random(5)
@@ -95,9 +95,9 @@ def test_pick_decode_fast_path_equals_the_definition(alpha: float) -> None:
         fitting = [c for c in cands if c.total_blocks <= 0
                    or c.total_blocks - c.used_blocks + c.matched_blocks >= need] or cands
         mean = sum(c.inflight_tokens + c.other_tokens for c in fitting) / len(fitting)
-        free = free_tokens(fitting, BS)
-        best = max(_rank(c, alpha, mean, free) for c in fitting)
-        ties = sorted(c.key for c in fitting if _rank(c, alpha, mean, free) == best)
+        pressure = fleet_pressure(fitting, BS, mean)
+        best = max(_rank(c, alpha, mean, pressure) for c in fitting)
+        ties = sorted(c.key for c in fitting if _rank(c, alpha, mean, pressure) == best)
         assert pick_decode(cands, prompt, BS, alpha, turn=trial) == ties[trial % len(ties)]
 
 
