@@ -19,15 +19,18 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import datetime
 import gc
 import json
 import random
 import statistics
+import sys
 import time
 from dataclasses import dataclass
 
 import pdserve.router.flow as flow_mod
 from pdserve.common.hashing import block_hash_chain
+from pdserve.loadtest.runner import git_commit
 from pdserve.router import pd_policy, policy
 from pdserve.router.flow import Flow, Job
 from pdserve.router.prefix_index import PrefixIndex, PromptHasher
@@ -227,6 +230,9 @@ def main(argv: list[str] | None = None) -> None:
     cfg = DecisionBenchConfig(workers=tuple(int(x) for x in args.workers.split(",")), requests=args.requests,
                               hash_reuse=not args.no_hash_reuse)
     result = asyncio.run(_run(cfg, args.workloads.split(",")))
+    result = {"date": datetime.datetime.now(datetime.timezone.utc).isoformat(),
+              "command": " ".join(["python -m bench.sim.decision", *(argv if argv is not None else sys.argv[1:])]),
+              "commit": git_commit(), **result}
     if args.out:
         with open(args.out, "w") as f:
             json.dump(result, f, indent=1)
