@@ -19,21 +19,27 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import datetime
 import gc
 import json
 import random
 import statistics
+import sys
 import time
 from dataclasses import dataclass
 
+import pdserve.router.flow as flow_mod
 from pdserve.common.hashing import block_hash_chain
+from pdserve.common.sampling_params import SamplingParams
+from pdserve.common.worker_types import Role, WorkerInfo, WorkerStats
+from pdserve.loadtest.runner import git_commit
+from pdserve.router import pd_policy, policy
 from pdserve.router.flow import Flow, Job
 from pdserve.router.prefix_index import PrefixIndex, PromptHasher
 from pdserve.router.settings import RouterSettings
 from pdserve.router.tokenization import ModelSpec, Prompt
 from pdserve.router.worker_client import WorkerClient
 from pdserve.router.workers import DECODE_ROLES, PREFILL_ROLES, WorkerRegistry
-from pdserve.v1 import common_pb2, worker_pb2
 
 BLOCK = 16
 VOCAB = 49152
@@ -76,21 +82,20 @@ def _prompts(cfg: DecisionBenchConfig, rng: random.Random, workload: str) -> lis
     return out[:cfg.requests]
 
 
-def _client(registry: WorkerRegistry, key: str, role: int, blocks: int, rng: random.Random) -> None:
-    roles = DECODE_ROLES if role != common_pb2.ROLE_PREFILL else PREFILL_ROLES
+def _client(registry: WorkerRegistry, key: str, role: Role, blocks: int, rng: random.Random) -> None:
+    roles = DECODE_ROLES if role is not Role.PREFILL else PREFILL_ROLES
     c = WorkerClient(key, roles, registry.settings, registry.prefix_index, registry._check_info)
     registry.clients[key] = c           # never started: nothing connects
-    c.info = common_pb2.ServerInfo(role=role, block_size=BLOCK, num_kv_blocks=blocks, worker_id=key)
+    c.info = WorkerInfo(role=role, block_size=BLOCK, num_kv_blocks=blocks, worker_id=key)
     c.up = True
     c.kv_wanted = True
     used = rng.randrange(blocks // 2, blocks)
-    c.stats = worker_pb2.WorkerStats(num_used_blocks=used, num_total_blocks=blocks,
-                                     num_running_context_tokens=used * BLOCK,
-                                     prefill_tokens_per_s=20000.0, decode_step_ms=10.0,
-                                     max_num_batched_tokens=8192, chunked_prefill=True)
+    c.stats = WorkerStats(num_used_blocks=used, num_total_blocks=blocks, num_running_context_tokens=used * BLOCK,
+                          prefill_tokens_per_s=20000.0, decode_step_ms=10.0, max_num_batched_tokens=8192,
+                          chunked_prefill=True)
     c.inflight = rng.randrange(0, 8)
     c.inflight_tokens = c.inflight * rng.randrange(200, 1500)
-    c.inflight_prompt_tokens = rng.randrange(0, 4000) if role == common_pb2.ROLE_PREFILL else 0
+    c.inflight_prompt_tokens = rng.randrange(0, 4000) if role is Role.PREFILL else 0
     c.other_tokens = rng.randrange(0, 4000)
 
 
@@ -111,9 +116,9 @@ def build(cfg: DecisionBenchConfig, num_decode: int, prompts: list[list[int]], r
     settings = RouterSettings(router_id="bench", block_size=BLOCK, routing=routing)
     registry = WorkerRegistry(settings, ModelSpec(name="sim", max_model_len=8192, vocab_size=VOCAB), [], [])
     for i in range(num_decode):
-        _client(registry, f"10.0.0.{i}:50051", common_pb2.ROLE_DECODE, cfg.decode_blocks, rng)
+        _client(registry, f"10.0.0.{i}:50051", Role.DECODE, cfg.decode_blocks, rng)
     for i in range(max(1, num_decode // 4)):
-        _client(registry, f"10.0.1.{i}:50051", common_pb2.ROLE_PREFILL, cfg.prefill_blocks, rng)
+        _client(registry, f"10.0.1.{i}:50051", Role.PREFILL, cfg.prefill_blocks, rng)
     if not cfg.hash_reuse:
         registry.prefix_index.hasher = PromptHasher(max_prompts=0)
     for key, c in registry.clients.items():
@@ -122,7 +127,7 @@ def build(cfg: DecisionBenchConfig, num_decode: int, prompts: list[list[int]], r
 
 
 def _job(tokens: list[int]) -> Job:
-    return Job("r", Prompt(tokens, "prompt_token_ids"), None, common_pb2.SamplingParams())
+    return Job("r", Prompt(tokens, "prompt_token_ids"), SamplingParams())
 
 
 def time_decisions(flow: Flow, prompts: list[list[int]]) -> dict:
@@ -154,7 +159,9 @@ def time_parts(flow: Flow, prompts: list[list[int]]) -> dict:
     """Mean thread CPU time (us) of the decision's parts over the requests: hashing the prompt
     (``PromptHasher``, the requests in order, as the router sees them),
     the prefix match, the decode pick (candidates + pdserve.router.policy) and the prefill placement
-    (pdserve.router.pd_policy), each run alone."""
+    (pdserve.router.pd_policy), each run alone; ``decode_policy`` / ``prefill_policy``: of those,
+    ``pick_decode`` / ``decide`` alone on the snapshots the flow built for the same requests (the
+    rest is the flow's building of one snapshot per worker)."""
     registry = flow.registry
     index = registry.prefix_index
     chains = [block_hash_chain(p, BLOCK) for p in prompts]
@@ -168,6 +175,9 @@ def time_parts(flow: Flow, prompts: list[list[int]]) -> dict:
     parts = {"hash": lambda i: hasher.chain(prompts[i], BLOCK), "match": lambda i: index.match(chains[i]),
              "decode_pick": lambda i: flow._choose_decode(jobs[i], registry.decode_workers(), 0),
              "prefill_placement": lambda i: flow._place_prefill(jobs[i], decode, prefillers, 0)}
+    picks, decides = _captured(flow, jobs, decode, prefillers)
+    parts["decode_policy"] = lambda i: policy.pick_decode(*picks[i])
+    parts["prefill_policy"] = lambda i: pd_policy.decide(*decides[i])
     out = {}
     for name, fn in parts.items():
         t0 = time.thread_time_ns()
@@ -175,6 +185,22 @@ def time_parts(flow: Flow, prompts: list[list[int]]) -> dict:
             fn(i)
         out[name] = round((time.thread_time_ns() - t0) / len(prompts) / 1000, 1)
     return out
+
+
+def _captured(flow: Flow, jobs: list[Job], decode, prefillers) -> tuple[list[tuple], list[tuple]]:
+    """The arguments of each request's ``pick_decode`` and ``decide`` calls, as the flow makes them."""
+    picks: list[tuple] = []
+    decides: list[tuple] = []
+    saved = flow_mod.pick_decode, flow_mod.decide
+    flow_mod.pick_decode = lambda *a: picks.append(a) or saved[0](*a)
+    flow_mod.decide = lambda *a: decides.append(a) or saved[1](*a)
+    try:
+        for j in jobs:
+            flow._choose_decode(j, flow.registry.decode_workers(), 0)
+            flow._place_prefill(j, decode, prefillers, 0)
+    finally:
+        flow_mod.pick_decode, flow_mod.decide = saved
+    return picks, decides
 
 
 async def _run(cfg: DecisionBenchConfig, workloads: list[str]) -> dict:
@@ -204,6 +230,9 @@ def main(argv: list[str] | None = None) -> None:
     cfg = DecisionBenchConfig(workers=tuple(int(x) for x in args.workers.split(",")), requests=args.requests,
                               hash_reuse=not args.no_hash_reuse)
     result = asyncio.run(_run(cfg, args.workloads.split(",")))
+    result = {"date": datetime.datetime.now(datetime.timezone.utc).isoformat(),
+              "command": " ".join(["python -m bench.sim.decision", *(argv if argv is not None else sys.argv[1:])]),
+              "commit": git_commit(), **result}
     if args.out:
         with open(args.out, "w") as f:
             json.dump(result, f, indent=1)

@@ -14,9 +14,10 @@ def plot_compare(data: dict, path: Path) -> None:
     plt = _plt()
     res = data["results"]
     workloads = sorted({r["workload"] for r in res})
-    panels = (("prefill_hit_rate", "prefix-cache hit rate (prefill)"), ("p50_ttft_ms", "TTFT p50 (ms)"),
+    panels = (("prefill_hit_rate", "prefix-cache hit rate (prefill)"),
+              ("decode_hit_rate", "prefix-cache hit rate (decode)"), ("p50_ttft_ms", "TTFT p50 (ms)"),
               ("p90_ttft_ms", "TTFT p90 (ms)"), ("imbalance", "decode load max/mean"))
-    fig, axes = plt.subplots(1, len(panels), figsize=(18, 4.2))
+    fig, axes = plt.subplots(1, len(panels), figsize=(22, 4.2))
     width = 0.8 / len(POLICY_ORDER)
     for ax, (key, label) in zip(axes, panels):
         for j, pol in enumerate(POLICY_ORDER):

@@ -50,7 +50,6 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import NamedTuple
 
 PD_MODES = ("adaptive", "always", "never")
 LOCAL, REMOTE = "local", "remote"
@@ -81,8 +80,10 @@ class PdConfig:
                 raise ValueError(f"{name} must be >= 0, not {getattr(self, name)}")
 
 
-class PrefillPlace(NamedTuple):
-    """A worker as a place to prefill this request (a tuple: one is made per worker per request)."""
+@dataclass(slots=True)
+class PrefillPlace:
+    """A worker as a place to prefill this request (one is made per worker per request: a slots
+    dataclass, cheaper to make than a NamedTuple)."""
     key: str
     uncached_tokens: int          # U: prompt tokens it must compute (prompt minus its cached prefix)
     queued_tokens: int = 0        # Q: prompt tokens queued there before this one
@@ -152,55 +153,54 @@ def headroom(ttft: float, tpot: float, cfg: PdConfig) -> float:
     return min(1.0 - ttft / cfg.slo_ttft_ms, 1.0 - tpot / cfg.slo_tpot_ms)
 
 
-def _ranked_remote(d: DecodePlace, cands: Sequence[PrefillPlace], cfg: PdConfig, fallback: float,
-                   s_rem: float) -> list[tuple[float, float, str]]:
-    """(-headroom, ttft, key) of each remote candidate, best first."""
-    out = []
-    for p in cands:
-        ttft = ttft_remote_ms(p, d, cfg, fallback)
-        out.append((-headroom(ttft, s_rem, cfg), ttft, p.key))
-    return sorted(out)
+def fastest_remote(d: DecodePlace, cands: Sequence[PrefillPlace], cfg: PdConfig,
+                   fallback: float) -> tuple[float, str, int]:
+    """(ttft, key, uncached tokens) of the remote candidate with the lowest ttft, then the lower
+    key: also the one with the most headroom (every remote option has the same tpot, and
+    headroom does not grow with ttft). One pass, ``ttft_remote_ms`` inlined (one per worker per
+    request)."""
+    ttft, key, i = min((1000.0 * (p.queued_tokens + p.uncached_tokens) / (p.tokens_per_s if p.tokens_per_s > 0
+                                                                           else fallback), p.key, i)
+                       for i, p in enumerate(cands))
+    extra = cfg.remote_overhead_ms + d.place.uncached_tokens * cfg.transfer_us_per_token / 1000.0
+    return ttft + extra, key, cands[i].uncached_tokens
 
 
 def decide(d: DecodePlace, candidates: Sequence[PrefillPlace], cfg: PdConfig) -> PdDecision:
     """Local or remote (and where) for one request; see the module docstring."""
-    cands = [p for p in candidates if p.key != d.place.key]
+    own = d.place.key
+    cands = [p for p in candidates if p.key != own]
     fallback = fallback_rate([d.place, *cands])
 
     def local(reason: str) -> PdDecision:
         return PdDecision(LOCAL, None, reason, ttft_local_ms(d, fallback),
                           tpot_ms(d, d.place.uncached_tokens, cfg, fallback), d.place.uncached_tokens)
 
-    def remote(reason: str, ttft: float | None = None, key: str | None = None) -> PdDecision:
-        """``ttft`` and ``key`` come together; without them the fastest candidate."""
-        if key is None or ttft is None:
-            ttft, key = min((ttft_remote_ms(p, d, cfg, fallback), p.key) for p in cands)
-        uncached = next(p.uncached_tokens for p in cands if p.key == key)
-        return PdDecision(REMOTE, key, reason, ttft, tpot_ms(d, 0, cfg, fallback), uncached)
-
     if cfg.mode == "never":
         return local("never")
     if not cands:
         return local("no-prefill-worker")
-    if cfg.mode == "always":
-        return remote("always")
-    if not d.can_prefill:
-        return remote("decode-only")
-    if d.place.uncached_tokens <= cfg.local_max_tokens:
+    if cfg.mode != "always" and d.can_prefill and d.place.uncached_tokens <= cfg.local_max_tokens:
         return local("short-prompt")
-    t_loc, s_loc = ttft_local_ms(d, fallback), tpot_ms(d, d.place.uncached_tokens, cfg, fallback)
+    ttft, key, uncached = fastest_remote(d, cands, cfg, fallback)
     s_rem = tpot_ms(d, 0, cfg, fallback)
-    neg_h, ttft, key = _ranked_remote(d, cands, cfg, fallback, s_rem)[0]
-    if -neg_h > headroom(t_loc, s_loc, cfg) + TIE_MARGIN:
-        return remote("slo-headroom", ttft, key)
+    if cfg.mode == "always":
+        return PdDecision(REMOTE, key, "always", ttft, s_rem, uncached)
+    if not d.can_prefill:
+        return PdDecision(REMOTE, key, "decode-only", ttft, s_rem, uncached)
+    t_loc, s_loc = ttft_local_ms(d, fallback), tpot_ms(d, d.place.uncached_tokens, cfg, fallback)
+    if headroom(ttft, s_rem, cfg) > headroom(t_loc, s_loc, cfg) + TIE_MARGIN:
+        return PdDecision(REMOTE, key, "slo-headroom", ttft, s_rem, uncached)
     return local("slo-headroom")
 
 
 def uncached_tokens(prompt_tokens: int, matched_blocks: int, block_size: int) -> int:
     """Prompt tokens a worker holding ``matched_blocks`` leading blocks must compute (the last
     prompt token is always computed: a prefix hit never covers it)."""
-    cached = min(matched_blocks * block_size, prompt_tokens - 1) if block_size > 0 else 0
-    return prompt_tokens - max(cached, 0)
+    cached = matched_blocks * block_size
+    if cached >= prompt_tokens:
+        return 1 if prompt_tokens > 0 else prompt_tokens
+    return prompt_tokens - cached if cached > 0 else prompt_tokens
 
 
 def decayed_rate(value: float, last_s: float, now_s: float, window_s: float) -> float:

@@ -2,9 +2,11 @@
 
 Decode worker (role decode or both), ``mode="kv"`` (the default)::
 
-    score(w) = matched_tokens(w) - alpha * excess_tokens(w)
-    excess_tokens(w) = max(0, load_tokens(w) - mean(load_tokens over the candidates that fit))
+    score(w) = matched_tokens(w) - alpha * pressure * excess_tokens(w)
+    excess_tokens(w) = max(0, load_tokens(w) - mean_load)
     load_tokens(w) = inflight_tokens(w) + other_tokens(w)
+    mean_load = mean(load_tokens over the candidates that fit)
+    pressure = min(1, mean_load / (LOADED_POOL_FRACTION * block_size * min(num_total_blocks)))
 
 - ``matched_tokens``: prompt tokens of the request whose KV the worker already holds, from the
   prefix index (leading full blocks of the request's hash chain) times the block size;
@@ -16,14 +18,22 @@ Decode worker (role decode or both), ``mode="kv"`` (the default)::
   most one poll interval (the raw stats figure is not used as load: it lags this router's own
   requests both ways, e.g. it still shows a request that ended since the poll);
 - ``excess_tokens``: load is only a cost above the fleet's mean. A worker that holds a
-  conversation's previous turn also runs it (multi-turn chat: the next turn often arrives while
-  the previous one decodes), so its load always exceeds its cache advantage over an idle peer;
-  charged from 0, load would send every next turn away from its KV. Charged above the mean, a
-  worker keeps its prefixes until it carries more than ``matched / alpha`` tokens above the
-  average: "unless it is really overloaded";
-- ``alpha`` (``--load-alpha``, default 1.0): one token of load above the mean costs as much as
-  one cached prompt token saves. 0 = pure cache affinity; large = least-loaded among the
-  workers above the mean.
+  conversation's previous turns also runs them (multi-turn chat: the next turn often arrives
+  while earlier ones still decode), so its load exceeds its cache advantage over an idle peer;
+  charged from 0, load would send every next turn away from its KV;
+- ``pressure``: how loaded the fleet is, from 0 (idle) to 1 (the mean load reaches
+  ``LOADED_POOL_FRACTION``, a quarter, of the smallest KV pool among the candidates that fit;
+  1 when a pool size is unknown, ``num_total_blocks`` 0). A lightly loaded fleet is not
+  balanced at the cost of its caches: with fewer requests than workers the mean is a fraction
+  of one request, while a conversation's worker runs several of its turns at once and sits far
+  above it with a nearly empty pool. Excess load there costs little (a decode step barely grows
+  with it), a lost prefix costs its whole prompt again; so the load term fades in with the
+  fleet's load. In a saturated fleet (pressure 1) a worker keeps its prefixes until it carries
+  more than ``matched / alpha`` tokens above the average ("unless it is really overloaded"),
+  which holds the balance (max/mean of tokens in flight) there;
+- ``alpha`` (``--load-alpha``, default 1.0): at pressure 1, one token of load above the mean
+  costs as much as one cached prompt token saves. 0 = pure cache affinity; large =
+  least-loaded among the workers above the mean.
 
 The highest score wins; a worker whose last stats show too few allocatable blocks for the
 request (``num_total_blocks - num_used_blocks`` < blocks still needed) is only chosen when no
@@ -43,7 +53,12 @@ The lowest cost wins; ties go to fewer requests in flight, then round-robin.
 Baselines (``--routing``): ``least-loaded`` ranks by load alone (decode: lowest
 ``load_tokens`` among the workers that fit; prefill: lowest queued prompt tokens), ignoring
 cached prefixes; ``round-robin`` takes the ``turn``-th worker in key order, ignoring both.
-Every pick is two passes over the candidates (the mean, then the scores): O(workers).
+
+Cost: a decode pick reads each candidate's fields in a few list comprehensions (fit, loads,
+matched blocks, pools) and scores no worker one by one in the usual case: no score exceeds
+``max(matched) * block_size``, and a worker holding the longest prefix at or below the mean
+reaches it, so the winner is the least-loaded such worker. Only when every holder of the longest
+prefix is above the mean are all candidates scored (``decode_score``).
 """
 from __future__ import annotations
 
@@ -51,6 +66,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 ROUTING_MODES = ("kv", "least-loaded", "round-robin")
+LOADED_POOL_FRACTION = 0.25  # decode: a mean load of this share of the smallest KV pool is pressure 1
 
 
 @dataclass(slots=True)
@@ -77,10 +93,20 @@ def decode_load_tokens(c: DecodeCandidate, block_size: int = 0) -> int:
     return c.inflight_tokens + c.other_tokens
 
 
-def decode_score(c: DecodeCandidate, block_size: int, alpha: float, mean_load: float = 0.0) -> float:
-    """matched_tokens - alpha * max(0, load_tokens - mean_load) (see the module docstring)."""
+def decode_score(c: DecodeCandidate, block_size: int, alpha: float, mean_load: float = 0.0,
+                 pressure: float = 1.0) -> float:
+    """matched_tokens - alpha * pressure * max(0, load_tokens - mean_load) (see the module
+    docstring)."""
     excess = c.inflight_tokens + c.other_tokens - mean_load
-    return c.matched_blocks * block_size - (alpha * excess if excess > 0 else 0.0)
+    return c.matched_blocks * block_size - (alpha * pressure * excess if excess > 0 else 0.0)
+
+
+def fleet_pressure(candidates: Sequence[DecodeCandidate], block_size: int, mean_load: float) -> float:
+    """min(1, mean_load / (LOADED_POOL_FRACTION of the smallest KV pool among ``candidates``));
+    1 when a pool is unknown."""
+    pools = [c.total_blocks for c in candidates]
+    loaded = LOADED_POOL_FRACTION * block_size * min(pools) if pools else 0.0
+    return min(1.0, mean_load / loaded) if loaded > 0 else 1.0
 
 
 def _round_robin(keys: list[str], turn: int) -> str:
@@ -98,10 +124,8 @@ def _best(scored: list[tuple[float, int, int, str]], turn: int) -> str:
 
 def pick_decode(candidates: Sequence[DecodeCandidate], prompt_tokens: int, block_size: int,
                 alpha: float = 1.0, turn: int = 0, mode: str = "kv") -> str | None:
-    """The key of the decode worker for a request, or None when there is no candidate.
-
-    One pass for the fit (unknown pool sizes fit) and the loads, one for the scores
-    (``decode_score`` inlined: this runs for every worker on every request)."""
+    """The key of the decode worker for a request, or None when there is no candidate (see
+    "Cost" in the module docstring for how the highest score is found without scoring each)."""
     if not candidates:
         return None
     if mode == "round-robin":
@@ -110,22 +134,38 @@ def pick_decode(candidates: Sequence[DecodeCandidate], prompt_tokens: int, block
     fitting = [c for c in candidates
                if c.total_blocks <= 0 or c.total_blocks - c.used_blocks + c.matched_blocks >= need] or candidates
     loads = [c.inflight_tokens + c.other_tokens for c in fitting]
-    kv = mode != "least-loaded"
+    if mode == "least-loaded":
+        return _least_loaded(fitting, loads, range(len(fitting)), turn)
     mean = sum(loads) / len(loads)
-    best: tuple | None = None
+    matched = [c.matched_blocks for c in fitting]
+    longest = max(matched)
+    top = [i for i, m in enumerate(matched) if m == longest]
+    if alpha == 0 or min(map(loads.__getitem__, top)) <= mean:
+        # a holder of the longest prefix has no excess: its score, longest * block_size, is the
+        # highest any worker can have; only such holders reach it, and the least loaded wins.
+        if block_size > 0 and alpha >= 0:
+            return _least_loaded(fitting, loads, top, turn)
+    weight = alpha * fleet_pressure(fitting, block_size, mean)
+    best: tuple | None = None        # every candidate scored: decode_score, inlined
     ties: list[str] = []
     for c, load in zip(fitting, loads):
-        if kv:
-            excess = load - mean
-            score = c.matched_blocks * block_size - (alpha * excess if excess > 0 else 0.0)
-        else:
-            score = 0.0
-        rank = (score, -load, -c.inflight_requests)
+        excess = load - mean
+        rank = (c.matched_blocks * block_size - (weight * excess if excess > 0 else 0.0), -load, -c.inflight_requests)
         if best is None or rank > best:
             best, ties = rank, [c.key]
         elif rank == best:
             ties.append(c.key)
     return ties[0] if len(ties) == 1 else _round_robin(ties, turn)
+
+
+def _least_loaded(fitting: Sequence[DecodeCandidate], loads: list[int], among: Sequence[int], turn: int) -> str:
+    """Of ``fitting[i]`` for i in ``among``: the lowest load, then fewest requests, then round-robin."""
+    low = min(map(loads.__getitem__, among))
+    lightest = [i for i in among if loads[i] == low]
+    if len(lightest) == 1:
+        return fitting[lightest[0]].key
+    fewest = min(fitting[i].inflight_requests for i in lightest)
+    return _round_robin([fitting[i].key for i in lightest if fitting[i].inflight_requests == fewest], turn)
 
 
 def prefill_cost(c: PrefillCandidate, prompt_tokens: int, block_size: int) -> int:

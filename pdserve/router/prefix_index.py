@@ -25,16 +25,23 @@ class PromptHasher:
     """:func:`~pdserve.common.hashing.block_hash_chain` that reuses the hashes of an earlier
     prompt sharing a prefix.
 
-    Prompts are remembered by their first block's bytes (the most recent prompt per first block,
-    at most ``max_prompts`` of them, oldest dropped first). A new prompt is compared byte for
-    byte with the remembered one (a binary search over the number of equal leading blocks, each
-    step one C-level comparison): the equal blocks take the remembered hashes, only the rest is
-    hashed. Exact, not probabilistic: a hash is reused only for identical token bytes, so a
-    system prompt or an earlier turn shared by many requests is hashed once."""
+    Prompts are remembered by their first block's bytes: up to ``PROMPTS_PER_KEY`` recent
+    prompts per first block (e.g. the conversations going on over one system prompt), at most
+    ``max_prompts`` in all (the least recently used first block's dropped first). A new prompt
+    takes the hashes of the longest remembered prompt that is a whole prefix of it (a multi-turn
+    chat's previous turn: one C-level ``startswith`` per remembered prompt); failing that, of the
+    most recent one, compared byte for byte (a binary search over the number of equal leading
+    blocks, each step one C-level comparison). Only the rest is hashed. Exact, not probabilistic:
+    a hash is reused only for identical token bytes, so a system prompt or an earlier turn shared
+    by many requests is hashed once. A prompt that extends a remembered one replaces it."""
+
+    PROMPTS_PER_KEY = 8
 
     def __init__(self, max_prompts: int = 1024) -> None:
         self.max_prompts = max_prompts
-        self._last: dict[bytes, tuple[bytes, list[int]]] = {}   # first block -> (prompt bytes, chain)
+        # first block -> [(prompt bytes up to its last full block, chain)], most recent last
+        self._last: dict[bytes, list[tuple[bytes, list[int]]]] = {}
+        self._num_prompts = 0
         self.num_reused_blocks = 0
 
     def chain(self, token_ids: Sequence[int], block_size: int) -> list[int]:
@@ -44,33 +51,64 @@ class PromptHasher:
         step = block_size * 4
         data = token_bytes(token_ids)
         key = data[:step]
-        known = self._last.get(key)
-        same = 0
-        if known is not None:
-            old, old_chain = known
-            lo, hi = 1, min(num_blocks, len(old_chain))     # block 0 is equal (the key)
-            while lo < hi:                                  # largest equal leading block count
-                mid = (lo + hi + 1) // 2
-                if data[:mid * step] == old[:mid * step]:
-                    lo = mid
-                else:
-                    hi = mid - 1
-            same = lo
+        known = self._last.pop(key, None)
+        if known is None:
+            known = []
+        same, base = self._reusable(data, num_blocks, step, known)
+        if base is not None:
             self.num_reused_blocks += same
+            old_chain = base[1]
             if same == num_blocks:
+                self._remember(key, known)
                 return old_chain[:num_blocks]
             chain = extend_chain(data, block_size, num_blocks, old_chain[:same])
+            if same == len(old_chain):
+                known.remove(base)                   # the prompt it extends: replaced
+                self._num_prompts -= 1
         else:
             chain = extend_chain(data, block_size, num_blocks, [])
-        self._last.pop(key, None)
-        self._last[key] = (data, chain)
-        if len(self._last) > self.max_prompts:
-            del self._last[next(iter(self._last))]
+        known.append((data[:num_blocks * step], chain))
+        self._num_prompts += 1
+        if len(known) > self.PROMPTS_PER_KEY:
+            del known[0]
+            self._num_prompts -= 1
+        self._remember(key, known)
         return chain
+
+    @staticmethod
+    def _reusable(data: bytes, num_blocks: int, step: int,
+                  known: list[tuple[bytes, list[int]]]) -> tuple[int, tuple[bytes, list[int]] | None]:
+        """(equal leading blocks, the remembered prompt they come from), or (0, None)."""
+        if not known:
+            return 0, None
+        best: tuple[bytes, list[int]] | None = None
+        for entry in known:                             # whole prefixes first: the longest
+            if data.startswith(entry[0]) and (best is None or len(entry[1]) > len(best[1])):
+                best = entry
+        if best is not None:
+            return min(len(best[1]), num_blocks), best
+        old, old_chain = latest = known[-1]
+        lo, hi = 1, min(num_blocks, len(old_chain))     # block 0 is equal (the key)
+        while lo < hi:                                  # largest equal leading block count
+            mid = (lo + hi + 1) // 2
+            if data[:mid * step] == old[:mid * step]:
+                lo = mid
+            else:
+                hi = mid - 1
+        return lo, latest
+
+    def _remember(self, key: bytes, known: list[tuple[bytes, list[int]]]) -> None:
+        """Puts ``key``'s prompts back as the most recently used; drops the least recently used
+        keys' prompts past ``max_prompts``."""
+        self._last[key] = known
+        while self._num_prompts > self.max_prompts and self._last:
+            self._num_prompts -= len(self._last.pop(next(iter(self._last))))
 
 
 # A worker that reports no pool size: at most this many hashes are kept for it.
 DEFAULT_MAX_BLOCKS_PER_WORKER = 1 << 20
+# Bitmasks whose workers' names match() remembers (cleared when full or when a worker's bit changes).
+MAX_NAMED_MASKS = 4096
 
 
 class PrefixIndex:
@@ -88,6 +126,7 @@ class PrefixIndex:
         self.max_blocks_per_worker = max_blocks_per_worker
         self.num_resyncs = 0                        # views dropped for a gap or an overflow
         self.hasher = PromptHasher()                # the router's prompts, hashed for match()
+        self._named: dict[int, tuple[str, ...]] = {}   # bitmask -> its workers' names (match's memo)
 
     def apply(self, worker: str, stored: Iterable[int] = (), evicted: Iterable[int] = (),
               snapshot: bool = False, seq: int = 0, capacity: int = 0) -> bool:
@@ -138,6 +177,7 @@ class PrefixIndex:
             bit = 1 << i
             self._bit[worker] = bit
             self._names[bit] = worker
+            self._named.clear()
         return bit
 
     def _drop(self, worker: str) -> bool:
@@ -154,6 +194,7 @@ class PrefixIndex:
         if bit is None:
             return
         del self._names[bit]
+        self._named.clear()                          # its bit may name another worker later
         owners = self._owners
         for h in held:
             mask = owners.get(h, 0) & ~bit
@@ -179,7 +220,9 @@ class PrefixIndex:
     def match(self, hash_chain: Sequence[int], workers: Iterable[str] | None = None) -> dict[str, int]:
         """``{worker: leading blocks of hash_chain it holds}`` (workers without a match are left
         out; ``workers`` restricts the answer to those names). One AND per block of the chain
-        until no worker is left: O(prefix blocks)."""
+        until no worker is left: O(prefix blocks); the workers of each bitmask that ends a run are
+        named once and remembered (masks repeat: the same workers hold the same prefixes), so the
+        answer costs one dict update per distinct run length, not a Python step per worker."""
         result: dict[str, int] = {}
         owners = self._owners
         active = owners.get(hash_chain[0], 0) if hash_chain else 0
@@ -191,16 +234,23 @@ class PrefixIndex:
         while active and i < n:
             kept = active & owners.get(hash_chain[i], 0)
             if kept != active:
-                self._name_bits(active & ~kept, i, result)
+                result.update(dict.fromkeys(self._named_bits(active & ~kept), i))
                 active = kept
             i += 1
         if active:
-            self._name_bits(active, n, result)
+            result.update(dict.fromkeys(self._named_bits(active), n))
         return result
 
-    def _name_bits(self, mask: int, blocks: int, out: dict[str, int]) -> None:
-        names = self._names
-        while mask:
-            low = mask & -mask
-            out[names[low]] = blocks
-            mask ^= low
+    def _named_bits(self, mask: int) -> tuple[str, ...]:
+        names = self._named.get(mask)
+        if names is None:
+            if len(self._named) >= MAX_NAMED_MASKS:
+                self._named.clear()
+            out = []
+            m = mask
+            while m:
+                low = m & -m
+                out.append(self._names[low])
+                m ^= low
+            names = self._named[mask] = tuple(out)
+        return names

@@ -15,7 +15,7 @@ from pdserve.common.grpc_utils import Unavailable
 from pdserve.common.hashing import block_hash_chain
 from pdserve.common.outputs import SequenceOutput
 from pdserve.router.attempt import Retry
-from pdserve.router.policy import DecodeCandidate, decode_score, pick_decode
+from pdserve.router.policy import DecodeCandidate, decode_score, fleet_pressure, pick_decode
 from pdserve.router.prefix_index import PrefixIndex, PromptHasher
 
 BS = 4
@@ -68,6 +68,38 @@ def test_pick_decode_is_the_highest_decode_score() -> None:
         best = max(decode_score(c, BS, 1.0, mean) for c in cands)
         got = next(c for c in cands if c.key == pick_decode(cands, 8, BS))
         assert decode_score(got, BS, 1.0, mean) == best
+
+
+def _rank(c: DecodeCandidate, alpha: float, mean: float, pressure: float) -> tuple:
+    return (decode_score(c, BS, alpha, mean, pressure), -(c.inflight_tokens + c.other_tokens), -c.inflight_requests)
+
+
+@pytest.mark.parametrize("alpha", [0.0, 0.5, 1.0, 4.0])
+def test_pick_decode_fast_path_equals_the_definition(alpha: float) -> None:
+    """The pick (which scores no worker one by one when a holder of the longest prefix is at or
+    below the mean) against the definition: every fitting candidate scored, its best rank,
+    ties by key in round-robin order. Pools differ, some workers do not fit, loads straddle
+    the free band (1/8 of the smallest pool: 64 * 4 / 8 = 32 tokens and up)."""
+    rng = random.Random(5)
+    for trial in range(400):
+        n = rng.randrange(1, 24)
+        cands = []
+        for i in range(n):
+            total = rng.choice([0, 64, 128, 256])
+            cands.append(DecodeCandidate(f"w{i:02d}", matched_blocks=rng.choice([0, 0, 3, 8, 8, 20]),
+                                         inflight_tokens=rng.choice([0, 10, 40, 40, 300]),
+                                         inflight_requests=rng.randrange(0, 3),
+                                         used_blocks=rng.randrange(0, total + 1), total_blocks=total,
+                                         other_tokens=rng.choice([0, 0, 25])))
+        prompt = rng.randrange(1, 200)
+        need = -(-prompt // BS)
+        fitting = [c for c in cands if c.total_blocks <= 0
+                   or c.total_blocks - c.used_blocks + c.matched_blocks >= need] or cands
+        mean = sum(c.inflight_tokens + c.other_tokens for c in fitting) / len(fitting)
+        pressure = fleet_pressure(fitting, BS, mean)
+        best = max(_rank(c, alpha, mean, pressure) for c in fitting)
+        ties = sorted(c.key for c in fitting if _rank(c, alpha, mean, pressure) == best)
+        assert pick_decode(cands, prompt, BS, alpha, turn=trial) == ties[trial % len(ties)]
 
 
 class _Metrics:
@@ -153,3 +185,26 @@ def test_prompt_hasher_equals_the_chain_and_reuses_only_equal_blocks() -> None:
         assert hasher.chain(p, BS) == block_hash_chain(p, BS), p
     assert hasher.num_reused_blocks > 0
     assert len(hasher._last) <= 4
+
+
+def test_prompt_hasher_reuses_each_conversations_previous_turn() -> None:
+    """Three conversations over one system prompt, their turns interleaved: each turn takes the
+    whole chain of its own previous turn (not only the system prompt of the latest prompt), which
+    it replaces; the memory stays within max_prompts."""
+    rng = random.Random(12)
+    system = [rng.randrange(1000) for _ in range(4 * BS)]
+    convs = [system + [rng.randrange(1000) for _ in range(2 * BS)] for _ in range(3)]
+    hasher = PromptHasher(max_prompts=3)
+    for p in convs:
+        assert hasher.chain(p, BS) == block_hash_chain(p, BS)
+    for _turn in range(3):
+        for i, p in enumerate(convs):
+            before = hasher.num_reused_blocks
+            longer = p + [rng.randrange(1000) for _ in range(3 * BS + 1)]
+            assert hasher.chain(longer, BS) == block_hash_chain(longer, BS)
+            assert hasher.num_reused_blocks - before == len(p) // BS       # all of its previous turn
+            convs[i] = longer
+    assert sum(len(v) for v in hasher._last.values()) == 3                  # one per conversation
+    other = [rng.randrange(1000) for _ in range(2 * BS)]                    # a new first block
+    assert hasher.chain(other, BS) == block_hash_chain(other, BS)
+    assert sum(len(v) for v in hasher._last.values()) <= 3

@@ -1,11 +1,14 @@
 """Router placement, pure: the prefix index (longest-prefix match over KV events) and the policy."""
 from __future__ import annotations
 
+from pytest import approx
+
 from pdserve.common.hashing import block_hash_chain  # noqa: E402
 from pdserve.router.policy import (  # noqa: E402
     DecodeCandidate,
     PrefillCandidate,
     decode_score,
+    fleet_pressure,
     pick_decode,
     pick_prefill,
     prefill_cost,
@@ -114,3 +117,38 @@ def test_prefill_fewest_uncached_prompt_tokens() -> None:
     assert prefill_cost(p1_cached, 64, BS) == 60
     assert pick_prefill([p1_cached, p2], prompt_tokens=64, block_size=BS) == "p1"
     assert pick_prefill([], 64, BS) is None
+
+
+def test_load_costs_in_proportion_to_the_fleets_pressure() -> None:
+    """Pools of 2,048 blocks of 4 tokens: pressure 1 at a mean load of 2,048 * 4 / 4 = 2,048.
+    A conversation's worker running earlier turns (1,800 tokens) while three peers idle: mean
+    450 -> pressure 450 / 2,048; its excess 1,350 costs 1,350 * 450 / 2,048 = 296.63 of its 400
+    cached tokens: 103.37 > the peers' 40, it keeps the turn."""
+    conv = DecodeCandidate("conv", matched_blocks=100, inflight_tokens=1800, used_blocks=450, total_blocks=2048)
+    peers = [DecodeCandidate(f"p{i}", matched_blocks=10, total_blocks=2048) for i in range(3)]
+    assert fleet_pressure([conv, *peers], BS, 450) == 450 / 2048
+    assert decode_score(conv, BS, 1.0, mean_load=450, pressure=450 / 2048) == approx(400 - 1350 * 450 / 2048)
+    assert pick_decode([conv, *peers], prompt_tokens=500, block_size=BS) == "conv"
+    # the same loads with unknown pools (pressure 1): 400 - 1,350 < 40 -> a peer
+    bare = [DecodeCandidate(c.key, c.matched_blocks, c.inflight_tokens) for c in (conv, *peers)]
+    assert fleet_pressure(bare, BS, 450) == 1.0
+    assert pick_decode(bare, 500, BS) == "p0"
+    # a heavier worker (3,000): mean 750, pressure 750 / 2,048; 400 - 2,250 * 0.3662 = -424 < 40
+    heavy = DecodeCandidate("conv", matched_blocks=100, inflight_tokens=3000, total_blocks=2048)
+    assert pick_decode([heavy, *peers], 500, BS) == "p0"
+
+
+def test_a_saturated_fleet_balances_above_the_mean() -> None:
+    """Mean 3,500 >= 2,048: pressure 1, the plain mean-relative rule. conv: 400 - (5,000 -
+    3,500) = -1,100; the peers with 3,000: 40 - 0 -> the least loaded of them, then fewer
+    requests, then round-robin."""
+    conv = DecodeCandidate("conv", matched_blocks=100, inflight_tokens=5000, total_blocks=2048)
+    p0 = DecodeCandidate("p0", matched_blocks=10, inflight_tokens=3000, inflight_requests=2, total_blocks=2048)
+    p1 = DecodeCandidate("p1", matched_blocks=10, inflight_tokens=3000, inflight_requests=1, total_blocks=2048)
+    p2 = DecodeCandidate("p2", matched_blocks=10, inflight_tokens=3000, inflight_requests=1, total_blocks=2048)
+    assert fleet_pressure([conv, p0, p1, p2], BS, 3500) == 1.0
+    assert decode_score(conv, BS, 1.0, mean_load=3500) == -1100
+    assert pick_decode([conv, p0, p1, p2], 500, BS, turn=0) == "p1"
+    assert pick_decode([conv, p0, p1, p2], 500, BS, turn=1) == "p2"
+    # the smallest pool sets the scale: one pool of 512 blocks -> pressure 1 at 512 * 4 / 4 = 512
+    assert fleet_pressure([conv, DecodeCandidate("s", total_blocks=512)], BS, 256) == 0.5
