@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 
 import pdserve.router.workers as workers_mod
-from pdserve.loadtest.scripted_worker import script_token
+from pdserve.loadtest.scripted_state import script_token
 from pdserve.router.metrics import RouterMetrics
 from pdserve.router.observed import ObservedFlow
 from pdserve.router.servicer import GenerationServicer

@@ -14,7 +14,7 @@ from pdserve.common.grpc_utils.convert import sampling_params_to_proto  # noqa: 
 from pdserve.common.outputs import FinishReason, SequenceOutput  # noqa: E402
 from pdserve.common.sampling_params import SamplingParams  # noqa: E402
 from pdserve.common.worker_types import PREFILL_CAPABLE, Reservation  # noqa: E402
-from pdserve.loadtest.scripted_worker import Outbox  # noqa: E402
+from pdserve.loadtest.scripted_state import Outbox  # noqa: E402
 from pdserve.router.attempt import Attempt  # noqa: E402
 from pdserve.router.output import OutputProcessor  # noqa: E402
 from pdserve.router.prefix_index import PrefixIndex  # noqa: E402

@@ -30,7 +30,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 ROOT = Path(__file__).resolve().parents[2]
 
-from pdserve.loadtest.scripted_worker import script_logprob, script_token  # noqa: E402
+from pdserve.loadtest.scripted_state import script_logprob, script_token  # noqa: E402
 from pdserve.v1 import common_pb2, common_pb2_grpc, router_pb2, router_pb2_grpc, worker_pb2, worker_pb2_grpc  # noqa: E402
 
 SP = common_pb2.SamplingParams
