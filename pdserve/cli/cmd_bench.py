@@ -2,8 +2,6 @@
 
     pdserve bench serve --router localhost:50051 --dataset random --request-rate 1,2,4,inf
     pdserve bench compare --launch --gpus 0,1 --dataset prefill-heavy --slo ttft_ms=500,tpot_ms=50
-    pdserve bench compare --launch --gpus 0,1 --capacity --capacity-range 4:40 \
-        --slo ttft_ms=1000,tpot_ms=12,itl_p99_ms=30
     pdserve bench router-overhead
 
 Only argparse is imported here; the benchmark modules load when a subcommand runs.

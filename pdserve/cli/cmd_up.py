@@ -1,14 +1,9 @@
 """``pdserve up``: router + prefill + decode workers on this machine, as separate processes.
 
-With ``--demo`` it streams answers to a few sample chat prompts through the router and then
-shuts everything down (``make run``). Otherwise it runs until Ctrl-C / SIGTERM.
-
-Ports: the router takes ``--router-port`` (and ``--http-port``); worker i takes
-``--base-port + 2i`` for gRPC (a decode worker ``+ 1`` for its KV store). With
-``--metrics-port M`` the router serves /metrics on M and worker i on M + 1 + i. Every port is
-checked before anything starts: a port in use is one error line naming the flag to change.
-The services are :class:`pdserve.loadtest.procs.Service`s that write to this terminal; they stop
-on Ctrl-C or SIGTERM (the router first), and ``up`` stops as soon as one of them exits.
+``--demo`` streams a few sample chats and shuts down; otherwise it runs until Ctrl-C / SIGTERM.
+Worker i takes gRPC port ``--base-port + 2i`` (a decode worker ``+ 1`` for its KV store) and
+metrics port M + 1 + i. Every port is checked before anything starts; ``up`` stops all services
+(the router first) as soon as one exits.
 """
 from __future__ import annotations
 

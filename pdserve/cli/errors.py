@@ -1,13 +1,9 @@
 """What a failed ``pdserve`` command tells the user: one line on stderr and an exit code.
 
-A domain error (:class:`pdserve.common.grpc_utils.PdserveError`, a ``ValueError`` such as a sampling
-parameter out of range, a ``grpc.RpcError``) becomes ``pdserve <command>: <STATUS>: <message>
-(<what to do>)``; anything else is a bug and keeps its traceback. ``--debug`` keeps every
-traceback.
-
-Exit codes: 2 = a wrong flag or request field (as argparse's usage errors), 3 = a service is
-unreachable, cannot bind its port or is not ready in time, 4 = a deadline passed,
-1 = any other failure, 130 = interrupted.
+A domain error (PdserveError, ValueError, grpc.RpcError) becomes ``pdserve <command>: <STATUS>:
+<message> (<what to do>)``; anything else keeps its traceback (``--debug``: always). Exit codes:
+2 wrong flag or field, 3 service unreachable / port busy / not ready, 4 deadline, 1 other,
+130 interrupted.
 """
 from __future__ import annotations
 

@@ -1,16 +1,10 @@
 """pdserve's services as child processes: the one launcher of ``pdserve up``, the load tool, the
 lab (bench/deployment.py) and the tests.
 
-A :class:`Service` is started in a session (process group) of its own, so that a Ctrl-C at the
-terminal reaches only its parent, and it and whatever it starts can be stopped by its own id. Its
-output goes to a log file (appended), to the parent's terminal, or nowhere. It is ready when its
-gRPC health says SERVING (:func:`wait_ready`); a router also when its ModelInfo counts its
-workers (:func:`wait_workers`; both: :func:`wait_started`, which fails fast when a service exits).
-It stops on SIGTERM (a service drains, then exits); whatever of its process group is left after
-the grace gets SIGKILL (:func:`stop_together`, :func:`stop_all`: the router first).
-
-Also: free loopback ports, the CPU seconds of a process (``/proc/<pid>/stat``, Linux), and the
-command lines of the load tool's services.
+A :class:`Service` runs in a process group of its own, logs to a file, the terminal or nowhere,
+is ready when its gRPC health says SERVING (:func:`wait_ready`, :func:`wait_workers`,
+:func:`wait_started`), and stops on SIGTERM, its group killed after the grace (:func:`stop_all`:
+the router first). Also: free ports, a process's CPU seconds, the load tool's command lines.
 """
 from __future__ import annotations
 

@@ -134,12 +134,10 @@ class KvExport:
     async def _ship(self, request, launched: LaunchedPrefill) -> worker_pb2.TransferDone:
         """PushKV, then send the blocks the decode worker lacks and the first token after them.
 
-        Runs from the moment the prefill step is launched: the send is enqueued behind the step
-        on the GPU, so the KV moves as soon as it exists. One transfer per decode worker is
-        announced and enqueued at a time (its pair channel orders sends as PushKV
-        calls were answered); the wait for the data to cross is outside that lock, so the next
-        request's PushKV overlaps this transfer. There is always a block to send: a decode
-        worker's prefix-cache hit never covers the prompt's last token.
+        Runs from the prefill step's launch (the send is enqueued behind it on the GPU). One
+        transfer per decode worker is announced and enqueued at a time; the wait for the data is
+        outside that lock. There is always a block to send (a decode worker's prefix hit never
+        covers the prompt's last token).
         """
         t = request.kv_target
         block_size = self.runtime.engine_config.block_size

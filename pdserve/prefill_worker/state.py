@@ -1,11 +1,9 @@
 """The prefill worker's requests: the prefill side of the KV handoff.
 
-A request moves QUEUED -> LAUNCHED -> (first token out: it leaves ``pending``; the engine holds
-its blocks until ``release``) (:class:`Phase`). QUEUED: waiting for a batched prefill step; a
-cancel frees its blocks at once. LAUNCHED: its step is on the device and a KV send may read its
-blocks at any time, so from then on only the servicer frees them (``release``, after the send
-ended) and a cancel only ends the request's wait. Methods whose first argument is ``engine`` run
-on the engine thread, like ``on_launch`` and ``on_step``.
+A request moves QUEUED -> LAUNCHED -> first token out (:class:`Phase`). QUEUED: a cancel frees its
+blocks at once. LAUNCHED: a KV send may read its blocks, so only the servicer frees them
+(``release``, after the send) and a cancel only ends the wait. Methods whose first argument is
+``engine`` run on the engine thread.
 """
 from __future__ import annotations
 

@@ -1,23 +1,10 @@
 """One try of one request on chosen workers: the worker-facing half of the request flow.
 
-Remote prefill (``prefill`` set: a worker of role prefill or both, chosen by pdserve.router.pd_policy)::
-
-    Reserve(decode) -> Prefill(prefill, kv_target) -> FirstToken (a step of its own)
-    -> the decode worker's outputs from the Subscribe stream (the first token not repeated)
-
-Local prefill (``prefill`` None; or the decode worker has no room for the KV: Reserve
-RESOURCE_EXHAUSTED): Submit(decode), then the outputs (first token included) from the
-Subscribe stream. Until its first token a local prompt counts in the decode worker's queued
-prompt tokens (``inflight_prompt_tokens``), as a remote one does on its prefill worker; what
-counts is the prompt tokens that worker must compute (the placement's figure: the prompt minus
-the prefix it caches), the same measure as the workers' ``num_waiting_prefill_tokens``, so a
-worker holding a conversation's prefix does not look busier than it is.
-
-``next()`` returns the next step's :class:`~pdserve.common.outputs.SequenceOutput` (several
-queued outputs merged into one; ``finish_reason`` None until the last). The workers are reached
-through :class:`~pdserve.router.worker_client.WorkerClient`'s domain methods (no protobuf here). Before
-the first token every failure is raised as :class:`Retry` (the flow tries again on other
-workers, up to ``pdserve.router.flow.MAX_ATTEMPTS`` tries); after it, as the mapped domain error.
+Remote prefill (``prefill`` set): Reserve(decode) -> Prefill(prefill, kv_target) -> FirstToken,
+then the decode worker's Subscribe outputs. Local prefill (``prefill`` None, or Reserve refused
+RESOURCE_EXHAUSTED): Submit(decode), then its outputs. ``next()`` returns the next step's merged
+:class:`~pdserve.common.outputs.SequenceOutput` (``finish_reason`` None until the last). Before the
+first token every failure is raised as :class:`Retry`; after it, as the mapped domain error.
 """
 from __future__ import annotations
 

@@ -76,14 +76,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def _loop_runner(choice: str) -> Callable[[Coroutine[Any, Any, None]], None]:
-    """``uvloop.run`` or ``asyncio.run`` for ``--event-loop``.
-
-    uvloop's loop costs less per wake-up and per callback than asyncio's selector loop, and a
-    request wakes the router's loop several times on its way to its first token (grpc.aio
-    delivers every completion through a poller thread and a socket the loop watches): measured
-    -0.1 to -0.15 ms of added TTFT per request on a 2-CPU host. ``auto`` falls back to asyncio
-    where uvloop is not installed (it has no Windows build).
-    """
+    """``uvloop.run`` or ``asyncio.run`` for ``--event-loop``; ``auto``: uvloop where it is installed,
+    else asyncio (see bench/NOTES.md, "Figures moved out of the code")."""
     if choice != "asyncio":
         try:
             import uvloop

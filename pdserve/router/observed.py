@@ -1,17 +1,9 @@
 """The request flow with per-route latency metrics and tracing around it.
 
-``ObservedFlow`` is :class:`~pdserve.router.flow.Flow` plus what an operator watches per request:
-
-- the route each request took, known when its first worker rpc goes out (``dispatched``):
-  ``local`` (Submit: the decode worker prefills it) or ``remote`` (Reserve + Prefill: a prefill
-  worker does, and ships the KV); a Reserve refused for room falls back to Submit, and a retry
-  on other workers dispatches again, so the last dispatch wins;
-- TTFT and the time between messages carrying tokens, per route, measured as each message
-  leaves (``pdserve_router_time_to_first_token_seconds`` / ``..._inter_token_latency_seconds``);
-- each stream's TPOT and both figures against pdserve.router.pd_policy's estimates of the placement it
-  chose (pdserve.router.pd_metrics), when the request went where the policy decided;
-- with tracing on: the request id on the Generate span, and a ``route`` span from the request's
-  arrival in the flow to its first worker rpc (placement), with the chosen workers.
+``ObservedFlow`` is :class:`~pdserve.router.flow.Flow` plus, per request: the route it took
+(``local`` or ``remote``, the last dispatch wins), TTFT and inter-token latency per route as each
+message leaves, TPOT and both figures against pd_policy's estimates (pdserve.router.pd_metrics),
+and with tracing on a ``route`` span from arrival to the first worker rpc.
 """
 from __future__ import annotations
 

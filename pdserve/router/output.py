@@ -1,13 +1,9 @@
 """Output text of one request: incremental detokenization and stop strings (pure, no I/O).
 
-Text that could still turn out to be the start of a stop string is held back (the longest
-suffix of the text that is a prefix of some stop string), so a stop string that spans two
-steps is never partly sent before it matches. When one matches, the text is cut before it (or
-after it with ``include_stop_str_in_output``) and the request ends with STOP (``matched_stop``
-naming the string: FINISH_REASON_STOP_STRING on the wire).
-
-Detokenization is incremental (:class:`pdserve.common.detokenizer.IncrementalDetokenizer`) and runs
-once per step, over all the tokens the workers sent since the last message (merged).
+Text that could still be the start of a stop string is held back, so a stop string spanning two
+steps is never partly sent. On a match the text is cut before it (after it with
+``include_stop_str_in_output``) and the request ends with STOP, ``matched_stop`` naming the string.
+Detokenization runs once per step over all tokens since the last message.
 """
 from __future__ import annotations
 

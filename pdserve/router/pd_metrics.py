@@ -1,18 +1,8 @@
 """Metrics of the prefill-placement policy (pdserve.router.pd_policy): what it decided, why, and how its
 estimates compared with what then happened.
 
-- ``pdserve_router_pd_decisions_total{kind, reason}``: decisions by kind (local | remote) and the
-  rule that made them (short-prompt, slo-headroom, always, never, decode-only,
-  no-prefill-worker; ``reserve-refused``: a remote decision turned local because the decode
-  worker had no room for the KV);
-- ``pdserve_router_pd_predicted_ttft_seconds{route}`` / ``..._predicted_tpot_seconds{route}``: the
-  estimates of the chosen option; ``pdserve_router_pd_observed_tpot_seconds{route}``: each
-  stream's TPOT, (last token - first token) / (tokens - 1) (observed TTFT by route is
-  ``pdserve_router_time_to_first_token_seconds``);
-- ``pdserve_router_pd_ttft_error_ratio{route}`` / ``..._tpot_error_ratio{route}``: observed /
-  predicted per request (1 = exact, > 1 = the estimate was optimistic); only when the request
-  went where the policy decided.
-
+Decisions by kind and reason, the chosen option's predicted TTFT / TPOT, each stream's observed
+TPOT, and observed / predicted error ratios (only when the request went where the policy decided).
 Written on the router's event loop only (OneWriterHistogram: no lock).
 """
 from __future__ import annotations

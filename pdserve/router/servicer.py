@@ -35,13 +35,9 @@ except Exception:  # noqa: BLE001 - not installed (running from a checkout)
 
 
 class EarlyHeaders:
-    """A Generate stream's response headers, sent as soon as its first worker rpc is on the way.
-
-    A grpc.aio client reads a stream's headers and its first message as two events, one after
-    the other; sent with the first token, the headers cost the client one more wake-up after it.
-    Sent while the workers prefill, they are read by then. The headers go out as a task that
-    must be finished before the first write (or an abort) on the call: see :meth:`settle`.
-    """
+    """A Generate stream's response headers, sent as soon as its first worker rpc is on the way
+    (so the client reads them while the workers prefill). They go out as a task that must be
+    finished before the first write (or an abort) on the call: see :meth:`settle`."""
 
     __slots__ = ("context", "task")
 

@@ -24,13 +24,11 @@ RECONNECT_MAX_S = 5.0
 SUBSCRIBE_CONFIRM_S = 1.0
 # HTTP/2 window of the Subscribe stream (its own connection; see pdserve.router.worker_client): how many
 # bytes of a decode worker's outputs may wait unread in the router before the worker holds (and
-# merges) further steps. ~10 steps of 256 one-token outputs.
+# merges) further steps.
 SUBSCRIBE_WINDOW_BYTES = 64 * 1024
 # Receive window of the router's other connections (clients -> router, router -> workers), fixed:
-# with HTTP/2 BDP probing on, grpc answers received data with a PING that wakes the peer and comes
-# back to wake us, in the middle of a request's path to its first token (measured: ~0.05 ms of
-# added TTFT on a 2-CPU host). The messages there are small; 1 MiB still takes a prompt of ~300k
-# token ids without a window update.
+# BDP probing is off there (its PINGs wake both loops on a request's way to its first token; see
+# bench/NOTES.md). 1 MiB takes a prompt of ~300k token ids without a window update.
 RECEIVE_WINDOW_BYTES = 1024 * 1024
 # grpc options of those connections (server and channels).
 NO_BDP_OPTIONS = (

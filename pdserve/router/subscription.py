@@ -1,17 +1,9 @@
 """One ``Subscribe`` stream per decode worker: its StepOutputs are fanned out to the requests.
 
-Each request in flight on the worker has an :class:`OutputBuffer` (a list and at most one
-waiter, cheaper than an ``asyncio.Queue``); every output of a StepOutputs is appended, as a
-:class:`~pdserve.common.outputs.SequenceOutput` (pdserve.common.grpc_utils.convert), to its
-request's buffer (outputs for unknown ids are dropped: a request the
-router already finished or gave up), and the request takes everything buffered at once (see
-:meth:`pdserve.router.attempt.Attempt.next`, which merges it into one step). When the stream breaks or
-ends, every buffer gets an :class:`~pdserve.common.grpc_utils.Unavailable` and ``on_broken`` tells the
-worker's client, which marks the worker down and re-opens the stream when the worker is back.
-
-The stream has a connection of its own with a small HTTP/2 window (see
-:mod:`pdserve.router.worker_client`): when the router reads slower than the worker steps, the worker
-holds and merges the steps, so the router gets fewer, larger messages, not a backlog.
+Each request in flight on the worker has an :class:`OutputBuffer` (a list and at most one waiter);
+outputs for unknown ids are dropped, and a request takes everything buffered at once. When the
+stream breaks or ends every buffer gets :class:`~pdserve.common.grpc_utils.Unavailable` and
+``on_broken`` tells the worker's client. Event loop thread only.
 """
 from __future__ import annotations
 

@@ -1,13 +1,8 @@
 """The router's view of the model (name, context, vocabulary, tokenizer) and prompt building.
 
-:func:`resolve_spec` follows :func:`pdserve.common.loader.resolve_model`'s rules ("default" and its
-aliases = the embedded SmolLM2 with its tokenizer; a checkpoint dir; a preset name or a
-config.json path = no tokenizer) without importing torch, which the router does not need.
-
-The tokenizer is loaded with transformers from the model's tokenizer dir: a plain
-``tokenizer.json`` tokenizer (``tokenizer_class`` PreTrainedTokenizerFast / TokenizersBackend
-or unset) through ``PreTrainedTokenizerFast`` (no torch import, fast start), any other class
-through ``AutoTokenizer``.
+:func:`resolve_spec` follows :func:`pdserve.common.loader.resolve_model`'s rules without importing
+torch. A plain ``tokenizer.json`` tokenizer loads through ``PreTrainedTokenizerFast``, any other
+class through ``AutoTokenizer``.
 """
 from __future__ import annotations
 
@@ -25,8 +20,8 @@ log = logging.getLogger(__name__)
 PRESET_DIR = Path(__file__).resolve().parents[1] / "common" / "presets"
 DEFAULT_ALIASES = ("default", "SmolLM2-135M-Instruct", "smollm2-135m-instruct")
 _FAST_CLASSES = ("PreTrainedTokenizerFast", "TokenizersBackend", None)
-# Roles accepted in chat input besides those the chat template names literally.
 NO_LENGTH_LIMIT = int(1e30)   # transformers' own "no limit" value of model_max_length
+# Roles accepted in chat input besides those the chat template names literally.
 KNOWN_CHAT_ROLES = frozenset({"system", "user", "assistant", "tool", "developer"})
 
 
@@ -87,8 +82,7 @@ class RouterTokenizer:
         # Lengths are checked against the model's context by the router (a clear INVALID_ARGUMENT),
         # not by the tokenizer, which would only log a warning per long prompt.
         self.hf.model_max_length = NO_LENGTH_LIMIT
-        # The Rust tokenizer's own decode gives the same text (no clean-up pass) 3x faster; it
-        # runs once or twice per streamed step per request.
+        # The Rust tokenizer's own decode gives the same text when there is no clean-up pass.
         backend = getattr(self.hf, "backend_tokenizer", None)
         self._fast_decode = (backend.decode if backend is not None
                              and not getattr(self.hf, "clean_up_tokenization_spaces", False) else None)
@@ -121,7 +115,7 @@ class Prompt:
     field: str                  # the input field it came from (for error messages)
     rendered: str = ""          # chat only: the rendered template
     # The same ids as the client sent them (its request's repeated field), when it sent ids:
-    # copying that into a worker request is ~15x cheaper than converting the list back.
+    # copied into a worker request as is (cheaper than converting the list back).
     # dataclasses.field: the name ``field`` is this class's attribute above
     wire: Any = dataclasses.field(default=None, compare=False, repr=False)
 

@@ -1,14 +1,9 @@
 """The registry of workers behind the router: static addresses and DNS-discovered pods.
 
-Worker addresses come from ``--prefill`` and ``--decode``: ``host:port`` is one worker;
-``dns:///name:port`` is re-resolved every ``--dns-refresh-s`` with ``getaddrinfo``, one worker
-per IP (a headless Service's pods). A worker whose IP leaves DNS is retired (no new requests)
-and closed once it has nothing in flight.
-
-Registration (``Info``) checks: protocol_version "v1"; role (``--prefill`` takes role prefill,
-``--decode`` roles decode or both); block_size equal to ``--block-size`` (or, with 0, to the
-first registered worker's); vocab_size equal to the model's. A different model name is only
-logged (workers name a model by its directory or preset name).
+``host:port`` is one worker; ``dns:///name:port`` is re-resolved every ``--dns-refresh-s``, one
+worker per IP; a worker whose IP leaves DNS is retired and closed once idle. Registration
+(``Info``) checks protocol_version "v1", the role, block_size and vocab_size; a different model
+name is only logged.
 """
 from __future__ import annotations
 

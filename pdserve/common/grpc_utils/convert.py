@@ -1,11 +1,8 @@
-"""The one converter between the wire types (pdserve.v1) and the domain types (the engine's
-SamplingParams, pdserve.common.outputs, pdserve.common.worker_types), used by the router and
-both workers: nothing above it reads or builds a pdserve.v1 message except the servicers and
-the router's worker client.
+"""The one converter between the wire types (pdserve.v1) and the domain types (SamplingParams,
+pdserve.common.outputs, pdserve.common.worker_types), used by the router and both workers.
 
-Zero values follow one rule, written in common.proto: top_p 0 -> 1.0, top_k 0 -> -1 (off),
-repetition_penalty 0 -> 1.0, max_tokens 0 -> the rest of the context (the caller passes it as
-``rest_of_context``); every other zero is the field's own "off". Every bad field raises
+Zero values follow common.proto: top_p 0 -> 1.0, top_k 0 -> -1, repetition_penalty 0 -> 1.0,
+max_tokens 0 -> ``rest_of_context``; every other zero is the field's "off". A bad field raises
 InvalidArgument naming ``params.<field>``.
 """
 from __future__ import annotations

@@ -1,19 +1,9 @@
 """The one server interceptor of pdserve: domain exceptions -> gRPC statuses.
 
-Every pdserve server is a ``grpc.aio`` server; :class:`ErrorInterceptor` wraps each handler
-(unary or streaming, coroutine or async generator) so that
-
-- a :class:`~pdserve.common.grpc_utils.errors.PdserveError` (or ``ValueError``) aborts the call with
-  the mapped status and the exception's message (logged at DEBUG: they are the caller's
-  problem, not ours);
-- an uncaught ``grpc.aio.AioRpcError`` of a downstream call keeps its status (logged at
-  WARNING);
-- ``NotImplementedError`` (a generated servicer's default for an rpc nobody overrides) gives
-  UNIMPLEMENTED;
-- any other exception aborts with INTERNAL and its traceback is logged at ERROR;
-- ``context.abort(...)`` raised by the handler itself and cancellation pass through untouched;
-- request bytes that do not decode as the method's request message get INVALID_ARGUMENT
-  (grpc's own answer would be UNKNOWN or INTERNAL), before the handler runs.
+:class:`ErrorInterceptor` wraps every handler: PdserveError / ValueError -> the mapped status
+(DEBUG log); a downstream AioRpcError keeps its status (WARNING); NotImplementedError ->
+UNIMPLEMENTED; anything else -> INTERNAL (ERROR, traceback); ``context.abort`` and cancellation
+pass through; undecodable request bytes -> INVALID_ARGUMENT before the handler runs.
 """
 from __future__ import annotations
 

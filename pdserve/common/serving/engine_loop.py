@@ -1,13 +1,9 @@
 """The engine thread of a worker: every engine mutation happens here, between steps.
 
-Services never touch the LLMEngine from their own threads; they ``call(fn)`` and get a
-concurrent.futures.Future with ``fn(engine)``'s result (calls made before ``start`` run once it
-starts). ``start(hooks)`` starts the thread with the role's :class:`EngineHooks`;
-``observe_step(out, seconds)`` runs after every step, with how long ``engine.step()`` took.
-A call runs in the caller's context (contextvars): what it logs or traces on this thread
-carries the caller's request id and span.
-``stats`` is the engine's counters as of the last step or call, refreshed on this thread, so a
-stats reader never waits for the engine (a busy engine must not look like a dead one).
+Other threads ``call(fn)`` and get a concurrent.futures.Future of ``fn(engine)`` (calls made before
+``start`` run once it starts), run in the caller's contextvars. ``observe_step(out, seconds)`` runs
+after every step. ``stats`` is the engine's counters as of the last step or call, so a reader
+never waits for the engine.
 """
 from __future__ import annotations
 

@@ -1,18 +1,8 @@
 """Prometheus metrics of a worker, named after vLLM's (prefix ``pdserve:`` for ``vllm:``).
 
-Three kinds of sources:
-
-- the engine's counters as of its last step (``EngineLoop.stats``), read at scrape time by a
-  collector: requests running / waiting / reserved, KV cache usage, prefix-cache queries and
-  hits (tokens), preemptions;
-- the engine thread, after every step: step duration by kind (prefill / decode / mixed),
-  tokens computed and generated; and per request (:class:`RequestTracker`): TTFT where the
-  first token is computed here, inter-token latency, queue time, prefill time, end to end;
-- the KV transfer, on both sides: bytes and duration per transfer, failures; reservations
-  whose lease expired before their KV came.
-
-The tracker also records the tracing spans of a request's phases on this worker (queue wait,
-prefill, decode), parented to the RPC that brought the request (see pdserve.common.telemetry).
+Sources: the engine's counters as of its last step (``EngineLoop.stats``, read at scrape time);
+the engine thread after every step and per request (:class:`RequestTracker`, which also records
+the request's phase spans); the KV transfer on both sides.
 """
 from __future__ import annotations
 

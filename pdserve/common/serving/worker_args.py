@@ -16,8 +16,7 @@ from pdserve.common.security.config import ServerSecurity, set_default_client_se
 ENGINE_DEFAULTS = EngineConfig()
 # Default token budget per step (--max-num-batched-tokens 0). A prefill worker has no decode rows
 # to stall, so it takes large steps (the offline engine's default); a decode or both worker takes
-# vLLM's online-serving default, so a mixed step stays a few decode steps long
-# (docs/benchmarks.md: on Qwen3-8B, 512 gave the smoothest decoding, 1,024 more throughput).
+# vLLM's online-serving default, so a mixed step stays a few decode steps long (bench/NOTES.md).
 DEFAULT_BUDGET = {"prefill": ENGINE_DEFAULTS.max_num_batched_tokens, "decode": 2048}
 DEFAULT_DRAIN_GRACE_S = 30.0    # on SIGTERM: time for requests in flight to finish
 

@@ -1,20 +1,9 @@
 """ModelInferRequest -> pdserve.v1 GenerateRequest, and the flow's outputs -> ModelInferResponse.
 
-The conventions of Triton's and Dynamo's LLM models:
-
-- the prompt is a BYTES input tensor ``text_input`` holding one UTF-8 string;
-- each sampling knob (:data:`KNOBS`) comes as a request parameter or as a one-element input
-  tensor of the same name (not both); ``stop`` / ``stop_words`` may hold several strings;
-- ``stream`` (BOOL): whether ModelStreamInfer answers once per engine step (default) or once;
-- the output is a BYTES tensor ``text_output``, in ``raw_output_contents`` when the request
-  sent ``raw_input_contents`` (as Triton's clients do; they read it there) and in typed
-  ``contents`` otherwise; every response carries the parameter
-  ``triton_final_response``, and the final one ``finish_reason`` and the token counts.
-
-Request parameters with other names are ignored (clients add their own, e.g. ``priority``);
-unknown input or requested output tensors are refused. Values are checked for type here and
-for range by the one request path (pdserve.router.validation), both as INVALID_ARGUMENT naming the
-parameter.
+Triton's LLM conventions: prompt in BYTES input ``text_input``; each knob (:data:`KNOBS`) as a
+request parameter or a one-element input tensor (not both); output BYTES ``text_output`` (raw
+when the request was raw). Unknown parameters are ignored, unknown tensors refused; type errors
+raise INVALID_ARGUMENT naming the parameter (ranges: pdserve.router.validation).
 """
 from __future__ import annotations
 

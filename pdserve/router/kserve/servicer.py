@@ -1,11 +1,9 @@
 """``inference.GRPCInferenceService`` (KServe Open Inference Protocol v2) on the router.
 
-A thin layer: each inference request is converted (pdserve.router.kserve.convert) into a pdserve.v1
-GenerateRequest and then takes Generate's own path (``GenerationServicer.job``: one validation,
-one tokenization; ``Flow.generate``: one routing decision, cancels on every worker). Errors are
-domain exceptions mapped by the server's error interceptor; on ModelStreamInfer a request's
-error is sent as ``error_message`` (``"<STATUS>: <details>"``, Triton's convention) and the
-stream goes on. Readiness is the server's grpc.health.v1 overall status.
+Each inference request is converted (pdserve.router.kserve.convert) into a pdserve.v1
+GenerateRequest and takes Generate's own path. Errors are domain exceptions mapped by the error
+interceptor; on ModelStreamInfer a request's error is sent as ``error_message``
+(``"<STATUS>: <details>"``) and the stream goes on. Readiness is the server's health status.
 """
 from __future__ import annotations
 

@@ -1,20 +1,10 @@
 """OpenAI request bodies -> ``pdserve.v1.GenerateRequest`` messages for the request path.
 
-Only the JSON is checked here (types, and the values the gRPC API reads as "default": a
-``max_tokens``, ``top_p`` or ``repetition_penalty`` of 0); every range, the prompt and the
-context are checked once, by the request path both front doors share
-(:meth:`pdserve.router.servicer.GenerationServicer.job`).
-
-Served: ``/v1/completions`` (``prompt``: a string, a list of strings, token ids, a list of
-token-id lists: one choice per prompt) and ``/v1/chat/completions`` (``messages`` rendered with
-the model's chat template, text content parts joined with newlines). Sampling: temperature
-(default 1, as OpenAI), top_p, top_k, min_p, seed, stop, presence / frequency / repetition
-penalties, max_tokens / max_completion_tokens (completions default 16, as OpenAI; chat: the
-rest of the context), ``ignore_eos``, ``stop_token_ids``, ``skip_special_tokens``,
-``include_stop_str_in_output``, ``add_special_tokens``, ``add_generation_prompt`` (chat).
-Refused with a 400 naming the field: n > 1, best_of > 1, echo, suffix, logit_bias, tools,
-a response_format other than text, top_logprobs (the engine reports the chosen token's
-log-probability only). Other fields (user, metadata, store, ...) are ignored.
+Only the JSON is checked here (types, and 0 for ``max_tokens``, ``top_p``, ``repetition_penalty``);
+ranges, the prompt and the context are checked once by
+:meth:`pdserve.router.servicer.GenerationServicer.job`. Unsupported fields (n > 1, best_of > 1,
+echo, suffix, logit_bias, tools, non-text response_format, top_logprobs) are refused with a 400
+naming the field; unknown ones are ignored.
 """
 from __future__ import annotations
 

@@ -1,11 +1,9 @@
 """HTTP plumbing of the API: bounded request bodies, JSON answers, and responses that end their
 work when the client goes away.
 
-A generation runs while a watcher waits for the ASGI ``http.disconnect`` message; whichever
-ends first ends the other. A client that disconnects, before its first token or mid-stream,
-so cancels its generation (the flow then cancels the request on every worker) at once, not at
-the next failed write. A streamed response sends its headers with its first event: a request
-that fails before producing anything (no worker up, overload) still gets its HTTP status.
+A generation runs while a watcher waits for ``http.disconnect``; whichever ends first ends the
+other, so a client that leaves cancels its generation at once. A streamed response sends its
+headers with its first event, so a request that fails before any output still gets its status.
 """
 from __future__ import annotations
 
