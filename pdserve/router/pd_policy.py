@@ -1,9 +1,11 @@
 """Where a request is prefilled: on its decode worker (``local``) or on another worker (``remote``).
 
-Pure functions over snapshots, run once per request after :func:`pdserve.router.policy.pick_decode`
-chose the decode worker ``D``. ``local`` = Submit to ``D`` (it prefills and decodes, no
-transfer); ``remote`` = Reserve on ``D`` + Prefill on a prefill-capable worker ``P`` (role
-prefill or both, never ``D`` itself), whose KV is shipped into ``D``'s reserved blocks.
+Pure functions over snapshots (:func:`decide`) or over the workers' kept figures and the prefix
+match (:func:`decide_workers`, the router's path; the same decision), run once per request after
+:func:`pdserve.router.policy.pick_decode_workers` chose the decode worker ``D``. ``local`` = Submit
+to ``D`` (it prefills and decodes, no transfer); ``remote`` = Reserve on ``D`` + Prefill on a
+prefill-capable worker ``P`` (role prefill or both, never ``D`` itself), whose KV is shipped into
+``D``'s reserved blocks.
 
 Estimates (ms; ``U_w`` = the request's prompt tokens worker ``w`` must compute, i.e. minus
 the prefix it holds by the prefix index; ``Q_w`` = prompt tokens queued on ``w`` before it;
@@ -83,8 +85,8 @@ class PdConfig:
 
 @dataclass(slots=True)
 class PrefillPlace:
-    """A worker as a place to prefill this request (one is made per worker per request: a slots
-    dataclass, cheaper to make than a NamedTuple)."""
+    """A worker as a place to prefill this request (the router makes one, for ``D``; the
+    candidates ``decide_workers`` reads are the workers themselves)."""
     key: str
     uncached_tokens: int          # U: prompt tokens it must compute (prompt minus its cached prefix)
     queued_tokens: int = 0        # Q: prompt tokens queued there before this one
