@@ -97,6 +97,7 @@ def _client(registry: WorkerRegistry, key: str, role: Role, blocks: int, rng: ra
     c.inflight_tokens = c.inflight * rng.randrange(200, 1500)
     c.inflight_prompt_tokens = rng.randrange(0, 4000) if role is Role.PREFILL else 0
     c.other_tokens = rng.randrange(0, 4000)
+    c.sync_figures()
 
 
 def _fill(index: PrefixIndex, key: str, blocks: int, prompts: list[list[int]], rng: random.Random) -> None:
@@ -158,10 +159,10 @@ def _percentiles(ns: list[int]) -> dict:
 def time_parts(flow: Flow, prompts: list[list[int]]) -> dict:
     """Mean thread CPU time (us) of the decision's parts over the requests: hashing the prompt
     (``PromptHasher``, the requests in order, as the router sees them),
-    the prefix match, the decode pick (candidates + pdserve.router.policy) and the prefill placement
-    (pdserve.router.pd_policy), each run alone; ``decode_policy`` / ``prefill_policy``: of those,
-    ``pick_decode`` / ``decide`` alone on the snapshots the flow built for the same requests (the
-    rest is the flow's building of one snapshot per worker)."""
+    the prefix match, the decode pick (``Flow._choose_decode``) and the prefill placement
+    (``Flow._place_prefill``), each run alone; ``decode_policy`` / ``prefill_policy``: of those,
+    ``pick_decode_workers`` / ``decide_workers`` alone on the arguments the flow passed them for
+    the same requests (the rest is the flow's own work)."""
     registry = flow.registry
     index = registry.prefix_index
     chains = [block_hash_chain(p, BLOCK) for p in prompts]
@@ -176,8 +177,8 @@ def time_parts(flow: Flow, prompts: list[list[int]]) -> dict:
              "decode_pick": lambda i: flow._choose_decode(jobs[i], registry.decode_workers(), 0),
              "prefill_placement": lambda i: flow._place_prefill(jobs[i], decode, prefillers, 0)}
     picks, decides = _captured(flow, jobs, decode, prefillers)
-    parts["decode_policy"] = lambda i: policy.pick_decode(*picks[i])
-    parts["prefill_policy"] = lambda i: pd_policy.decide(*decides[i])
+    parts["decode_policy"] = lambda i: policy.pick_decode_workers(*picks[i])
+    parts["prefill_policy"] = lambda i: pd_policy.decide_workers(*decides[i])
     out = {}
     for name, fn in parts.items():
         t0 = time.thread_time_ns()
@@ -188,18 +189,19 @@ def time_parts(flow: Flow, prompts: list[list[int]]) -> dict:
 
 
 def _captured(flow: Flow, jobs: list[Job], decode, prefillers) -> tuple[list[tuple], list[tuple]]:
-    """The arguments of each request's ``pick_decode`` and ``decide`` calls, as the flow makes them."""
+    """The arguments of each request's ``pick_decode_workers`` and ``decide_workers`` calls, as the
+    flow makes them."""
     picks: list[tuple] = []
     decides: list[tuple] = []
-    saved = flow_mod.pick_decode, flow_mod.decide
-    flow_mod.pick_decode = lambda *a: picks.append(a) or saved[0](*a)
-    flow_mod.decide = lambda *a: decides.append(a) or saved[1](*a)
+    saved = flow_mod.pick_decode_workers, flow_mod.decide_workers
+    flow_mod.pick_decode_workers = lambda *a: picks.append(a) or saved[0](*a)
+    flow_mod.decide_workers = lambda *a: decides.append(a) or saved[1](*a)
     try:
         for j in jobs:
             flow._choose_decode(j, flow.registry.decode_workers(), 0)
             flow._place_prefill(j, decode, prefillers, 0)
     finally:
-        flow_mod.pick_decode, flow_mod.decide = saved
+        flow_mod.pick_decode_workers, flow_mod.decide_workers = saved
     return picks, decides
 
 

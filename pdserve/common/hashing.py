@@ -7,7 +7,6 @@ share a block's hash only if they share every token up to the end of that block.
 from __future__ import annotations
 
 import struct
-from array import array
 from collections.abc import Sequence as Seq
 
 import xxhash
@@ -19,11 +18,9 @@ _xxh3 = xxhash.xxh3_64_intdigest
 
 
 def token_bytes(token_ids: Seq[int]) -> bytes:
-    """The ids as little-endian int32 bytes: what a block hash covers."""
-    arr = array("i", token_ids)
-    if arr.itemsize != 4:  # pragma: no cover - all supported platforms have 4-byte int
-        raise RuntimeError("array('i') is not 32-bit on this platform")
-    return arr.tobytes()  # little-endian on every platform pdserve supports (x86-64, arm64)
+    """The ids as little-endian int32 bytes: what a block hash covers (an id outside int32
+    raises ``struct.error``)."""
+    return struct.pack(f"<{len(token_ids)}i", *token_ids)
 
 
 def block_hash(token_ids: Seq[int], parent_hash: int = NO_PARENT) -> int:

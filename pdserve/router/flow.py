@@ -34,8 +34,15 @@ from pdserve.common.worker_types import Role
 from pdserve.router.attempt import Attempt, Retry
 from pdserve.router.metrics import RouterMetrics
 from pdserve.router.output import OutputProcessor, TextOutput
-from pdserve.router.pd_policy import REMOTE, DecodePlace, PdDecision, PrefillPlace, decide, uncached_tokens
-from pdserve.router.policy import DecodeCandidate, PrefillCandidate, pick_decode, pick_prefill
+from pdserve.router.pd_policy import (
+    REMOTE,
+    DecodePlace,
+    PdDecision,
+    PrefillPlace,
+    decide_workers,
+    uncached_tokens,
+)
+from pdserve.router.policy import PrefillCandidate, pick_decode_workers, pick_prefill
 from pdserve.router.prefix_index import PrefixIndex
 from pdserve.router.settings import RouterSettings
 from pdserve.router.tokenization import Prompt
@@ -139,44 +146,36 @@ class Flow:
         return decode, prefill, decision
 
     def _choose_decode(self, job: Job, decoders: list[WorkerClient], turn: int) -> WorkerClient:
-        """pdserve.router.policy over snapshots of the decode workers. The prompt's block hashes only
-        matter when there is a choice: one decode worker is picked without them."""
+        """pdserve.router.policy over the decode workers' current figures. The prompt's block hashes
+        only matter when there is a choice: one decode worker is picked without them."""
         if len(decoders) == 1:
             return decoders[0]
         bs = self.registry.block_size
-        matched = job.match(self.registry.prefix_index, bs).get
-        cands = []
-        for c in decoders:
-            s = c.stats
-            cands.append(DecodeCandidate(c.key, matched(c.key, 0), c.inflight_tokens, c.inflight,
-                                         s.num_used_blocks if s is not None else 0,
-                                         s.num_total_blocks if s is not None else 0, c.other_tokens))
-        key = pick_decode(cands, len(job.prompt.token_ids), bs, self.settings.load_alpha, turn, self.settings.routing)
+        matched = job.match(self.registry.prefix_index, bs)
+        key = pick_decode_workers(decoders, matched, len(job.prompt.token_ids), bs, self.settings.load_alpha, turn,
+                                  self.settings.routing)
         if key is None:     # only without candidates, which _choose rules out
             raise Unavailable("no decode worker is up")
         return self.registry.clients[key]
 
     def _place_prefill(self, job: Job, decode: WorkerClient, prefillers: list[WorkerClient],
                        turn: int) -> PdDecision:
-        """Local or remote, from snapshots of the decode worker and the prefill-capable workers;
-        the ``--routing`` baselines keep their own choice of the prefill worker."""
+        """Local or remote (pdserve.router.pd_policy), from the current figures of the decode worker
+        and the prefill-capable workers; the ``--routing`` baselines keep their own choice of the
+        prefill worker."""
         cfg, bs, n = self.settings.pd, self.registry.block_size, len(job.prompt.token_ids)
         index = self.registry.prefix_index
-        everyone = [decode, *prefillers]
-        hashed = index is not None and cfg.mode != "never" and any(c.kv_wanted for c in everyone)
+        hashed = (index is not None and cfg.mode != "never"
+                  and (decode.kv_wanted or any(c.kv_wanted for c in prefillers)))
         matches = job.match(index, bs) if hashed else {}
 
-        def place(c: WorkerClient) -> PrefillPlace:
-            s = c.stats
-            return PrefillPlace(c.key, uncached_tokens(n, matches.get(c.key, 0), bs),
-                                c.inflight_prompt_tokens + c.other_prompt_tokens,
-                                s.prefill_tokens_per_s if s is not None else 0.0)
-
         s = decode.stats
-        d = DecodePlace(place(decode), decode.role is Role.BOTH, s.decode_step_ms if s else 0.0,
+        own = PrefillPlace(decode.key, uncached_tokens(n, matches.get(decode.key, 0), bs),
+                           decode.queued_prompt_tokens, decode.prefill_tokens_per_s)
+        d = DecodePlace(own, decode.role is Role.BOTH, s.decode_step_ms if s else 0.0,
                         s.mixed_step_ms if s else 0.0, s.max_num_batched_tokens if s else 0,
                         s.chunked_prefill if s else True, decode.prefill_rate())
-        decision = decide(d, [place(c) for c in prefillers] if cfg.mode != "never" else [], cfg)
+        decision = decide_workers(d, prefillers if cfg.mode != "never" else [], matches, n, bs, cfg)
         if decision.kind == REMOTE and self.settings.routing != "kv" and len(prefillers) > 1:
             pc = [PrefillCandidate(c.key, 0, c.inflight_prompt_tokens, c.inflight, c.other_prompt_tokens)
                   for c in prefillers]

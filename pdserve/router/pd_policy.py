@@ -1,9 +1,11 @@
 """Where a request is prefilled: on its decode worker (``local``) or on another worker (``remote``).
 
-Pure functions over snapshots, run once per request after :func:`pdserve.router.policy.pick_decode`
-chose the decode worker ``D``. ``local`` = Submit to ``D`` (it prefills and decodes, no
-transfer); ``remote`` = Reserve on ``D`` + Prefill on a prefill-capable worker ``P`` (role
-prefill or both, never ``D`` itself), whose KV is shipped into ``D``'s reserved blocks.
+Pure functions over snapshots (:func:`decide`) or over the workers' kept figures and the prefix
+match (:func:`decide_workers`, the router's path; the same decision), run once per request after
+:func:`pdserve.router.policy.pick_decode_workers` chose the decode worker ``D``. ``local`` = Submit
+to ``D`` (it prefills and decodes, no transfer); ``remote`` = Reserve on ``D`` + Prefill on a
+prefill-capable worker ``P`` (role prefill or both, never ``D`` itself), whose KV is shipped into
+``D``'s reserved blocks.
 
 Estimates (ms; ``U_w`` = the request's prompt tokens worker ``w`` must compute, i.e. minus
 the prefix it holds by the prefix index; ``Q_w`` = prompt tokens queued on ``w`` before it;
@@ -48,8 +50,9 @@ DEFAULT_DECODE_STEP_MS; ``t_mix`` is ``t_dec + 1000 * B / R_D`` (B prompt tokens
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
+from typing import Protocol
 
 PD_MODES = ("adaptive", "always", "never")
 LOCAL, REMOTE = "local", "remote"
@@ -82,12 +85,24 @@ class PdConfig:
 
 @dataclass(slots=True)
 class PrefillPlace:
-    """A worker as a place to prefill this request (one is made per worker per request: a slots
-    dataclass, cheaper to make than a NamedTuple)."""
+    """A worker as a place to prefill this request (the router makes one, for ``D``; the
+    candidates ``decide_workers`` reads are the workers themselves)."""
     key: str
     uncached_tokens: int          # U: prompt tokens it must compute (prompt minus its cached prefix)
     queued_tokens: int = 0        # Q: prompt tokens queued there before this one
     tokens_per_s: float = 0.0     # R: measured prefill throughput; 0 = unmeasured
+
+
+class PrefillWorker(Protocol):
+    """A worker as a place to prefill, as ``decide_workers`` reads it (``WorkerClient`` keeps
+    these current); its U comes from the prefix match."""
+
+    @property
+    def key(self) -> str: ...
+    @property
+    def queued_prompt_tokens(self) -> int: ...      # Q
+    @property
+    def prefill_tokens_per_s(self) -> float: ...    # R; 0 = unmeasured
 
 
 @dataclass(frozen=True)
@@ -117,7 +132,11 @@ def _rate(r: float, fallback: float) -> float:
 
 
 def fallback_rate(places: Sequence[PrefillPlace]) -> float:
-    measured = [p.tokens_per_s for p in places if p.tokens_per_s > 0]
+    return _mean_measured([p.tokens_per_s for p in places])
+
+
+def _mean_measured(rates: list[float]) -> float:
+    measured = [r for r in rates if r > 0]
     return sum(measured) / len(measured) if measured else DEFAULT_PREFILL_TOKENS_PER_S
 
 
@@ -171,18 +190,47 @@ def decide(d: DecodePlace, candidates: Sequence[PrefillPlace], cfg: PdConfig) ->
     own = d.place.key
     cands = [p for p in candidates if p.key != own]
     fallback = fallback_rate([d.place, *cands])
+    return _rules(d, cfg, fallback, (lambda: fastest_remote(d, cands, cfg, fallback)) if cands else None)
 
+
+def decide_workers(d: DecodePlace, workers: Sequence[PrefillWorker], matched: Mapping[str, int],
+                   prompt_tokens: int, block_size: int, cfg: PdConfig) -> PdDecision:
+    """``decide`` over workers as they are: ``matched`` (worker key -> leading blocks of the prompt
+    it holds, absent: none) gives each its U; no object is made per worker. The same decision as
+    ``decide`` on their PrefillPlaces."""
+    own = d.place.key
+    ws = [w for w in workers if w.key != own]
+    fallback = _mean_measured([d.place.tokens_per_s, *(w.prefill_tokens_per_s for w in ws)])
+    if not ws:
+        return _rules(d, cfg, fallback, None)
+
+    def fastest() -> tuple[float, str, int]:      # fastest_remote over the workers
+        get = matched.get
+        ttft, key = min((1000.0 * (w.queued_prompt_tokens + (uncached_tokens(prompt_tokens, m, block_size)
+                                                              if (m := get(w.key, 0)) else prompt_tokens))
+                         / (w.prefill_tokens_per_s if w.prefill_tokens_per_s > 0 else fallback), w.key)
+                        for w in ws)
+        extra = cfg.remote_overhead_ms + d.place.uncached_tokens * cfg.transfer_us_per_token / 1000.0
+        return ttft + extra, key, uncached_tokens(prompt_tokens, get(key, 0), block_size)
+
+    return _rules(d, cfg, fallback, fastest)
+
+
+def _rules(d: DecodePlace, cfg: PdConfig, fallback: float,
+           fastest: Callable[[], tuple[float, str, int]] | None) -> PdDecision:
+    """The rules of the module docstring; ``fastest``: (ttft, key, U) of the fastest remote
+    candidate, None when there is none."""
     def local(reason: str) -> PdDecision:
         return PdDecision(LOCAL, None, reason, ttft_local_ms(d, fallback),
                           tpot_ms(d, d.place.uncached_tokens, cfg, fallback), d.place.uncached_tokens)
 
     if cfg.mode == "never":
         return local("never")
-    if not cands:
+    if fastest is None:
         return local("no-prefill-worker")
     if cfg.mode != "always" and d.can_prefill and d.place.uncached_tokens <= cfg.local_max_tokens:
         return local("short-prompt")
-    ttft, key, uncached = fastest_remote(d, cands, cfg, fallback)
+    ttft, key, uncached = fastest()
     s_rem = tpot_ms(d, 0, cfg, fallback)
     if cfg.mode == "always":
         return PdDecision(REMOTE, key, "always", ttft, s_rem, uncached)

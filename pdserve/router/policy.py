@@ -54,16 +54,20 @@ Baselines (``--routing``): ``least-loaded`` ranks by load alone (decode: lowest
 ``load_tokens`` among the workers that fit; prefill: lowest queued prompt tokens), ignoring
 cached prefixes; ``round-robin`` takes the ``turn``-th worker in key order, ignoring both.
 
-Cost: a decode pick reads each candidate's fields in a few list comprehensions (fit, loads,
-matched blocks, pools) and scores no worker one by one in the usual case: no score exceeds
+Cost: a decode pick (``pick_decode_workers``, over the router's workers as they are: their
+``load_tokens`` / ``free_blocks`` / ``total_blocks`` are kept current by the worker client, and
+the prefix match is a dict read by key) makes no object per worker, reads each worker's fields
+in a few list comprehensions (fit, loads, matched blocks) and scores no worker one by one in
+the usual case: no score exceeds
 ``max(matched) * block_size``, and a worker holding the longest prefix at or below the mean
 reaches it, so the winner is the least-loaded such worker. Only when every holder of the longest
 prefix is above the mean are all candidates scored (``decode_score``).
 """
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from typing import Protocol, TypeVar
 
 ROUTING_MODES = ("kv", "least-loaded", "round-robin")
 LOADED_POOL_FRACTION = 0.25  # decode: a mean load of this share of the smallest KV pool is pressure 1
@@ -78,6 +82,38 @@ class DecodeCandidate:
     used_blocks: int = 0              # last GetStats
     total_blocks: int = 0             # last GetStats (0 = unknown)
     other_tokens: int = 0             # other routers' requests, from the last GetStats
+
+    # the DecodeWorker view
+    @property
+    def load_tokens(self) -> int:
+        return self.inflight_tokens + self.other_tokens
+
+    @property
+    def inflight(self) -> int:
+        return self.inflight_requests
+
+    @property
+    def free_blocks(self) -> int:
+        return self.total_blocks - self.used_blocks
+
+
+class DecodeWorker(Protocol):
+    """What the decode pick reads of a worker (``WorkerClient`` keeps these current;
+    ``DecodeCandidate`` derives them from its fields)."""
+
+    @property
+    def key(self) -> str: ...
+    @property
+    def load_tokens(self) -> int: ...        # inflight_tokens + other_tokens
+    @property
+    def inflight(self) -> int: ...           # this router's requests in flight there
+    @property
+    def free_blocks(self) -> int: ...        # total_blocks - used_blocks (last GetStats)
+    @property
+    def total_blocks(self) -> int: ...       # 0 = unknown
+
+
+W = TypeVar("W", bound=DecodeWorker)
 
 
 @dataclass(slots=True)
@@ -101,7 +137,7 @@ def decode_score(c: DecodeCandidate, block_size: int, alpha: float, mean_load: f
     return c.matched_blocks * block_size - (alpha * pressure * excess if excess > 0 else 0.0)
 
 
-def fleet_pressure(candidates: Sequence[DecodeCandidate], block_size: int, mean_load: float) -> float:
+def fleet_pressure(candidates: Sequence[DecodeWorker], block_size: int, mean_load: float) -> float:
     """min(1, mean_load / (LOADED_POOL_FRACTION of the smallest KV pool among ``candidates``));
     1 when a pool is unknown."""
     pools = [c.total_blocks for c in candidates]
@@ -124,48 +160,58 @@ def _best(scored: list[tuple[float, int, int, str]], turn: int) -> str:
 
 def pick_decode(candidates: Sequence[DecodeCandidate], prompt_tokens: int, block_size: int,
                 alpha: float = 1.0, turn: int = 0, mode: str = "kv") -> str | None:
-    """The key of the decode worker for a request, or None when there is no candidate (see
-    "Cost" in the module docstring for how the highest score is found without scoring each)."""
-    if not candidates:
+    """The key of the decode worker for a request, or None when there is no candidate
+    (``pick_decode_workers`` over snapshots)."""
+    matched = {c.key: c.matched_blocks for c in candidates if c.matched_blocks}
+    return pick_decode_workers(candidates, matched, prompt_tokens, block_size, alpha, turn, mode)
+
+
+def pick_decode_workers(workers: Sequence[W], matched: Mapping[str, int], prompt_tokens: int, block_size: int,
+                        alpha: float = 1.0, turn: int = 0, mode: str = "kv") -> str | None:
+    """The key of the decode worker for a request, or None when there is no worker.
+    ``matched``: worker key -> leading blocks of the prompt it holds (absent: none). See "Cost"
+    in the module docstring for how the highest score is found without scoring each."""
+    if not workers:
         return None
     if mode == "round-robin":
-        return _round_robin([c.key for c in candidates], turn)
+        return _round_robin([w.key for w in workers], turn)
     need = -(-prompt_tokens // block_size) if block_size > 0 else 0
-    fitting = [c for c in candidates
-               if c.total_blocks <= 0 or c.total_blocks - c.used_blocks + c.matched_blocks >= need] or candidates
-    loads = [c.inflight_tokens + c.other_tokens for c in fitting]
+    get = matched.get
+    fitting = [w for w in workers if w.total_blocks <= 0 or w.free_blocks >= need
+               or w.free_blocks + get(w.key, 0) >= need] or workers
+    loads = [w.load_tokens for w in fitting]
     if mode == "least-loaded":
         return _least_loaded(fitting, loads, range(len(fitting)), turn)
     mean = sum(loads) / len(loads)
-    matched = [c.matched_blocks for c in fitting]
-    longest = max(matched)
-    top = [i for i, m in enumerate(matched) if m == longest]
+    held = [get(w.key, 0) for w in fitting] if matched else [0] * len(fitting)
+    longest = max(held)
+    top = [i for i, m in enumerate(held) if m == longest]
     if alpha == 0 or min(map(loads.__getitem__, top)) <= mean:
         # a holder of the longest prefix has no excess: its score, longest * block_size, is the
         # highest any worker can have; only such holders reach it, and the least loaded wins.
         if block_size > 0 and alpha >= 0:
             return _least_loaded(fitting, loads, top, turn)
     weight = alpha * fleet_pressure(fitting, block_size, mean)
-    best: tuple | None = None        # every candidate scored: decode_score, inlined
+    best: tuple | None = None        # every worker scored: decode_score, inlined
     ties: list[str] = []
-    for c, load in zip(fitting, loads):
+    for w, m, load in zip(fitting, held, loads):
         excess = load - mean
-        rank = (c.matched_blocks * block_size - (weight * excess if excess > 0 else 0.0), -load, -c.inflight_requests)
+        rank = (m * block_size - (weight * excess if excess > 0 else 0.0), -load, -w.inflight)
         if best is None or rank > best:
-            best, ties = rank, [c.key]
+            best, ties = rank, [w.key]
         elif rank == best:
-            ties.append(c.key)
+            ties.append(w.key)
     return ties[0] if len(ties) == 1 else _round_robin(ties, turn)
 
 
-def _least_loaded(fitting: Sequence[DecodeCandidate], loads: list[int], among: Sequence[int], turn: int) -> str:
+def _least_loaded(fitting: Sequence[DecodeWorker], loads: list[int], among: Sequence[int], turn: int) -> str:
     """Of ``fitting[i]`` for i in ``among``: the lowest load, then fewest requests, then round-robin."""
     low = min(map(loads.__getitem__, among))
     lightest = [i for i in among if loads[i] == low]
     if len(lightest) == 1:
         return fitting[lightest[0]].key
-    fewest = min(fitting[i].inflight_requests for i in lightest)
-    return _round_robin([fitting[i].key for i in lightest if fitting[i].inflight_requests == fewest], turn)
+    fewest = min(fitting[i].inflight for i in lightest)
+    return _round_robin([fitting[i].key for i in lightest if fitting[i].inflight == fewest], turn)
 
 
 def prefill_cost(c: PrefillCandidate, prompt_tokens: int, block_size: int) -> int:

@@ -117,6 +117,13 @@ class WorkerClient:
         # Other routers' load, from the last GetStats (see the module docstring).
         self.other_tokens = 0
         self.other_prompt_tokens = 0
+        # What the routing policy reads per worker per request, kept current where it changes
+        # (add_load, each GetStats; sync_figures after setting the fields above directly).
+        self.load_tokens = 0            # inflight_tokens + other_tokens
+        self.queued_prompt_tokens = 0   # inflight_prompt_tokens + other_prompt_tokens
+        self.free_blocks = 0            # last GetStats: num_total_blocks - num_used_blocks (0: none)
+        self.total_blocks = 0           # last GetStats: num_total_blocks (0: unknown)
+        self.prefill_tokens_per_s = 0.0 # last GetStats (0: unmeasured)
         # Prompt tokens this router sent here to compute, as a decayed counter (pdserve.router.pd_policy).
         self._prefill_counter = 0.0
         self._prefill_counter_at = 0.0
@@ -291,6 +298,16 @@ class WorkerClient:
                    stats.num_used_blocks * bs)
         self.other_tokens = max(0, held - own_tokens)
         self.other_prompt_tokens = max(0, stats.num_waiting_prefill_tokens - own_prompt)
+        self.sync_figures()
+
+    def sync_figures(self) -> None:
+        """Recompute the policy's figures (``load_tokens`` ...) from the load fields and ``stats``."""
+        s = self.stats
+        self.load_tokens = self.inflight_tokens + self.other_tokens
+        self.queued_prompt_tokens = self.inflight_prompt_tokens + self.other_prompt_tokens
+        self.free_blocks = s.num_total_blocks - s.num_used_blocks if s is not None else 0
+        self.total_blocks = s.num_total_blocks if s is not None else 0
+        self.prefill_tokens_per_s = s.prefill_tokens_per_s if s is not None else 0.0
 
     def mark_down(self, reason: str, quiet: bool = False) -> None:
         """Stop routing here; requests on its output stream get UNAVAILABLE; reconnect later."""
@@ -361,6 +378,8 @@ class WorkerClient:
         self.inflight += requests
         self.inflight_tokens += tokens
         self.inflight_prompt_tokens += prompt_tokens
+        self.load_tokens += tokens
+        self.queued_prompt_tokens += prompt_tokens
         if computed:
             now, window = time.monotonic(), self.settings.pd.rate_window_s
             decayed = decayed_rate(self._prefill_counter, self._prefill_counter_at, now, window)

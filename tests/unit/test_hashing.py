@@ -37,3 +37,16 @@ def test_chain_block_hash_and_extension_follow_the_definition() -> None:
                 assert block_hash(last, parent) == want[-1]
             half = want[:len(want) // 2]
             assert extend_chain(token_bytes(ids), bs, len(want), list(half)) == want
+
+
+def test_token_bytes_are_the_little_endian_int32_array() -> None:
+    """``token_bytes`` packs with struct; the bytes are those of ``array("i", ids)`` (the
+    definition) for any int32 ids, the extremes included."""
+    rng = random.Random(11)
+    for _ in range(300):
+        high = rng.choice([50, 49_152, 2**20, 2**31])
+        ids = [rng.randrange(high) for _ in range(rng.randrange(0, 3000))]
+        ids += rng.sample([0, 1, 2**31 - 1, -1, -(2**31)], rng.randrange(0, 3))
+        assert token_bytes(ids) == array("i", ids).tobytes() == struct.pack(f"<{len(ids)}i", *ids)
+    assert token_bytes(tuple(range(5))) == array("i", range(5)).tobytes()
+    assert token_bytes([]) == b""
