@@ -38,8 +38,9 @@ Decode worker (role decode or both), ``mode="kv"`` (the default)::
 The highest score wins; a worker whose last stats show too few allocatable blocks for the
 request (``num_total_blocks - num_used_blocks`` < blocks still needed) is only chosen when no
 worker fits. Ties (e.g. a prompt no worker holds: every worker at or below the mean scores 0)
-go to the lower ``load_tokens``, then fewer requests in flight, then round-robin (``turn``) so
-that equal workers share the load.
+go to the lower ``load_tokens``, then fewer requests in flight, then round-robin: the first tied
+worker at or after the ``turn``-th of all candidates in key order (so equal workers share the
+load even when the worker chosen last still looks busier for a moment).
 
 Prefill worker (role prefill), ``mode="kv"``::
 
@@ -145,9 +146,16 @@ def fleet_pressure(candidates: Sequence[DecodeWorker], block_size: int, mean_loa
     return min(1.0, mean_load / loaded) if loaded > 0 else 1.0
 
 
-def _round_robin(keys: list[str], turn: int) -> str:
+def _round_robin(keys: list[str], turn: int, pool: Sequence[str] = ()) -> str:
+    """The ``turn``-th of ``keys`` in key order. With ``pool`` (the keys of every candidate):
+    the first of ``keys`` at or after the ``turn``-th of the pool, wrapping, so that the turn
+    walks over the whole pool even when which workers tie changes from one request to the next."""
     keys.sort()
-    return keys[turn % len(keys)]
+    if not pool:
+        return keys[turn % len(keys)]
+    ordered = sorted(pool)
+    start = ordered[turn % len(ordered)]
+    return next((k for k in keys if k >= start), keys[0])
 
 
 def _best(scored: list[tuple[float, int, int, str]], turn: int) -> str:
@@ -201,7 +209,7 @@ def pick_decode_workers(workers: Sequence[W], matched: Mapping[str, int], prompt
             best, ties = rank, [w.key]
         elif rank == best:
             ties.append(w.key)
-    return ties[0] if len(ties) == 1 else _round_robin(ties, turn)
+    return ties[0] if len(ties) == 1 else _round_robin(ties, turn, [w.key for w in fitting])
 
 
 def _least_loaded(fitting: Sequence[DecodeWorker], loads: list[int], among: Sequence[int], turn: int) -> str:
@@ -211,7 +219,8 @@ def _least_loaded(fitting: Sequence[DecodeWorker], loads: list[int], among: Sequ
     if len(lightest) == 1:
         return fitting[lightest[0]].key
     fewest = min(fitting[i].inflight for i in lightest)
-    return _round_robin([fitting[i].key for i in lightest if fitting[i].inflight == fewest], turn)
+    return _round_robin([fitting[i].key for i in lightest if fitting[i].inflight == fewest], turn,
+                        [w.key for w in fitting])
 
 
 def prefill_cost(c: PrefillCandidate, prompt_tokens: int, block_size: int) -> int:

@@ -141,7 +141,8 @@ def test_load_costs_in_proportion_to_the_fleets_pressure() -> None:
 def test_a_saturated_fleet_balances_above_the_mean() -> None:
     """Mean 3,500 >= 2,048: pressure 1, the plain mean-relative rule. conv: 400 - (5,000 -
     3,500) = -1,100; the peers with 3,000: 40 - 0 -> the least loaded of them, then fewer
-    requests, then round-robin."""
+    requests (p1, p2), then round-robin: the first of them at or after the turn-th of all four
+    keys (conv p0 p1 p2): turns 0-2 -> p1, turn 3 -> p2."""
     conv = DecodeCandidate("conv", matched_blocks=100, inflight_tokens=5000, total_blocks=2048)
     p0 = DecodeCandidate("p0", matched_blocks=10, inflight_tokens=3000, inflight_requests=2, total_blocks=2048)
     p1 = DecodeCandidate("p1", matched_blocks=10, inflight_tokens=3000, inflight_requests=1, total_blocks=2048)
@@ -149,6 +150,7 @@ def test_a_saturated_fleet_balances_above_the_mean() -> None:
     assert fleet_pressure([conv, p0, p1, p2], BS, 3500) == 1.0
     assert decode_score(conv, BS, 1.0, mean_load=3500) == -1100
     assert pick_decode([conv, p0, p1, p2], 500, BS, turn=0) == "p1"
-    assert pick_decode([conv, p0, p1, p2], 500, BS, turn=1) == "p2"
+    assert pick_decode([conv, p0, p1, p2], 500, BS, turn=2) == "p1"
+    assert pick_decode([conv, p0, p1, p2], 500, BS, turn=3) == "p2"
     # the smallest pool sets the scale: one pool of 512 blocks -> pressure 1 at 512 * 4 / 4 = 512
     assert fleet_pressure([conv, DecodeCandidate("s", total_blocks=512)], BS, 256) == 0.5

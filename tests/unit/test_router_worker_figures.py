@@ -50,8 +50,17 @@ def _snapshot(c: WorkerClient, matched: dict[str, int]) -> DecodeCandidate:
                            c.other_tokens)
 
 
+def rotate(ties: list[str], pool: list[str], turn: int) -> str:
+    """The definition of the tie rule: the first tie at or after the ``turn``-th of the pool in
+    key order, wrapping."""
+    ordered = sorted(pool)
+    after = [k for k in sorted(ties) if k >= ordered[turn % len(ordered)]]
+    return (after or sorted(ties))[0]
+
+
 def _definition(cands: list[DecodeCandidate], prompt: int, alpha: float, turn: int, mode: str) -> str:
-    """Every fitting candidate ranked (kv: decode_score; least-loaded: load), ties round-robin by key."""
+    """Every fitting candidate ranked (kv: decode_score; least-loaded: load), ties round-robin over
+    the fitting candidates' keys."""
     if mode == "round-robin":
         keys = sorted(c.key for c in cands)
         return keys[turn % len(keys)]
@@ -67,7 +76,7 @@ def _definition(cands: list[DecodeCandidate], prompt: int, alpha: float, turn: i
 
     best = max(rank(c) for c in fitting)
     ties = sorted(c.key for c in fitting if rank(c) == best)
-    return ties[turn % len(ties)]
+    return ties[0] if len(ties) == 1 else rotate(ties, [c.key for c in fitting], turn)
 
 
 @functools.cache
