@@ -8,14 +8,17 @@ and send one small message on each, so every communicator is fully set up. Befor
 each process records ``torch.cuda.memory_reserved`` (the caching allocator: NCCL's own buffers
 are not in it) and ``torch.cuda.mem_get_info`` (device-wide used memory, which includes NCCL's
 buffers and CUDA contexts); ``nvidia-smi`` per-GPU used memory is recorded as well. The figure
-per channel is (used after N - used after 0) / N per GPU. Set NCCL env vars (NCCL_BUFFSIZE,
-NCCL_NCHANNELS_PER_NET_PEER, ...) before running to see their effect.
+per channel is (used after N - used after 0) / N per GPU; what is not given back once all are
+closed is reported per channel as well. Set NCCL env vars (NCCL_BUFFSIZE, NCCL_NCHANNELS_PER_NET_PEER,
+...) before running to see their effect; the NCCL_* variables set are recorded.
 """
 from __future__ import annotations
 
 import argparse
 import json
 import multiprocessing as mp
+import os
+import platform
 import subprocess
 import sys
 import time
@@ -55,9 +58,13 @@ def _side(rank: int, store_port: int, counts: list[int], q) -> None:
         rows.append({"channels": n, "device_used_bytes": _used(torch),
                      "torch_reserved_bytes": torch.cuda.memory_reserved()})
         q.put(("step", rank, n))
-    q.put(("rows", rank, rows))
     for ch in chans:
         ch.close()
+    torch.cuda.synchronize()
+    time.sleep(2.0)
+    rows.append({"channels": 0, "after_close_of": len(chans), "device_used_bytes": _used(torch),
+                 "torch_reserved_bytes": torch.cuda.memory_reserved()})
+    q.put(("rows", rank, rows))
     if server is not None:
         server.close()
 
@@ -88,14 +95,22 @@ def main(argv: list[str] | None = None) -> int:
                 smi[payload] = _smi()
     for pr in ps:
         pr.join(60)
-    result = {"counts": counts, "nvidia_smi_before_mib": smi0, "nvidia_smi_mib": smi, "per_rank": rows,
+    import torch
+    result = {"device": torch.cuda.get_device_name(0) if torch.cuda.is_available() else "none",
+              "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+              "command": "python -m bench.pair_channel_memory " + " ".join(argv if argv is not None else sys.argv[1:]),
+              "commit": os.environ.get("PDSERVE_GIT_COMMIT", ""), "host": platform.node(),
+              "torch": torch.__version__, "nccl": ".".join(map(str, torch.cuda.nccl.version())),
+              "nccl_env": {k: v for k, v in os.environ.items() if k.startswith("NCCL_")},
+              "counts": counts, "nvidia_smi_before_mib": smi0, "nvidia_smi_mib": smi, "per_rank": rows,
               "per_channel_bytes": {}}
     for rank, rr in rows.items():
-        base, last = rr[0], rr[-1]
+        base, last, closed = rr[0], rr[-2], rr[-1]
         n = last["channels"] or 1
         result["per_channel_bytes"][f"rank{rank}"] = {
             "device_used": (last["device_used_bytes"] - base["device_used_bytes"]) / n,
-            "torch_reserved": (last["torch_reserved_bytes"] - base["torch_reserved_bytes"]) / n}
+            "torch_reserved": (last["torch_reserved_bytes"] - base["torch_reserved_bytes"]) / n,
+            "not_returned_after_close": (closed["device_used_bytes"] - base["device_used_bytes"]) / n}
     print(json.dumps(result["per_channel_bytes"], indent=1))
     from pathlib import Path
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
