@@ -38,7 +38,35 @@ def _used(torch) -> int:
     return total - free
 
 
-def _side(rank: int, store_port: int, counts: list[int], q) -> None:
+def _bandwidth(ch, rank: int, torch, mib: int, reps: int = 10) -> float:
+    """GB/s of ``reps`` sends of ``mib`` MiB over ``ch`` (rank 0 sends, rank 1 receives)."""
+    x = torch.empty(mib << 20, dtype=torch.uint8, device="cuda")
+    io = ch.send if rank == 0 else ch.recv
+    io(x)
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    for _ in range(reps):
+        io(x)
+    torch.cuda.synchronize()
+    return reps * x.numel() / (time.perf_counter() - t0) / 1e9
+
+
+def _cycles(rank: int, store_port: int, n: int, torch, t) -> list[int]:
+    """Device memory used after each of ``n`` open-send-close cycles of one more channel."""
+    from pdserve.common.kv_transfer import PairChannel
+    used = []
+    for k in range(n):
+        ch = PairChannel(f"127.0.0.1:{store_port}", "p", "d", 1000 + k, rank, "cuda", timeout=120)
+        (ch.send if rank == 0 else ch.recv)(t)
+        torch.cuda.synchronize()
+        ch.close()
+        torch.cuda.synchronize()
+        time.sleep(0.5)
+        used.append(_used(torch))
+    return used
+
+
+def _side(rank: int, store_port: int, counts: list[int], q, bandwidth_mib: int, cycles: int) -> None:
     import torch
 
     from pdserve.common.kv_transfer import KvStoreServer, PairChannel
@@ -58,12 +86,14 @@ def _side(rank: int, store_port: int, counts: list[int], q) -> None:
         rows.append({"channels": n, "device_used_bytes": _used(torch),
                      "torch_reserved_bytes": torch.cuda.memory_reserved()})
         q.put(("step", rank, n))
+    gbps = _bandwidth(chans[0], rank, torch, bandwidth_mib) if bandwidth_mib and chans else None
     for ch in chans:
         ch.close()
     torch.cuda.synchronize()
     time.sleep(2.0)
     rows.append({"channels": 0, "after_close_of": len(chans), "device_used_bytes": _used(torch),
-                 "torch_reserved_bytes": torch.cuda.memory_reserved()})
+                 "torch_reserved_bytes": torch.cuda.memory_reserved(), "first_channel_send_gbps": gbps,
+                 "used_after_each_cycle": _cycles(rank, store_port, cycles, torch, t)})
     q.put(("rows", rank, rows))
     if server is not None:
         server.close()
@@ -74,12 +104,15 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--channels", default="1,2,4,8,16")
     p.add_argument("--store-port", type=int, default=29611)
     p.add_argument("--out", default="bench/results/pair_channel_memory.json")
+    p.add_argument("--bandwidth-mib", type=int, default=64, help="time sends of this size on the first channel")
+    p.add_argument("--cycles", type=int, default=0, help="then open, use and close one channel this many times")
     args = p.parse_args(argv)
     counts = [0] + [int(x) for x in args.channels.split(",")]
     smi0 = _smi()
     ctx = mp.get_context("spawn")
     q = ctx.Queue()
-    ps = [ctx.Process(target=_side, args=(r, args.store_port, counts, q)) for r in (0, 1)]
+    ps = [ctx.Process(target=_side,
+                          args=(r, args.store_port, counts, q, args.bandwidth_mib, args.cycles)) for r in (0, 1)]
     for pr in ps:
         pr.start()
     rows: dict[int, list] = {}
