@@ -59,6 +59,12 @@ def kv_max_channels() -> int:
     return get_int("KV_MAX_CHANNELS", 32)
 
 
+def kv_channel_max_ctas() -> int:
+    """Most CTAs (NCCL channels) one NCCL pair channel may use (``PDSERVE_KV_CHANNEL_MAX_CTAS``,
+    default 4; 0 = NCCL's choice). Each CTA holds its own buffers: see docs/design.md."""
+    return get_int("KV_CHANNEL_MAX_CTAS", 4)
+
+
 def kv_idle_close_s() -> float:
     """A prefill worker closes a pair channel unused this long (``PDSERVE_KV_IDLE_CLOSE_S``,
     default 300 s; 0 = never); a decode worker closes its side after twice that."""

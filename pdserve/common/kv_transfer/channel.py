@@ -21,6 +21,7 @@ from collections.abc import Callable, Iterable
 import torch
 import torch.distributed as dist
 
+from .. import env
 from .errors import KvTransferError
 from .store import connect_store
 
@@ -82,7 +83,8 @@ class PairChannel:
     ``store`` is ``"host:port"`` or a ``dist.Store``; ``rank`` 0 sends, 1 receives;
     ``device`` cpu -> Gloo, cuda -> NCCL; ``timeout`` (s) bounds the rendezvous and each
     ``send``/``recv``; ``cancel`` (rank 1) aborts the join when it returns True;
-    ``secret`` must be the same on both ranks (empty: none).
+    ``secret`` must be the same on both ranks (empty: none); ``max_ctas`` caps the CTAs NCCL
+    gives the communicator (None: ``PDSERVE_KV_CHANNEL_MAX_CTAS``; 0: NCCL's choice).
     """
 
     def __init__(self, store: str | dist.Store, prefill_id: str, decode_id: str, epoch: int,
@@ -90,7 +92,7 @@ class PairChannel:
                  timeout: float = DEFAULT_TIMEOUT,
                  stream: torch.cuda.Stream | None = None,
                  cancel: Callable[[], bool] | None = None,
-                 high_priority: bool = False, secret: str = "") -> None:
+                 high_priority: bool = False, secret: str = "", max_ctas: int | None = None) -> None:
         if rank not in (0, 1):
             raise KvTransferError(f"rank must be 0 (prefill) or 1 (decode), got {rank}")
         self.prefix = channel_prefix(prefill_id, decode_id, epoch)   # for logs: no secret
@@ -101,6 +103,9 @@ class PairChannel:
         self.rank = rank
         self.peer = 1 - rank
         self.timeout = float(timeout)
+        self.max_ctas = env.kv_channel_max_ctas() if max_ctas is None else int(max_ctas)
+        if self.max_ctas < 0:
+            raise KvTransferError(f"max_ctas must be >= 0, got {self.max_ctas}")
         device = torch.device(device)
         if device.type == "cuda" and device.index is None:
             device = torch.device("cuda", torch.cuda.current_device())
@@ -207,6 +212,8 @@ class PairChannel:
         opts.is_high_priority_stream = bool(high_priority)
         # Backstop only: this module aborts the group itself at its own timeout.
         opts._timeout = _seconds(2 * self.timeout + 30.0)
+        if self.max_ctas:
+            _cap_ctas(opts, self.max_ctas)
         for attr, value in (("group_name", self.prefix), ("global_ranks_in_group", [0, 1])):
             try:
                 setattr(opts, attr, value)
@@ -370,6 +377,19 @@ class PairChannel:
             self._store = None
         if pg is not None:
             _abort_pg(pg, self.is_cuda)
+
+
+def _cap_ctas(opts, max_ctas: int) -> None:
+    """At most ``max_ctas`` CTAs for the communicator: its buffers are per CTA (on nvidia-h200-x2,
+    NCCL 2.28: 261 / 517 MiB per pair channel on the sending / receiving GPU by default, 37 / 69 MiB
+    with 4; bench/NOTES.md)."""
+    config = getattr(opts, "config", None)
+    if config is None or not hasattr(config, "max_ctas"):
+        log.warning("this torch cannot cap NCCL CTAs per communicator: pair channels use NCCL's default")
+        return
+    config.max_ctas = max_ctas
+    if getattr(config, "min_ctas", 0) > max_ctas:
+        config.min_ctas = max_ctas
 
 
 _POLL_SLEEP_S = 10e-6
