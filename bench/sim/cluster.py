@@ -29,6 +29,7 @@ class SimConfig:
     prefill_blocks: int = 512
     block_size: int = 16
     kv_max_channels: int = 32
+    migration_limit: int = 2          # routers continue a stream cut after its first token (churn)
     standalone_decode: int = 0        # of num_decode: one process each (churn)
     standalone_prefill: int = 0
     late_decode: int = 0              # listed to the routers, started later (churn: added)
@@ -100,7 +101,7 @@ class Cluster:
                 port, decode=self.decode + self.decode_late, prefill=self.prefill + self.prefill_late, model="default",
                 extra=["--routing", c.routing, "--load-alpha", str(c.load_alpha), "--router-id", f"r{i}",
                        "--metrics-port", str(procs.free_port()), "--block-size", str(c.block_size),
-                       ],
+                       "--migration-limit", str(c.migration_limit)],
                 log_dir=self.log_dir))
         for r in self.routers:      # the later --metrics-port wins over procs.router's 0
             r.start()

@@ -4,7 +4,8 @@ Remote prefill (``prefill`` set): Reserve(decode) -> Prefill(prefill, kv_target)
 then the decode worker's Subscribe outputs. Local prefill (``prefill`` None, or Reserve refused
 RESOURCE_EXHAUSTED): Submit(decode), then its outputs. ``next()`` returns the next step's merged
 :class:`~pdserve.common.outputs.SequenceOutput` (``finish_reason`` None until the last). Before the
-first token every failure is raised as :class:`Retry`; after it, as the mapped domain error.
+first token every failure is raised as :class:`Retry`; after it, a failure another worker could
+continue from (the worker or its stream failed) as :class:`Cut`, any other as the mapped domain error.
 """
 from __future__ import annotations
 
@@ -30,6 +31,16 @@ _NOT_RETRYABLE = (grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.OUT_OF_RANGE
 
 class Retry(Exception):
     """A failure before the first token: ``cause`` is what the client gets if no retry is left."""
+
+    def __init__(self, cause: PdserveError, worker_key: str) -> None:
+        super().__init__(str(cause))
+        self.cause = cause
+        self.worker_key = worker_key
+
+
+class Cut(Exception):
+    """A stream that failed after its first token on ``worker_key`` (``cause``: what the client
+    gets unless the flow continues the request elsewhere)."""
 
     def __init__(self, cause: PdserveError, worker_key: str) -> None:
         super().__init__(str(cause))
@@ -86,8 +97,8 @@ class Attempt:
             retryable = not isinstance(err, DeadlineExceeded)
         if self.expired or self.job.expired():
             return DeadlineExceeded("deadline passed")
-        if retryable and not self.first_seen:
-            return Retry(mapped, worker.key)
+        if retryable:
+            return Cut(mapped, worker.key) if self.first_seen else Retry(mapped, worker.key)
         return mapped
 
     async def start(self) -> None:
@@ -199,7 +210,7 @@ class Attempt:
         for item in items:                 # merged into one step (one client message)
             if isinstance(item, BaseException):
                 if step.token_ids:         # deliver the tokens first, fail on the next call
-                    self.first_seen = True     # (so not as a Retry: tokens went out)
+                    self.first_seen = True     # (so as a Cut, not a Retry: tokens went out)
                     self._pending = self._fail(item, self.decode, "output stream")
                     break
                 raise self._fail(item, self.decode, "output stream")

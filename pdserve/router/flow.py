@@ -31,7 +31,7 @@ from pdserve.common.grpc_utils.convert import finish_reason_name
 from pdserve.common.outputs import FinishReason, SequenceOutput
 from pdserve.common.sampling_params import SamplingParams
 from pdserve.common.worker_types import Role
-from pdserve.router.attempt import Attempt, Retry
+from pdserve.router.attempt import Attempt, Cut, Retry
 from pdserve.router.metrics import RouterMetrics
 from pdserve.router.output import OutputProcessor, TextOutput
 from pdserve.router.pd_policy import (
@@ -185,10 +185,10 @@ class Flow:
                                    prefill_tokens=uncached_tokens(n, matches.get(key, 0), bs))
         return decision
 
-    async def _start(self, job: Job) -> tuple[Attempt, SequenceOutput]:
+    async def _start(self, job: Job, excluded: set[str] | None = None) -> tuple[Attempt, SequenceOutput]:
         """Start the request and wait for its first step; retried on other workers (each failed
         worker excluded) up to MAX_ATTEMPTS tries, while workers remain and the deadline allows."""
-        excluded: set[str] = set()
+        excluded = set() if excluded is None else excluded
         last: Retry | None = None
         for attempt_no in range(MAX_ATTEMPTS):
             job.matched = None          # the index may have changed since the last try
@@ -268,8 +268,11 @@ class Flow:
             att, step = await self._start(job)
             out = self._open_output(job)     # made by _after_send, normally
             first = True
+            generated: list[int] = []        # every token sent so far (a migration's prompt tail)
+            migrations = 0
+            cached: int | None = None        # the first attempt's, once a migration replaced it
             while True:
-                answer = self._respond(job, out, att, step)
+                answer = self._respond(job, out, att.cached_tokens if cached is None else cached, step)
                 if answer is not None:
                     resp, done, stop_hit = answer
                     if first:       # observed after the yield: the message goes out first
@@ -284,12 +287,21 @@ class Flow:
                         reason = finish_reason_name(resp.finish_reason, resp.matched_stop is not None)
                         self.metrics.finish.labels(reason).inc()
                         break
-                step = await att.next()
+                generated.extend(step.token_ids)
+                try:
+                    step = await att.next()
+                except Cut as cut:
+                    if not self._can_migrate(job, generated, migrations):
+                        raise cut.cause from None
+                    migrations += 1
+                    cached = att.cached_tokens if cached is None else cached
+                    att.close(cancel_workers=True)
+                    att, step = await self._migrate(job, generated, cut)
             status = "OK"
         except asyncio.CancelledError:
             status = "DEADLINE_EXCEEDED" if job.expired() else "CANCELLED"
             raise
-        except Retry as r:          # a failure on a step that carried no token yet: no retry now
+        except Retry as r:          # a step failed before any token went out
             status = r.cause.code.name
             raise r.cause from None
         except PdserveError as e:
@@ -308,7 +320,26 @@ class Flow:
             self.metrics.requests.labels(method, status).inc()
             self.metrics.e2e.observe(time.monotonic() - started)
 
-    def _respond(self, job: Job, out: OutputProcessor, att: Attempt, step: SequenceOutput
+    def _can_migrate(self, job: Job, generated: list[int], migrations: int) -> bool:
+        """A stream cut after its first token may go on elsewhere: within the limit and the
+        deadline, with tokens left to make, and only when continuing from prompt + output is
+        the same request (presence / frequency penalties count output tokens only)."""
+        s = job.sampling
+        return (migrations < self.settings.migration_limit and not job.expired()
+                and len(generated) < s.max_tokens and s.presence_penalty == 0.0 and s.frequency_penalty == 0.0)
+
+    async def _migrate(self, job: Job, generated: list[int], cut: Cut) -> tuple[Attempt, SequenceOutput]:
+        """The rest of ``job`` on other workers: its prompt followed by the tokens already sent as
+        the new prompt, the tokens left as its budget; the output processor goes on as it was."""
+        log.info("request %s: %s after %d tokens; continuing on another worker", job.request_id,
+                 cut.cause.message, len(generated))
+        self.metrics.migrations.inc()
+        rest = replace(job, prompt=Prompt(job.prompt.token_ids + generated, job.prompt.field),
+                       sampling=replace(job.sampling, max_tokens=job.sampling.max_tokens - len(generated)),
+                       hash_chain=None, matched=None, on_dispatch=None)
+        return await self._start(rest, {cut.worker_key})
+
+    def _respond(self, job: Job, out: OutputProcessor, cached_tokens: int, step: SequenceOutput
                  ) -> tuple[TextOutput, bool, bool] | None:
         """(output to send, request finished, finished by a stop string); None: nothing to send
         (and not finished)."""
@@ -328,9 +359,9 @@ class Flow:
             resp.finish_reason = reason
             resp.num_prompt_tokens = len(job.prompt.token_ids)
             resp.num_output_tokens = out.num_tokens
-            resp.num_cached_tokens = att.cached_tokens
+            resp.num_cached_tokens = cached_tokens
             resp.matched_stop = matched
-            self.metrics.cached_tokens.inc(att.cached_tokens)
+            self.metrics.cached_tokens.inc(cached_tokens)
         stop_hit = matched is not None and step.finish_reason is None
         return resp, done, stop_hit
 

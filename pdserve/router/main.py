@@ -57,6 +57,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    default=env.get("ROUTER_ROUTING", d.routing),
                    help="placement policy: kv (cached prefix weighed against load), or the baselines least-loaded "
                         "and round-robin (env PDSERVE_ROUTER_ROUTING)")
+    p.add_argument("--migration-limit", type=int, default=env.get_int("ROUTER_MIGRATION_LIMIT", d.migration_limit),
+                   help="times a stream cut after its first token (its worker died) is continued on another "
+                        "worker: prompt + the tokens sent so far as its new prompt; 0 = fail it "
+                        "(env PDSERVE_ROUTER_MIGRATION_LIMIT)")
     add_pd_arguments(p)
     p.add_argument("--router-id", default=env.get("ROUTER_ID", None),
                    help="this router's id on the workers' Subscribe streams (default: random) (env PDSERVE_ROUTER_ID)")
@@ -134,7 +138,7 @@ async def _serve(args: argparse.Namespace) -> None:
         router_id=args.router_id or f"router-{uuid.uuid4().hex[:8]}", block_size=args.block_size,
         lease_ms=args.lease_ms, worker_timeout_s=args.worker_timeout_s, dns_refresh_s=args.dns_refresh_s,
         load_alpha=args.load_alpha, drain_grace_s=args.drain_grace_s, routing=args.routing,
-        pd=pd_config_from_args(args))
+        migration_limit=args.migration_limit, pd=pd_config_from_args(args))
     spec = resolve_spec(args.model)
     tokenizer = await asyncio.to_thread(RouterTokenizer, spec.tokenizer_dir) if spec.tokenizer_dir else None
     log.info("router %s: model %s (context %d, vocab %d, %s)", settings.router_id, spec.name, spec.max_model_len,

@@ -40,6 +40,8 @@ class RouterMetrics:
         self.in_flight = Gauge("pdserve_router_in_flight", "Generate requests in flight", registry=r)
         self.retries = Counter("pdserve_router_retries", "Requests retried on another worker before their "
                                "first token", registry=r)
+        self.migrations = Counter("pdserve_router_migrations", "Streams cut after their first token and "
+                                  "continued on another worker", registry=r)
         self.decision = Histogram("pdserve_router_decision_seconds", "Time to choose the workers of a request "
                                   "(prefix match + policy)", buckets=_DECISION_BUCKETS, registry=r)
         self.workers_up = Gauge("pdserve_router_workers_up", "Healthy registered workers by role", ["role"],

@@ -52,4 +52,9 @@ class RouterSettings:
     load_alpha: float = 1.0        # policy weight of a decode worker's load (see pdserve.router.policy)
     drain_grace_s: float = 30.0
     routing: str = "kv"            # placement: kv | least-loaded | round-robin (see pdserve.router.policy)
+    migration_limit: int = 0       # times a stream cut after its first token is continued elsewhere (flow.py)
     pd: PdConfig = PdConfig()      # local vs remote prefill, SLOs (see pdserve.router.pd_policy)
+
+    def __post_init__(self) -> None:
+        if self.migration_limit < 0:
+            raise ValueError(f"migration_limit must be >= 0, got {self.migration_limit}")

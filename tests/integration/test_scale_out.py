@@ -2,7 +2,10 @@
 processes. A shared-prefix run spreads over every decode worker while each system prompt's
 blocks stay on one or two of them, outputs equal the offline engine's and every pool ends
 whole; then one decode worker is killed and one prefill worker drained (SIGTERM) under load,
-and no request fails before its first token (those are retried on other workers)."""
+and no request fails before its first token (those are retried on other workers). The router
+continues a stream cut after its first token on another worker (``--migration-limit``): the
+requests the kill cuts complete, and one long stream whose decode worker is killed under it
+ends with the offline engine's tokens."""
 from __future__ import annotations
 
 import signal
@@ -49,19 +52,24 @@ def expected(offline, prompts):
 
 @pytest.fixture(scope="module")
 def dep(tmp_path_factory):
-    d = services.start(tmp_path_factory.mktemp("scale"), num_prefill=2, num_decode=3)
+    d = services.start(tmp_path_factory.mktemp("scale"), num_prefill=2, num_decode=3,
+                       router_args=["--migration-limit", "2"])
     yield d
     d.stop()
 
 
-def stream(d, tokens: list[int], max_tokens: int = MAX_TOKENS) -> tuple[list[int], int | None]:
-    """(token ids, None) on success; (tokens streamed, status code) on failure."""
+def stream(d, tokens: list[int], max_tokens: int = MAX_TOKENS, ignore_eos: bool = False,
+           on_tokens=None) -> tuple[list[int], int | None]:
+    """(token ids, None) on success; (tokens streamed, status code) on failure. ``on_tokens``
+    is called with the ids so far after each message."""
     ids: list[int] = []
-    req = router_pb2.GenerateRequest(token_ids=router_pb2.TokenIds(ids=tokens),
-                                     params=common_pb2.SamplingParams(temperature=0, max_tokens=max_tokens))
+    req = router_pb2.GenerateRequest(token_ids=router_pb2.TokenIds(ids=tokens), params=common_pb2.SamplingParams(
+        temperature=0, max_tokens=max_tokens, ignore_eos=ignore_eos))
     try:
         for msg in d.router_stub().Generate(req, timeout=180):
             ids.extend(msg.token_ids)
+            if on_tokens is not None:
+                on_tokens(ids)
     except grpc.RpcError as e:
         return ids, e.code()
     return ids, None
@@ -114,12 +122,40 @@ def test_kill_decode_and_drain_prefill_under_load(dep, prompts, expected):
         time.sleep(0.15)
     for th in threads:
         th.join(180)
-    before_first = [i for i, (ids, err) in enumerate(results) if err is not None and not ids]
-    assert not before_first, f"requests failed before their first token: {[results[i][1] for i in before_first]}"
-    ok = [(flat[i], ids) for i, (ids, err) in enumerate(results) if err is None]
-    assert len(ok) >= len(flat) // 2          # only streams cut on the killed worker may fail
-    for p, ids in ok:
+    failed = [(i, len(ids), err) for i, (ids, err) in enumerate(results) if err is not None]
+    assert not failed, f"requests failed (index, tokens streamed, code): {failed}"
+    for p, (ids, _) in zip(flat, results):
         assert ids == expected[tuple(p)]
     assert dep.services["prefill1"].proc.wait(60) is not None              # drained and exited
     for a in (dep.decode[0], dep.decode[1], dep.prefill[0]):
         dep.wait_whole(a, tries=300)
+
+
+LONG = 40
+
+
+def test_stream_cut_after_its_first_token_goes_on_elsewhere(dep, offline, prompts):
+    """The decode worker of a running stream killed after its first tokens: the router goes on
+    from prompt + the tokens already sent on the other decode worker; the client sees one
+    stream with the offline engine's greedy tokens. Runs last: it leaves one decode worker."""
+    p = prompts[TOPICS[1]][2]
+    want = offline.generate([p], SamplingParams(temperature=0, max_tokens=LONG, ignore_eos=True),
+                            use_tqdm=False)[0].token_ids
+    live = [f"decode{i}" for i in range(len(dep.decode)) if dep.services[f"decode{i}"].proc.poll() is None]
+    assert len(live) >= 2
+    killed: list[str] = []
+
+    def kill_its_decode_worker(ids: list[int]) -> None:
+        if killed or len(ids) < 4:
+            return
+        for name in live:
+            if dep.stats(dep.services[name].address).num_running:
+                dep.kill(name)
+                killed.append(name)
+                return
+
+    ids, err = stream(dep, p, LONG, ignore_eos=True, on_tokens=kill_its_decode_worker)
+    assert killed, "the stream's decode worker was not found running it"
+    assert err is None and ids == want
+    survivor = next(n for n in live if n not in killed)
+    dep.wait_whole(dep.services[survivor].address, tries=300)

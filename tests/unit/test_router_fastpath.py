@@ -15,7 +15,7 @@ from pdserve.common.outputs import FinishReason, SequenceOutput  # noqa: E402
 from pdserve.common.sampling_params import SamplingParams  # noqa: E402
 from pdserve.common.worker_types import PREFILL_CAPABLE, Reservation  # noqa: E402
 from pdserve.loadtest.scripted_state import Outbox  # noqa: E402
-from pdserve.router.attempt import Attempt  # noqa: E402
+from pdserve.router.attempt import Attempt, Cut  # noqa: E402
 from pdserve.router.output import OutputProcessor  # noqa: E402
 from pdserve.router.prefix_index import PrefixIndex  # noqa: E402
 from pdserve.router.subscription import OutputBuffer  # noqa: E402
@@ -73,8 +73,9 @@ def test_everything_buffered_is_one_step_and_an_error_comes_after_the_tokens() -
         att.queue.put_nowait(Unavailable("stream broke"))
         step = await att.next()
         assert step.token_ids == [0, 10, 1, 11, 2, 12, 3, 13, 4, 14] and step.finish_reason is None
-        with pytest.raises(Unavailable):
+        with pytest.raises(Cut) as cut:         # the flow may continue it elsewhere (a migration)
             await att.next()
+        assert isinstance(cut.value.cause, Unavailable) and cut.value.worker_key == att.decode.key
 
     asyncio.run(scenario())
 
