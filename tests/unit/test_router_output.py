@@ -29,9 +29,8 @@ def _respond(steps: list[SequenceOutput], stop: tuple[str, ...] = (), logprobs: 
     flow = SimpleNamespace(metrics=SimpleNamespace(cached_tokens=SimpleNamespace(inc=lambda n: None)))
     job = SimpleNamespace(request_id="req", sampling=SimpleNamespace(logprobs=logprobs),
                           prompt=SimpleNamespace(token_ids=[1, 2, 3]))
-    att = SimpleNamespace(cached_tokens=2)
     proc = OutputProcessor(CharTokenizer(), stop)
-    answers = [Flow._respond(flow, job, proc, att, step) for step in steps]   # type: ignore[arg-type]
+    answers = [Flow._respond(flow, job, proc, 2, step) for step in steps]   # type: ignore[arg-type]
     return [a for a in answers if a is not None]
 
 
