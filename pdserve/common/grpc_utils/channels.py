@@ -1,6 +1,8 @@
 """Long-lived client channels that follow rotated credentials: :class:`RenewingChannels` keeps
 one channel per address and, when the credential files' stamp changes, makes new channels for
-later calls and closes the old ones after ``grace_s``.
+later calls and closes the old ones after ``grace_s``. A channel found in TRANSIENT_FAILURE (its
+peer went away) is replaced the same way, so a call to a peer restarted at the same address
+connects at once instead of failing until the old channel's reconnect backoff ends.
 """
 from __future__ import annotations
 
@@ -9,6 +11,7 @@ import logging
 from collections.abc import Sequence
 from typing import Any
 
+import grpc
 import grpc.aio
 
 from pdserve.common.grpc_utils.server import client_channel
@@ -20,16 +23,23 @@ RETIRE_GRACE_S = 60.0
 
 class RenewingChannels:
     def __init__(self, options: Sequence[tuple[str, Any]] = (), grace_s: float = RETIRE_GRACE_S) -> None:
-        self.options = list(options)
+        # its own subchannels: a new channel to a peer must not inherit a shared subchannel's backoff
+        self.options = [*options, ("grpc.use_local_subchannel_pool", 1)]
         self.grace_s = grace_s
         self._stamp = default_client_security().files_stamp()
         self._channels: dict[str, grpc.aio.Channel] = {}
         self.num_renewals = 0
+        self.num_reconnects = 0       # channels replaced because they were in TRANSIENT_FAILURE
 
     def get(self, address: str) -> grpc.aio.Channel:
-        """The channel to ``address``, made anew if the credential files changed."""
+        """The channel to ``address``, made anew if the credential files changed or it is in
+        TRANSIENT_FAILURE."""
         self.renew_if_rotated()
         channel = self._channels.get(address)
+        if channel is not None and channel.get_state() is grpc.ChannelConnectivity.TRANSIENT_FAILURE:
+            asyncio.get_running_loop().call_later(self.grace_s, _close_later, [channel])
+            self.num_reconnects += 1
+            channel = None
         if channel is None:
             channel = self._channels[address] = client_channel(address, options=self.options)
         return channel
