@@ -83,6 +83,8 @@ class Attempt:
 
     def _fail(self, err: BaseException, worker: WorkerClient, where: str) -> BaseException:
         """Map ``err`` (an rpc error or a domain error) and decide whether to retry."""
+        if isinstance(err, (Cut, Retry)):      # already decided (a failed KV transfer, queued)
+            return err
         if isinstance(err, grpc.aio.AioRpcError):
             code = err.code()
             if code == grpc.StatusCode.UNAVAILABLE:

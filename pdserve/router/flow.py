@@ -75,6 +75,7 @@ class Job:
     # its response headers then, off the path of the first token); may be called again on a retry.
     on_dispatch: Callable[[], None] | None = None
     output: OutputProcessor | None = None  # made once the first worker rpc is sent (Flow._after_send)
+    origin: Job | None = None        # a migration's continuation: the request's first Job
 
     def dispatched(self) -> None:
         if self.on_dispatch is not None:
@@ -296,6 +297,7 @@ class Flow:
                     migrations += 1
                     cached = att.cached_tokens if cached is None else cached
                     att.close(cancel_workers=True)
+                    att = None
                     att, step = await self._migrate(job, generated, cut)
             status = "OK"
         except asyncio.CancelledError:
@@ -336,7 +338,7 @@ class Flow:
         self.metrics.migrations.inc()
         rest = replace(job, prompt=Prompt(job.prompt.token_ids + generated, job.prompt.field),
                        sampling=replace(job.sampling, max_tokens=job.sampling.max_tokens - len(generated)),
-                       hash_chain=None, matched=None, on_dispatch=None)
+                       hash_chain=None, matched=None, on_dispatch=None, origin=job.origin or job)
         return await self._start(rest, {cut.worker_key})
 
     def _respond(self, job: Job, out: OutputProcessor, cached_tokens: int, step: SequenceOutput

@@ -27,7 +27,7 @@ class ObservedFlow(Flow):
         self._arrivals: dict[int, tuple[float, object]] = {}   # id(job) -> (time.time(), span parent)
 
     def dispatched(self, att: Attempt) -> None:
-        key = id(att.job)
+        key = id(att.job.origin or att.job)       # a migration's continuation counts as its request
         route = LOCAL if att.prefill is None else REMOTE
         if key not in self._routes and telemetry.enabled():
             arrival = self._arrivals.get(key)

@@ -80,6 +80,21 @@ def test_everything_buffered_is_one_step_and_an_error_comes_after_the_tokens() -
     asyncio.run(scenario())
 
 
+def test_a_queued_transfer_failure_keeps_its_status_and_worker() -> None:
+    """A KV transfer that failed after the first token is queued already decided (a Cut naming
+    the prefill worker): next() raises it as it is, not wrapped as INTERNAL on the decode worker."""
+    async def scenario() -> None:
+        att = _attempt()
+        att.first_seen = True
+        queued = Cut(Unavailable("decode worker refused the KV"), "p")
+        att.queue.put_nowait(queued)
+        with pytest.raises(Cut) as cut:
+            await att.next()
+        assert cut.value is queued and isinstance(cut.value.cause, Unavailable)
+
+    asyncio.run(scenario())
+
+
 def test_step_ends_at_the_finish_reason() -> None:
     async def scenario() -> None:
         att = _attempt()
