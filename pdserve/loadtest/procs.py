@@ -233,11 +233,17 @@ async def _all_serving(services: Sequence[Service], timeout: float) -> None:
     await asyncio.gather(*(_serving(svc, timeout) for svc in services if svc.address))
 
 
+EXIT_SETTLE_S = 0.5    # after SERVING: long enough for a child that failed to bind to have exited
+
+
 def wait_ready(services: Sequence[Service], timeout: float = 120.0) -> None:
     """Until every service with an address is SERVING (gRPC health), all at once.
-    :class:`ServiceExited` (with the end of its log) as soon as one exits; TimeoutError (naming
-    it) after ``timeout`` s."""
+    :class:`ServiceExited` (with the end of its log) as soon as one exits, also when it exits
+    while another process answers on its address (a port taken between its pick and its bind);
+    TimeoutError (naming it) after ``timeout`` s."""
     _run(_first(_all_serving(services, timeout), lambda: _check_running(services)))
+    time.sleep(EXIT_SETTLE_S)
+    _check_running(services)
 
 
 async def _workers_seen(router: str, num_prefill: int, num_decode: int, timeout: float) -> dict:

@@ -37,3 +37,41 @@ def test_stop_kills_what_ignores_sigterm_after_the_grace():
     svc.stop(timeout=1.0)
     assert svc.proc is not None and svc.proc.returncode == -9 and time.monotonic() - start < 10
     svc.stop(timeout=1.0)         # exited already: nothing to do
+
+
+def test_wait_ready_notices_a_service_whose_port_another_process_answers(tmp_path):
+    """A port taken between its pick and the child's bind: health SERVING comes from the other
+    process, the child exits on its bind error; waiting must still fail, naming the child."""
+    import asyncio
+    import threading
+
+    from pdserve.common.grpc_utils.server import build_server
+
+    ready, done = threading.Event(), threading.Event()
+    holder: dict = {}
+
+    def serve() -> None:               # the process already on the port: a SERVING gRPC server
+        async def main() -> None:
+            server = build_server("127.0.0.1:0", [])
+            await server.start()
+            await server.set_serving(True)
+            holder["port"] = server.port
+            ready.set()
+            while not done.is_set():
+                await asyncio.sleep(0.05)
+            await server.stop_now()
+        asyncio.run(main())
+
+    thread = threading.Thread(target=serve, daemon=True)
+    thread.start()
+    assert ready.wait(30)
+    code = "import time; time.sleep(0.1); print('cannot bind: address in use'); raise SystemExit(1)"
+    child = procs.Service("late", [sys.executable, "-S", "-c", code], f"127.0.0.1:{holder['port']}",
+                          tmp_path / "late.log").start()
+    try:
+        with pytest.raises(procs.ServiceExited, match="late exited"):
+            procs.wait_ready([child], timeout=30)
+    finally:
+        done.set()
+        thread.join(10)
+        procs.stop_all([child])
