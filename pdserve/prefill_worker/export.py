@@ -18,7 +18,13 @@ from pdserve.common import telemetry
 from pdserve.common.engine.llm_engine import DuplicateRequest
 from pdserve.common.grpc_utils.channels import RenewingChannels
 from pdserve.common.grpc_utils.convert import finish_reason_to_proto, sampling_params_for_prompt
-from pdserve.common.grpc_utils.errors import AlreadyExists, Cancelled, DeadlineExceeded, InvalidArgument, Unavailable
+from pdserve.common.grpc_utils.errors import (
+    AlreadyExists,
+    Cancelled,
+    DeadlineExceeded,
+    InvalidArgument,
+    PeerUnavailable,
+)
 from pdserve.common.kv_transfer import KvTransferError
 from pdserve.common.outputs import FinishReason
 from pdserve.common.serving.engine_loop import EngineHooks
@@ -155,11 +161,11 @@ class KvExport:
                     self.runtime.engine.model_runner.kv_cache, src, ready_event=launched.kv_ready,
                     first_token=launched.first_token)
             except KvTransferError as e:
-                raise Unavailable(f"KV transfer to {t.decode_worker_id} failed: {e}") from e
+                raise PeerUnavailable(f"KV transfer to {t.decode_worker_id} failed: {e}", t.decode_address) from e
         try:                        # the next request's PushKV may go out meanwhile
             await asyncio.to_thread(pending.wait)
         except KvTransferError as e:
-            raise Unavailable(f"KV transfer to {t.decode_worker_id} failed: {e}") from e
+            raise PeerUnavailable(f"KV transfer to {t.decode_worker_id} failed: {e}", t.decode_address) from e
         elapsed_ms = (time.perf_counter() - started) * 1000
         self.num_transfers += 1
         self.transfer_bytes += len(src) * block_bytes
@@ -179,8 +185,8 @@ class KvExport:
                 # the receive may have been posted, or the decode worker refused this epoch:
                 # either way the pair starts a new epoch
                 await asyncio.to_thread(self.sender.mark_broken, t.decode_worker_id, f"PushKV {e.code().name}")
-            raise Unavailable(f"decode worker {t.decode_worker_id} refused the KV: "
-                              f"{e.code().name}: {e.details()}") from e
+            raise PeerUnavailable(f"decode worker {t.decode_worker_id} refused the KV: "
+                                  f"{e.code().name}: {e.details()}", t.decode_address) from e
 
     def _release_after(self, rid: str, transfer: asyncio.Future | None) -> None:
         """Free the request's blocks once no send reads them any more."""

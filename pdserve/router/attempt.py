@@ -15,7 +15,14 @@ import logging
 import grpc
 import grpc.aio
 
-from pdserve.common.grpc_utils import DeadlineExceeded, Internal, PdserveError, Unavailable, from_rpc_error
+from pdserve.common.grpc_utils import (
+    DeadlineExceeded,
+    Internal,
+    PdserveError,
+    Unavailable,
+    from_rpc_error,
+    unavailable_peer,
+)
 from pdserve.common.outputs import FinishReason, SequenceOutput
 from pdserve.common.worker_types import Reservation
 from pdserve.router.pd_policy import PdDecision
@@ -88,7 +95,7 @@ class Attempt:
         if isinstance(err, grpc.aio.AioRpcError):
             code = err.code()
             if code == grpc.StatusCode.UNAVAILABLE:
-                worker.mark_down(f"{where}: {err.details()}")
+                self._mark_down(err, worker, where)
             if code == grpc.StatusCode.DEADLINE_EXCEEDED and self.job.expired():
                 return DeadlineExceeded(f"deadline passed during {where}")
             mapped: PdserveError = from_rpc_error(err)
@@ -102,6 +109,18 @@ class Attempt:
         if retryable:
             return Cut(mapped, worker.key) if self.first_seen else Retry(mapped, worker.key)
         return mapped
+
+    def _mark_down(self, err: grpc.aio.AioRpcError, worker: WorkerClient, where: str) -> None:
+        """An UNAVAILABLE from ``worker`` marks it down, unless it names this request's decode
+        worker as the peer at fault (a prefill worker whose KV the decode worker refused: the
+        prefill worker is up, and the decode worker is left to its own health checks). The retry
+        avoids ``worker`` either way: without it, the pair does not meet again for this request."""
+        peer = unavailable_peer(err)
+        if peer and peer == self.decode.address and worker is not self.decode:
+            log.info("request %s: %s on %s failed on the decode worker %s: %s", self.rid, where, worker.key,
+                     self.decode.key, err.details())
+            return
+        worker.mark_down(f"{where}: {err.details()}")
 
     async def start(self) -> None:
         sub = self.decode.subscription

@@ -20,12 +20,14 @@ from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc  # noqa:
 from pdserve.common.grpc_utils import (  # noqa: E402
     InvalidArgument,
     NotFound,
+    PeerUnavailable,
     Service,
     Unavailable,
     build_server,
     client_channel,
     from_rpc_error,
     serve,
+    unavailable_peer,
     wait_ready,
 )
 from pdserve.v1 import common_pb2, common_pb2_grpc  # noqa: E402
@@ -47,6 +49,8 @@ class InfoServicer(common_pb2_grpc.InfoServiceServicer):
         if self.mode == "downstream":  # an uncaught failed call to another service
             raise grpc.aio.AioRpcError(grpc.StatusCode.UNAVAILABLE, grpc.aio.Metadata(),
                                        grpc.aio.Metadata(), details="worker w1 is down")
+        if self.mode == "peer":        # a worker this call depended on refused
+            raise PeerUnavailable("decode worker d1 refused the KV", "10.0.0.7:50051")
         if self.mode == "boom":
             raise RuntimeError("boom")
         return common_pb2.ServerInfo(protocol_version="v1", role=common_pb2.ROLE_DECODE,
@@ -159,6 +163,19 @@ def test_errors_map_to_status(mode: str, code: grpc.StatusCode, text: str,
         run_with_server(body, mode=mode)
     tracebacks = [r for r in caplog.records if r.exc_info]
     assert bool(tracebacks) == (code == grpc.StatusCode.INTERNAL)
+
+
+@pytest.mark.parametrize("mode, peer", [("peer", "10.0.0.7:50051"), ("downstream", "")])
+def test_unavailable_names_the_peer_at_fault(mode: str, peer: str) -> None:
+    """A PeerUnavailable crosses the wire as UNAVAILABLE with its peer in the trailing metadata;
+    any other UNAVAILABLE names none (the called server is at fault)."""
+    async def body(server: Any, address: str, channel: grpc.aio.Channel) -> None:
+        with pytest.raises(grpc.aio.AioRpcError) as info:
+            await common_pb2_grpc.InfoServiceStub(channel).Info(common_pb2.InfoRequest(), timeout=5)
+        assert info.value.code() == grpc.StatusCode.UNAVAILABLE
+        assert unavailable_peer(info.value) == peer
+
+    run_with_server(body, mode=mode)
 
 
 def test_streaming_error_after_first_message() -> None:

@@ -7,15 +7,18 @@ from __future__ import annotations
 import asyncio
 from types import SimpleNamespace
 
+import grpc
+import grpc.aio
 import pytest
 
 from pdserve.common.grpc_utils import InvalidArgument, Unavailable  # noqa: E402
 from pdserve.common.grpc_utils.convert import sampling_params_to_proto  # noqa: E402
+from pdserve.common.grpc_utils.errors import PEER_METADATA_KEY  # noqa: E402
 from pdserve.common.outputs import FinishReason, SequenceOutput  # noqa: E402
 from pdserve.common.sampling_params import SamplingParams  # noqa: E402
 from pdserve.common.worker_types import PREFILL_CAPABLE, Reservation  # noqa: E402
 from pdserve.loadtest.scripted_state import Outbox  # noqa: E402
-from pdserve.router.attempt import Attempt, Cut  # noqa: E402
+from pdserve.router.attempt import Attempt, Cut, Retry  # noqa: E402
 from pdserve.router.output import OutputProcessor  # noqa: E402
 from pdserve.router.prefix_index import PrefixIndex  # noqa: E402
 from pdserve.router.subscription import OutputBuffer  # noqa: E402
@@ -93,6 +96,27 @@ def test_a_queued_transfer_failure_keeps_its_status_and_worker() -> None:
         assert cut.value is queued and isinstance(cut.value.cause, Unavailable)
 
     asyncio.run(scenario())
+
+
+def _unavailable(peer: str = "") -> grpc.aio.AioRpcError:
+    trailing = grpc.aio.Metadata((PEER_METADATA_KEY, peer)) if peer else grpc.aio.Metadata()
+    return grpc.aio.AioRpcError(grpc.StatusCode.UNAVAILABLE, grpc.aio.Metadata(), trailing, details="refused")
+
+
+@pytest.mark.parametrize("peer, down", [
+    ("10.0.0.2:1", []),        # the prefill worker names this request's decode worker: nobody marked down
+    ("", ["p"]),               # no peer named: the prefill worker failed, marked down
+    ("10.0.0.9:1", ["p"]),     # a peer that is not this request's decode worker: as if none
+])
+def test_an_unavailable_prefill_naming_its_decode_worker_stays_up(peer: str, down: list[str]) -> None:
+    att = _attempt()
+    marked: list[str] = []
+    att.decode.address = "10.0.0.2:1"
+    att.decode.mark_down = lambda *a: marked.append("d")
+    prefill = SimpleNamespace(key="p", address="10.0.0.3:1", mark_down=lambda *a: marked.append("p"))
+    retry = att._fail(_unavailable(peer), prefill, "Prefill")
+    assert isinstance(retry, Retry) and retry.worker_key == "p" and marked == down   # the retry avoids the pair
+    assert "Prefill on p" in retry.cause.message
 
 
 def test_step_ends_at_the_finish_reason() -> None:

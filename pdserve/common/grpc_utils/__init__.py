@@ -8,10 +8,12 @@ from pdserve.common.grpc_utils.errors import (
     InvalidArgument,
     NotFound,
     PdserveError,
+    PeerUnavailable,
     ResourceExhausted,
     Unavailable,
     from_rpc_error,
     status_for,
+    unavailable_peer,
 )
 from pdserve.common.grpc_utils.interceptor import ErrorInterceptor
 from pdserve.common.grpc_utils.server import (
@@ -26,7 +28,7 @@ from pdserve.common.grpc_utils.server import (
 
 __all__ = [
     "AlreadyExists", "Cancelled", "DeadlineExceeded", "FailedPrecondition", "Internal",
-    "InvalidArgument", "NotFound", "PdserveError", "ResourceExhausted", "Unavailable",
-    "from_rpc_error", "status_for", "ErrorInterceptor", "DEFAULT_MAX_MESSAGE_BYTES",
+    "InvalidArgument", "NotFound", "PdserveError", "PeerUnavailable", "ResourceExhausted", "Unavailable",
+    "from_rpc_error", "status_for", "unavailable_peer", "ErrorInterceptor", "DEFAULT_MAX_MESSAGE_BYTES",
     "GrpcServer", "Service", "build_server", "client_channel", "serve", "wait_ready",
 ]

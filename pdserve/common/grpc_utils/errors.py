@@ -60,6 +60,27 @@ class Unavailable(PdserveError):
     code = grpc.StatusCode.UNAVAILABLE
 
 
+class PeerUnavailable(Unavailable):
+    """Another worker this call needed (``peer``: its address) failed or refused; the called
+    worker itself is up. Sent as UNAVAILABLE with ``peer`` in the trailing metadata
+    (:data:`PEER_METADATA_KEY`), so that a caller blames the peer, not the worker it called."""
+
+    def __init__(self, message: str, peer: str) -> None:
+        super().__init__(message)
+        self.peer = peer
+
+
+PEER_METADATA_KEY = "pdserve-unavailable-peer"
+
+
+def unavailable_peer(err: grpc.aio.AioRpcError) -> str:
+    """The peer a failed call's :class:`PeerUnavailable` named, or "" (the called worker failed)."""
+    for key, value in err.trailing_metadata() or ():
+        if key == PEER_METADATA_KEY:
+            return value if isinstance(value, str) else value.decode()
+    return ""
+
+
 class DeadlineExceeded(PdserveError):
     """The request's deadline passed."""
 
