@@ -31,7 +31,7 @@ from pathlib import Path
 
 from bench.sim import analysis
 from bench.sim.cluster import Cluster, Sampler, SimConfig
-from pdserve.loadtest import procs
+from pdserve.loadtest import datasets, procs
 
 log = logging.getLogger("scale_sim")
 POLICIES = {"kv": ("kv", 1.0), "oracle": ("kv", 0.0), "least-loaded": ("least-loaded", 1.0),
@@ -41,6 +41,9 @@ WORKLOADS = {   # bench serve flags; rates are wall-clock requests/s of the time
                       "--input-len", "32:64", "--output-len", "16:32"],
     "multi-turn": ["--dataset", "multi-turn", "--num-turns", "6", "--num-prefixes", "4", "--prefix-len", "256",
                    "--input-len", "64:128", "--output-len", "64:128"],
+    # the same conversations twice as long (12 turns): a conversation's history is most of its prompt
+    "multi-turn-long": ["--dataset", "multi-turn", "--num-turns", "12", "--num-prefixes", "4", "--prefix-len", "256",
+                        "--input-len", "64:128", "--output-len", "64:128"],
     # long outputs: ~10 requests run on each of 8 decode workers (the imbalance target's regime)
     "shared-prefix-long": ["--dataset", "shared-prefix", "--num-prefixes", "16", "--prefix-len", "1024",
                            "--input-len", "32:64", "--output-len", "256:512"],
@@ -51,9 +54,24 @@ def bench_serve(routers: str, workload: list[str], num: int, rate: float, tmp: P
     cmd = [sys.executable, "-m", "pdserve.cli", "bench", "serve", "--router", routers, *workload,
            "--num-prompts", str(num), "--request-rate", str(rate), "--num-warmups", "0", "--disable-tqdm",
            "--no-plots", "--result-dir", str(tmp), "--result-filename", "run", "--request-timeout", "120",
-           "--channels-per-proc", "4"]
+           "--channels-per-proc", "4", "--save-detailed"]
     subprocess.run(cmd, cwd=procs.ROOT, env=procs._env(), check=False, stdout=subprocess.DEVNULL)
     return json.loads((tmp / "run.json").read_text())["results"][0]
+
+
+def _flag(workload: list[str], name: str, default: str) -> str:
+    return workload[workload.index(name) + 1] if name in workload else default
+
+
+def conversation_turns(workload: str, num: int) -> list[int]:
+    """The turn of each request of a multi-turn workload, in dataset order (bench serve's requests,
+    rebuilt from the same flags and the default seed 0)."""
+    w = WORKLOADS[workload]
+    lo, hi = (int(x) for x in _flag(w, "--input-len", "64:128").split(":"))
+    out_lo, out_hi = (int(x) for x in _flag(w, "--output-len", "64:128").split(":"))
+    reqs = datasets.multi_turn(num, int(_flag(w, "--num-turns", "6")), int(_flag(w, "--num-prefixes", "4")),
+                               int(_flag(w, "--prefix-len", "256")), (lo, hi), (out_lo, out_hi), 49152, 0)
+    return [r.extra["turn"] for r in reqs]
 
 
 def _scrape(port: int) -> str:
@@ -93,13 +111,14 @@ def run_case(cfg: SimConfig, workload: str, num: int, rate: float, log_dir: Path
             res = bench_serve(cluster.router_addresses, WORKLOADS[workload], num, rate, Path(tmp))
         cpu = [procs.cpu_seconds(r.pid) for r in cluster.routers]
         sampler.stop()
-        pages = [analysis.decision_buckets(_scrape(p)) for p in cluster.metrics_ports()]
+        texts = [_scrape(p) for p in cluster.metrics_ports()]
     finally:
         cluster.stop()
     idle_rate = sum(b - a for a, b in zip(idle0, idle1)) / 5.0
     busy = sum(c - b for b, c in zip(idle1, cpu))
     n = max(1, res["num_requests"])
-    buckets = analysis.merge_buckets(pages)
+    buckets = analysis.merge_buckets([analysis.decision_buckets(t) for t in texts])
+    detailed = res.pop("detailed", None) or {}
     samples = sampler.samples
     decode_live, prefill_live = cluster.decode + cluster.decode_late, cluster.prefill + cluster.prefill_late
     return {
@@ -119,6 +138,10 @@ def run_case(cfg: SimConfig, workload: str, num: int, rate: float, log_dir: Path
         "decision_p99_us": 1e6 * analysis.histogram_quantile(buckets, 0.99),
         "hit_rate_timeline": analysis.hit_rate_timeline(samples, prefill_live),
         "events": events,
+        "migrations": sum(analysis.counter_total(t, "pdserve_router_migrations") for t in texts),
+        "retries": sum(analysis.counter_total(t, "pdserve_router_retries") for t in texts),
+        "ttft_by_turn": (analysis.ttft_by_turn(detailed.get("ttfts", []), conversation_turns(workload, num))
+                         if workload.startswith("multi-turn") and detailed else None),
     }
 
 
@@ -185,7 +208,7 @@ def saturated(args: argparse.Namespace) -> None:
 def churn(args: argparse.Namespace) -> None:
     cfg = SimConfig(time_scale=args.time_scale, standalone_decode=2, standalone_prefill=2, late_decode=2,
                     late_prefill=2)
-    r = run_case(cfg, "shared-prefix", args.num_prompts, args.rate, args.log_dir, churn_at=args.churn_at)
+    r = run_case(cfg, args.churn_workload, args.num_prompts, args.rate, args.log_dir, churn_at=args.churn_at)
     _save(args.out, "churn", {"commit": _commit(), "result": r})
 
 
@@ -209,6 +232,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--workloads", default="shared-prefix,multi-turn")
     p.add_argument("--policies", default="kv,oracle,least-loaded,round-robin")
     p.add_argument("--churn-at", type=float, default=20.0, help="churn: seconds into the run")
+    p.add_argument("--churn-workload", default="shared-prefix", choices=sorted(WORKLOADS),
+                   help="churn: the workload (shared-prefix-long: streams of 256-512 tokens, so that the "
+                        "killed decode workers have streams in flight to migrate)")
     args = p.parse_args(argv)
     # SIGTERM (timeout(1), a killed job) / SIGHUP: exit through the finally clauses, so that the
     # deployment is stopped; by default Python dies at once and its routers and fleets, started

@@ -75,6 +75,31 @@ def channel_counts(samples: Samples, addresses: Sequence[str]) -> dict[str, floa
             "opened_total": opened}
 
 
+def ttft_by_turn(ttfts_s: Sequence[float], turns: Sequence[int]) -> dict[int, dict[str, float]]:
+    """Per conversation turn (0 = a conversation's first request): requests, TTFT p50 / p90 in ms
+    (nearest rank: the value at index int(q * n) of the sorted list), and how many of the turn's
+    requests are above the run's p90. ``ttfts_s``: seconds, <= 0 for a failed request (skipped);
+    ``turns``: the turn of each request, same order."""
+    done = [(t, k) for t, k in zip(ttfts_s, turns) if t > 0]
+    if not done:
+        return {}
+    ranked = sorted(t for t, _ in done)
+    p90_all = ranked[min(len(ranked) - 1, int(0.9 * len(ranked)))]
+    out: dict[int, dict[str, float]] = {}
+    for turn in sorted({k for _, k in done}):
+        xs = sorted(t for t, k in done if k == turn)
+        out[turn] = {"requests": len(xs), "p50_ttft_ms": 1000 * xs[len(xs) // 2],
+                     "p90_ttft_ms": 1000 * xs[min(len(xs) - 1, int(0.9 * len(xs)))],
+                     "above_run_p90": sum(1 for t in xs if t > p90_all)}
+    return out
+
+
+def counter_total(metrics_text: str, name: str) -> float:
+    """The sum over label sets of a counter ``name`` (``name_total`` samples) in a /metrics page."""
+    pattern = re.compile(rf"^{re.escape(name)}_total(?:{{[^}}]*}})? ([0-9.e+]+)$", re.M)
+    return sum(float(v) for v in pattern.findall(metrics_text))
+
+
 _BUCKET = re.compile(r'^pdserve_router_decision_seconds_bucket\{le="([^"]+)"\} ([0-9.e+]+)$', re.M)
 
 

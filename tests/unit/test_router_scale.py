@@ -111,3 +111,21 @@ def test_simulation_figures() -> None:
     # rank 99 of 100 lies in (1e-4, 2e-4]: 1e-4 + 1e-4 * (99 - 50) / 50
     assert abs(analysis.histogram_quantile(b, 0.99) - 1.98e-4) < 1e-12
     assert analysis.merge_buckets([b, b])[1] == (2e-4, 200.0)
+
+
+def test_ttft_by_turn_and_counter_total() -> None:
+    # 10 requests: run p90 = sorted[9] = 1.0 s; a failed request (0) is skipped
+    ttfts = [0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 1.0, 0.0]
+    turns = [0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1]
+    by = analysis.ttft_by_turn(ttfts, turns)
+    assert set(by) == {0, 1}
+    assert by[0] == {"requests": 5, "p50_ttft_ms": 300.0, "p90_ttft_ms": 500.0, "above_run_p90": 0}
+    assert by[1]["requests"] == 5 and by[1]["p50_ttft_ms"] == 800.0 and by[1]["p90_ttft_ms"] == 1000.0
+    assert by[1]["above_run_p90"] == 0          # nothing is above the largest value
+    assert analysis.ttft_by_turn([0.0], [0]) == {}
+    page = ('# HELP pdserve_router_migrations_total x\npdserve_router_migrations_total 3.0\n'
+            'pdserve_router_retries_total{role="decode"} 2.0\npdserve_router_retries_total{role="prefill"} 1.0\n'
+            'pdserve_router_retries_created 1.7e9\n')
+    assert analysis.counter_total(page, "pdserve_router_migrations") == 3.0
+    assert analysis.counter_total(page, "pdserve_router_retries") == 3.0
+    assert analysis.counter_total(page, "pdserve_router_absent") == 0.0
