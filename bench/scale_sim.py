@@ -163,7 +163,7 @@ def _save(out: Path, name: str, payload) -> None:
 
 
 def compare(args: argparse.Namespace) -> None:
-    base = SimConfig(time_scale=args.time_scale)
+    base = SimConfig(time_scale=args.time_scale, prefill_blocks=args.prefill_blocks, decode_blocks=args.decode_blocks)
     results = []
     for workload in args.workloads.split(","):
         for name in args.policies.split(","):
@@ -179,7 +179,8 @@ def compare(args: argparse.Namespace) -> None:
 def scaling(args: argparse.Namespace) -> None:
     results = []
     for n in (8, 16, 32, 64):
-        cfg = SimConfig(num_decode=n, num_prefill=max(2, n // 4), time_scale=args.time_scale)
+        cfg = SimConfig(num_decode=n, num_prefill=max(2, n // 4), time_scale=args.time_scale,
+                        prefill_blocks=args.prefill_blocks, decode_blocks=args.decode_blocks)
         log.info("scaling: %d decode workers", n)
         r = run_case(cfg, "shared-prefix", args.num_prompts, args.rate, args.log_dir)
         r["num_decode"], r["num_prefill"] = n, cfg.num_prefill
@@ -192,7 +193,8 @@ def saturated(args: argparse.Namespace) -> None:
     """Load imbalance where it can be small: 8 decode + 2 prefill workers, outputs of 256-512
     tokens, so that many requests run on every decode worker at once (max/mean of a sample with
     fewer requests than workers is >= 2 whatever the policy: see analysis.imbalance)."""
-    base = SimConfig(num_decode=8, num_prefill=2, time_scale=args.time_scale)
+    base = SimConfig(num_decode=8, num_prefill=2, time_scale=args.time_scale, prefill_blocks=args.prefill_blocks,
+                     decode_blocks=args.decode_blocks)
     results = []
     for name in args.policies.split(","):
         routing, alpha = POLICIES[name]
@@ -206,7 +208,8 @@ def saturated(args: argparse.Namespace) -> None:
 
 
 def churn(args: argparse.Namespace) -> None:
-    cfg = SimConfig(time_scale=args.time_scale, standalone_decode=2, standalone_prefill=2, late_decode=2,
+    cfg = SimConfig(time_scale=args.time_scale, prefill_blocks=args.prefill_blocks, decode_blocks=args.decode_blocks,
+                    standalone_decode=2, standalone_prefill=2, late_decode=2,
                     late_prefill=2)
     r = run_case(cfg, args.churn_workload, args.num_prompts, args.rate, args.log_dir, churn_at=args.churn_at)
     _save(args.out, "churn", {"commit": _commit(), "result": r})
@@ -230,6 +233,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--rate", type=float, default=15.0, help="requests/s (wall clock)")
     p.add_argument("--time-scale", type=float, default=6.0, help="the modelled GPU runs this many times slower")
     p.add_argument("--workloads", default="shared-prefix,multi-turn")
+    p.add_argument("--prefill-blocks", type=int, default=SimConfig.prefill_blocks,
+                   help="KV pool of each simulated prefill worker, in blocks of 16 tokens")
+    p.add_argument("--decode-blocks", type=int, default=SimConfig.decode_blocks,
+                   help="KV pool of each simulated decode worker, in blocks of 16 tokens")
     p.add_argument("--policies", default="kv,oracle,least-loaded,round-robin")
     p.add_argument("--churn-at", type=float, default=20.0, help="churn: seconds into the run")
     p.add_argument("--churn-workload", default="shared-prefix", choices=sorted(WORKLOADS),
