@@ -30,7 +30,7 @@ from dataclasses import asdict, replace
 from pathlib import Path
 
 from bench.sim import analysis
-from bench.sim.cluster import Cluster, Sampler, SimConfig
+from bench.sim.cluster import Cluster, Sampler, SimConfig, get_stats
 from pdserve.loadtest import datasets, procs
 
 log = logging.getLogger("scale_sim")
@@ -145,14 +145,26 @@ def run_case(cfg: SimConfig, workload: str, num: int, rate: float, log_dir: Path
     }
 
 
+KILLED_DECODE = 2      # churn: the busiest standalone decode workers are killed (all standalone prefill ones)
+
+
 def _churn(cluster: Cluster, at: float, sampler: Sampler, events: list) -> None:
     time.sleep(at)
-    for addr, svc in cluster.single.items():
-        svc.proc.kill()
+    for addr in _victims(cluster):
+        cluster.single[addr].proc.kill()
         events.append((time.monotonic() - sampler.t0, f"killed {addr}"))
     for addr, svc in cluster.late.items():
         svc.start()
         events.append((time.monotonic() - sampler.t0, f"started {addr}"))
+
+
+def _victims(cluster: Cluster) -> list[str]:
+    """The ``KILLED_DECODE`` standalone decode workers running the most requests now (so that
+    streams are cut mid-way) and every standalone prefill worker."""
+    decode = [a for a in cluster.single if a in cluster.decode]
+    running = {a: (s.num_running if (s := get_stats(a)) is not None else -1) for a in decode}
+    busiest = sorted(decode, key=lambda a: -running[a])[:KILLED_DECODE]
+    return busiest + [a for a in cluster.single if a in cluster.prefill]
 
 
 def _save(out: Path, name: str, payload) -> None:
@@ -209,8 +221,7 @@ def saturated(args: argparse.Namespace) -> None:
 
 def churn(args: argparse.Namespace) -> None:
     cfg = SimConfig(time_scale=args.time_scale, prefill_blocks=args.prefill_blocks, decode_blocks=args.decode_blocks,
-                    standalone_decode=2, standalone_prefill=2, late_decode=2,
-                    late_prefill=2)
+                    standalone_decode=4 * KILLED_DECODE, standalone_prefill=2, late_decode=2, late_prefill=2)
     r = run_case(cfg, args.churn_workload, args.num_prompts, args.rate, args.log_dir, churn_at=args.churn_at)
     _save(args.out, "churn", {"commit": _commit(), "result": r})
 
