@@ -206,10 +206,14 @@ def decide_workers(d: DecodePlace, workers: Sequence[PrefillWorker], matched: Ma
 
     def fastest() -> tuple[float, str, int]:      # fastest_remote over the workers
         get = matched.get
-        ttft, key = min((1000.0 * (w.queued_prompt_tokens + (uncached_tokens(prompt_tokens, m, block_size)
-                                                              if (m := get(w.key, 0)) else prompt_tokens))
-                         / (w.prefill_tokens_per_s if w.prefill_tokens_per_s > 0 else fallback), w.key)
-                        for w in ws)
+        ttft, key = math.inf, ""
+        for w in ws:        # min((ttft, key)), uncached_tokens inlined: one pass, no tuple per worker
+            cached = get(w.key, 0) * block_size
+            u = prompt_tokens - cached if cached < prompt_tokens else min(prompt_tokens, 1)
+            r = w.prefill_tokens_per_s
+            t = 1000.0 * (w.queued_prompt_tokens + u) / (r if r > 0 else fallback)
+            if t < ttft or (t == ttft and w.key < key):
+                ttft, key = t, w.key
         extra = cfg.remote_overhead_ms + d.place.uncached_tokens * cfg.transfer_us_per_token / 1000.0
         return ttft + extra, key, uncached_tokens(prompt_tokens, get(key, 0), block_size)
 

@@ -229,16 +229,17 @@ class PrefixIndex:
         if workers is not None:
             bits = self._bit
             active &= sum(bits.get(w, 0) for w in set(workers))
-        i = 1
-        n = len(hash_chain)
-        while active and i < n:
-            kept = active & owners.get(hash_chain[i], 0)
+        if not active:
+            return result
+        get = owners.get
+        for i, h in enumerate(hash_chain[1:], 1):
+            kept = active & get(h, 0)
             if kept != active:
                 result.update(dict.fromkeys(self._named_bits(active & ~kept), i))
                 active = kept
-            i += 1
-        if active:
-            result.update(dict.fromkeys(self._named_bits(active), n))
+                if not active:
+                    return result
+        result.update(dict.fromkeys(self._named_bits(active), len(hash_chain)))
         return result
 
     def _named_bits(self, mask: int) -> tuple[str, ...]:

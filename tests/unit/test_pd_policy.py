@@ -131,3 +131,30 @@ def test_config_is_validated_and_rates_decay() -> None:
         PdConfig(slo_tpot_ms=0)
     assert decayed_rate(2000.0, 10.0, 12.0, 2.0) == approx(2000 / math.e)
     assert decayed_rate(2000.0, 10.0, 9.0, 2.0) == 2000.0
+
+
+def test_decide_workers_equals_decide_on_random_fleets() -> None:
+    """The router's path (``decide_workers`` over worker objects and the prefix match) makes the
+    same decision as ``decide`` over the PrefillPlaces built from them, ties and unmeasured rates
+    included."""
+    import random
+    from types import SimpleNamespace
+
+    from pdserve.router.pd_policy import decide_workers
+
+    rng = random.Random(7)
+    bs = 16
+    for _ in range(500):
+        n = rng.randint(1, 64) * bs + rng.randint(0, bs - 1)
+        workers = [SimpleNamespace(key=f"p{i}", queued_prompt_tokens=rng.choice([0, 0, 512, rng.randrange(4000)]),
+                                   prefill_tokens_per_s=rng.choice([0.0, 8000.0, 12000.0]))
+                   for i in range(rng.randint(1, 8))]
+        matched = {w.key: rng.randint(1, n // bs + 2) for w in workers if rng.random() < 0.5}
+        d = DecodePlace(PrefillPlace("D", uncached_tokens(n, rng.randint(0, n // bs), bs), rng.randrange(3000),
+                                     rng.choice([0.0, 10_000.0])),
+                        can_prefill=rng.random() < 0.5, decode_step_ms=10.0, mixed_step_ms=40.0,
+                        max_num_batched_tokens=2048, prefill_rate=rng.choice([0.0, 3000.0]))
+        places = [PrefillPlace(w.key, uncached_tokens(n, matched.get(w.key, 0), bs), w.queued_prompt_tokens,
+                               w.prefill_tokens_per_s) for w in workers]
+        cfg = PdConfig(mode=rng.choice(["adaptive", "always"]), local_max_tokens=rng.choice([0, 256]))
+        assert decide_workers(d, workers, matched, n, bs, cfg) == decide(d, places, cfg)

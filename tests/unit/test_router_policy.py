@@ -154,3 +154,34 @@ def test_a_saturated_fleet_balances_above_the_mean() -> None:
     assert pick_decode([conv, p0, p1, p2], 500, BS, turn=3) == "p2"
     # the smallest pool sets the scale: one pool of 512 blocks -> pressure 1 at 512 * 4 / 4 = 512
     assert fleet_pressure([conv, DecodeCandidate("s", total_blocks=512)], BS, 256) == 0.5
+
+
+def test_match_equals_a_per_worker_scan_on_random_views() -> None:
+    """match() (bitmask AND along the chain) against the definition: per worker, the count of
+    leading blocks of the chain it holds; views built by stores, evictions and removals."""
+    import random
+
+    rng = random.Random(3)
+    chain = block_hash_chain(list(range(40 * BS)), BS)      # 40 blocks
+    for _ in range(200):
+        idx = PrefixIndex()
+        views: dict[str, set[int]] = {}
+        for w in (f"w{i}" for i in range(rng.randint(1, 12))):
+            held = set(chain[:rng.randint(0, 40)]) | {h for h in chain if rng.random() < 0.1}
+            views[w] = held
+            idx.apply(w, stored=list(held))
+            gone = {h for h in held if rng.random() < 0.1}
+            idx.apply(w, evicted=list(gone))
+            held -= gone
+        for w in [w for w in views if rng.random() < 0.2]:
+            idx.remove_worker(w)
+            del views[w]
+        length = rng.randint(0, 40)
+        expect = {}
+        for w, held in views.items():
+            k = 0
+            while k < length and chain[k] in held:
+                k += 1
+            if k:
+                expect[w] = k
+        assert idx.match(chain[:length]) == expect
