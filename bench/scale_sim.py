@@ -50,6 +50,10 @@ WORKLOADS = {   # bench serve flags; rates are wall-clock requests/s of the time
 }
 
 
+for _name in ("multi-turn", "multi-turn-long"):     # each next turn sent once the previous one has ended
+    WORKLOADS[f"{_name}-closed"] = [*WORKLOADS[_name], "--closed-loop-turns"]
+
+
 def bench_serve(routers: str, workload: list[str], num: int, rate: float, tmp: Path) -> dict:
     cmd = [sys.executable, "-m", "pdserve.cli", "bench", "serve", "--router", routers, *workload,
            "--num-prompts", str(num), "--request-rate", str(rate), "--num-warmups", "0", "--disable-tqdm",

@@ -29,6 +29,10 @@ def add_workload_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--num-prefixes", type=int, default=8, help="shared-prefix: number of system prompts")
     g.add_argument("--prefix-len", type=int, default=1024, help="shared-prefix: tokens per system prompt")
     g.add_argument("--num-turns", type=int, default=4, help="multi-turn: turns per conversation")
+    g.add_argument("--closed-loop-turns", action="store_true",
+                   help="multi-turn: send a conversation's next turn only once its previous turn has ended (as a "
+                        "chat user waits for the answer), at the earliest at its own arrival time; default: every "
+                        "turn at its arrival time")
     g.add_argument("--prompt-format", choices=("ids", "text"), default="ids",
                    help="synthetic prompts as token ids (exact lengths) or as text of common words")
     g.add_argument("--vocab-size", type=int, default=0, help="token ids drawn below this (default: the model's)")

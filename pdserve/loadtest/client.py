@@ -97,6 +97,17 @@ async def send_one(stub, proto, rec: RequestRecord, prompt_len: int, timeout: fl
     return rec
 
 
+async def _send_after(pred: asyncio.Task, stub, proto, rec: RequestRecord, prompt_len: int,
+                      timeout: float | None, sem: asyncio.Semaphore | None) -> RequestRecord:
+    """``send_one`` once ``pred`` (the request this one follows) has ended; a later release than
+    scheduled is the workload's, so it moves the schedule rather than counting as send lag."""
+    await asyncio.wait([pred])
+    now = time.perf_counter()
+    if now > rec.scheduled_time:
+        rec.scheduled_time = rec.release_time = now
+    return await send_one(stub, proto, rec, prompt_len, timeout, sem)
+
+
 def _cpu_now() -> tuple[float, float, float]:
     ru = resource.getrusage(resource.RUSAGE_SELF)
     return time.process_time(), ru.ru_utime, ru.ru_stime
@@ -127,13 +138,19 @@ async def _run_proc(address: str, items: Sequence[tuple[int, BenchRequest, float
             await asyncio.sleep(delay)
         cpu0 = _cpu_now()
         tasks: list[asyncio.Task] = []
+        sent: dict[int, asyncio.Task] = {}
         for k, (idx, req, off) in enumerate(items):
             target = start_at + off
             delay = target - time.perf_counter()
             if delay > 0:
                 await asyncio.sleep(delay)
             rec = RequestRecord(index=idx, scheduled_time=target, release_time=time.perf_counter())
-            task = asyncio.create_task(send_one(stubs[k % len(stubs)], protos[k], rec, req.prompt_len, timeout, sem))
+            stub = stubs[k % len(stubs)]
+            if req.after >= 0:      # _shares put the request it follows in this process, earlier
+                coro = _send_after(sent[req.after], stub, protos[k], rec, req.prompt_len, timeout, sem)
+            else:
+                coro = send_one(stub, protos[k], rec, req.prompt_len, timeout, sem)
+            task = sent[idx] = asyncio.create_task(coro)
             task.add_done_callback(lambda _t: progress(1))
             tasks.append(task)
         records = list(await asyncio.gather(*tasks))
@@ -192,16 +209,36 @@ def _client_summary(records: list[RequestRecord], procs: list[dict], num_channel
             "p99_client_queue_ms": float(np.percentile(wait, 99)) if wait.size else 0.0}
 
 
+Item = tuple[int, BenchRequest, float]     # (index in the workload, request, arrival offset s)
+
+
+def _shares(items: list[Item], num_procs: int) -> list[list[Item]]:
+    """The requests of each client process: in turn, except that a request that follows another
+    (``after``, e.g. a conversation's next turn) goes where that one went."""
+    owner: dict[int, int] = {}
+    shares: list[list[Item]] = [[] for _ in range(num_procs)]
+    for k, item in enumerate(items):
+        idx, req, _ = item
+        if req.after >= idx:
+            raise ValueError(f"request {idx} follows request {req.after}, which does not come before it")
+        p = owner[req.after] if req.after >= 0 else k % num_procs
+        owner[idx] = p
+        shares[p].append(item)
+    return shares
+
+
 def run_load(address: str, requests: Sequence[BenchRequest], offsets: Collection[float], *,
              max_concurrency: int | None = None, num_procs: int = 1, timeout: float | None = 600.0,
              channels_per_proc: int = 4, pbar=None) -> LoadResult:
-    """Send ``requests[i]`` at ``start + offsets[i]`` (limited to ``max_concurrency`` in flight)."""
+    """Send ``requests[i]`` at ``start + offsets[i]`` (limited to ``max_concurrency`` in flight),
+    and not before the request it follows (``BenchRequest.after``) has ended."""
     if len(requests) != len(offsets):
         raise ValueError("one offset per request")
     if num_procs < 1:
         raise ValueError("num_procs must be >= 1")
     num_procs = min(num_procs, max(1, len(requests)))
     items = [(i, r, float(o)) for i, (r, o) in enumerate(zip(requests, offsets))]
+    shares = _shares(items, num_procs)
     limits = split_concurrency(max_concurrency, num_procs)
     update = (lambda n: pbar.update(n)) if pbar is not None else (lambda n: None)
 
@@ -221,7 +258,7 @@ def run_load(address: str, requests: Sequence[BenchRequest], offsets: Collection
         go = ctx.Event()
         start_val = ctx.Value("d", 0.0)
         children = [ctx.Process(target=_child_main, daemon=True, name=f"bench-client-{p}",
-                                args=(p, address, items[p::num_procs], limits[p], timeout, channels_per_proc,
+                                args=(p, address, shares[p], limits[p], timeout, channels_per_proc,
                                       q, go, start_val))
                     for p in range(num_procs)]
         for c in children:

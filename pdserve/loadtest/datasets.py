@@ -47,6 +47,7 @@ class BenchRequest:
     temperature: float = 0.0
     ignore_eos: bool = True
     extra: dict[str, Any] = field(default_factory=dict)   # e.g. {"prefix": 3}
+    after: int = -1                          # index of the request that must end before this one is sent
 
     def to_proto(self, request_id: str = ""):
         """The ``pdserve.v1.GenerateRequest`` for this request."""
@@ -156,6 +157,20 @@ def multi_turn(num_prompts: int, num_turns: int, num_prefixes: int, prefix_len: 
             rng.shuffle(layer)
             out.extend(layer)
     return out[:num_prompts]
+
+
+def closed_loop(requests: list[BenchRequest]) -> list[BenchRequest]:
+    """A multi-turn workload where each turn waits for its conversation's previous turn to end
+    (``after``), as a chat user waits for the answer before writing the next message."""
+    last: dict[Any, int] = {}
+    out = []
+    for i, r in enumerate(requests):
+        conv = r.extra.get("conversation")
+        if conv is None:
+            raise ValueError("closed-loop turns need a multi-turn workload (requests of conversations)")
+        out.append(replace(r, after=last.get(conv, -1)))
+        last[conv] = i
+    return out
 
 
 def load_jsonl(path: str | Path, num_prompts: int | None, default_output_len: int, seed: int,

@@ -95,12 +95,17 @@ def model_info(router: str, timeout: float = 60.0) -> dict[str, Any]:
 
 def build_requests(args: argparse.Namespace, info: dict[str, Any]) -> list[datasets.BenchRequest]:
     vocab = args.vocab_size or int(info.get("vocab_size") or 10000)
-    return datasets.build(
+    requests = datasets.build(
         args.dataset, num_prompts=args.num_prompts, input_len=args.input_len, output_len=args.output_len,
         vocab=vocab, seed=args.seed, prompt_format=args.prompt_format, dataset_path=args.dataset_path,
         num_prefixes=args.num_prefixes, prefix_len=args.prefix_len, temperature=args.temperature,
         num_turns=getattr(args, "num_turns", 4),
         ignore_eos=args.ignore_eos, max_model_len=int(info.get("max_model_len") or 0) or None)
+    if getattr(args, "closed_loop_turns", False):
+        if args.dataset != "multi-turn":
+            raise ValueError("--closed-loop-turns needs --dataset multi-turn")
+        requests = datasets.closed_loop(requests)
+    return requests
 
 
 def sweep_points(rates: Sequence[float], concurrencies: Sequence[int | None]) -> list[tuple[float, int | None]]:
@@ -129,6 +134,8 @@ def load(router: str, http: Any, requests: Sequence[datasets.BenchRequest], offs
     if http is None:
         return run_load(router, requests, offsets, **kw)
     from pdserve.loadtest import openai_client
+    if any(r.after >= 0 for r in requests):
+        raise ValueError("--closed-loop-turns is supported with the gRPC client only (not --http)")
     return openai_client.run_load(http, requests, offsets, max_concurrency=kw.get("max_concurrency"),
                                   timeout=kw.get("timeout"), pbar=kw.get("pbar"))
 
@@ -138,7 +145,7 @@ def warmup(router: str, requests: Sequence[datasets.BenchRequest], n: int, timeo
     if n <= 0 or not requests:
         return
     from dataclasses import replace
-    req = replace(requests[0], output_len=min(requests[0].output_len, 16))
+    req = replace(requests[0], output_len=min(requests[0].output_len, 16), after=-1)
     res = load(router, http, [req] * n, [0.0] * n, timeout=timeout, channels_per_proc=1)
     bad = [r for r in res.records if not r.success]
     if bad:
