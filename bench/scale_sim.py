@@ -31,7 +31,7 @@ from pathlib import Path
 
 from bench.sim import analysis
 from bench.sim.cluster import Cluster, Sampler, SimConfig, get_stats
-from pdserve.loadtest import datasets, procs
+from pdserve.loadtest import procs
 
 log = logging.getLogger("scale_sim")
 POLICIES = {"kv": ("kv", 1.0), "oracle": ("kv", 0.0), "least-loaded": ("least-loaded", 1.0),
@@ -61,21 +61,6 @@ def bench_serve(routers: str, workload: list[str], num: int, rate: float, tmp: P
            "--channels-per-proc", "4", "--save-detailed"]
     subprocess.run(cmd, cwd=procs.ROOT, env=procs._env(), check=False, stdout=subprocess.DEVNULL)
     return json.loads((tmp / "run.json").read_text())["results"][0]
-
-
-def _flag(workload: list[str], name: str, default: str) -> str:
-    return workload[workload.index(name) + 1] if name in workload else default
-
-
-def conversation_turns(workload: str, num: int) -> list[int]:
-    """The turn of each request of a multi-turn workload, in dataset order (bench serve's requests,
-    rebuilt from the same flags and the default seed 0)."""
-    w = WORKLOADS[workload]
-    lo, hi = (int(x) for x in _flag(w, "--input-len", "64:128").split(":"))
-    out_lo, out_hi = (int(x) for x in _flag(w, "--output-len", "64:128").split(":"))
-    reqs = datasets.multi_turn(num, int(_flag(w, "--num-turns", "6")), int(_flag(w, "--num-prefixes", "4")),
-                               int(_flag(w, "--prefix-len", "256")), (lo, hi), (out_lo, out_hi), 49152, 0)
-    return [r.extra["turn"] for r in reqs]
 
 
 def _scrape(port: int) -> str:
@@ -144,7 +129,7 @@ def run_case(cfg: SimConfig, workload: str, num: int, rate: float, log_dir: Path
         "events": events,
         "migrations": sum(analysis.counter_total(t, "pdserve_router_migrations") for t in texts),
         "retries": sum(analysis.counter_total(t, "pdserve_router_retries") for t in texts),
-        "ttft_by_turn": (analysis.ttft_by_turn(detailed.get("ttfts", []), conversation_turns(workload, num))
+        "ttft_by_turn": (analysis.ttft_by_turn(detailed["ttfts"], [e["turn"] for e in detailed["extra"]])
                          if workload.startswith("multi-turn") and detailed else None),
     }
 

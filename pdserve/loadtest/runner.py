@@ -179,6 +179,7 @@ def run_point(router: str, requests: Sequence[datasets.BenchRequest], rate: floa
         log.warning("%s", res["client_warning"])
     if opts.save_detailed:
         res["detailed"] = metrics.detailed_lists(result.records, opts.itl_mode)
+        res["detailed"]["extra"] = [r.extra for r in requests]      # e.g. conversation and turn
     if not opts.quiet:
         title = f" rate {arrivals.rate_label(rate)}" + (f", concurrency {concurrency}" if concurrency else "") + " "
         print(metrics.format_table(res, opts.percentiles, title=title), flush=True)

@@ -242,7 +242,7 @@ def test_serve_end_to_end(router_addr, tmp_path):
         assert r["request_goodput"] is not None and r["mean_ttft_ms"] > 0
         assert r["client"]["num_procs"] == 2 and len(r["client"]["procs"]) == 2
         assert all(p["cpu_user_s"] + p["cpu_sys_s"] > 0 for p in r["client"]["procs"])
-        assert len(r["detailed"]["ttfts"]) == 24
+        assert len(r["detailed"]["ttfts"]) == 24 and r["detailed"]["extra"] == [{}] * 24   # random: no extra
     assert (tmp_path / "run_latency_cdf.png").stat().st_size > 1000
     assert (tmp_path / "run_throughput.png").stat().st_size > 1000
     assert time.monotonic() - t0 < 40

@@ -78,9 +78,8 @@ async def _abort(exc: Exception, context: grpc.aio.ServicerContext, method: str)
         code, details = mapped
         level = logging.WARNING if isinstance(exc, grpc.aio.AioRpcError) else logging.DEBUG
         log.log(level, "%s -> %s: %s", method, code.name, details)
-    if isinstance(exc, PeerUnavailable):
-        await context.abort(code, details, trailing_metadata=((PEER_METADATA_KEY, exc.peer),))
-    await context.abort(code, details)
+    trailing = ((PEER_METADATA_KEY, exc.peer),) if isinstance(exc, PeerUnavailable) else ()
+    await context.abort(code, details, trailing_metadata=trailing)
 
 
 def _wrap_unary_response(behavior: Callable[..., Any], method: str) -> Callable[..., Awaitable[Any]]:
