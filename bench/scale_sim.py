@@ -115,6 +115,7 @@ def run_case(cfg: SimConfig, workload: str, num: int, rate: float, log_dir: Path
         "completed": res["completed"], "failed": res["failed"], "error_counts": res["error_counts"],
         "duration_s": res["duration"], "p50_ttft_ms": res["p50_ttft_ms"], "p90_ttft_ms": res["p90_ttft_ms"],
         "p99_ttft_ms": res["p99_ttft_ms"], "median_e2el_ms": res["median_e2el_ms"],
+        "median_tpot_ms": res.get("median_tpot_ms"), "p90_tpot_ms": res.get("p90_tpot_ms"),
         "client_cached_fraction": res["total_cached_tokens"] / max(1, res["total_input_tokens"]),
         "prefill_hit_rate": analysis.hit_rate(samples, prefill_live),
         "decode_hit_rate": analysis.hit_rate(samples, decode_live),

@@ -12,6 +12,7 @@ from pathlib import Path
 import grpc
 
 from pdserve.loadtest import procs
+from pdserve.router.pd_policy import PdConfig
 from pdserve.v1 import worker_pb2, worker_pb2_grpc
 
 PER_FLEET = 16      # simulated workers per fleet process
@@ -101,7 +102,9 @@ class Cluster:
                 port, decode=self.decode + self.decode_late, prefill=self.prefill + self.prefill_late, model="default",
                 extra=["--routing", c.routing, "--load-alpha", str(c.load_alpha), "--router-id", f"r{i}",
                        "--metrics-port", str(procs.free_port()), "--block-size", str(c.block_size),
-                       "--migration-limit", str(c.migration_limit)],
+                       "--migration-limit", str(c.migration_limit),
+                       # the recent-work window is modelled time, stretched like the GPUs
+                       "--pd-rate-window-s", str(PdConfig().rate_window_s * c.time_scale)],
                 log_dir=self.log_dir))
         for r in self.routers:      # the later --metrics-port wins over procs.router's 0
             r.start()

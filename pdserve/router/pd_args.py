@@ -29,6 +29,11 @@ def add_pd_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--pd-transfer-us-per-token", type=float,
                    default=env.get_float("ROUTER_PD_TRANSFER_US_PER_TOKEN", d.transfer_us_per_token),
                    help="KV transfer time per prompt token shipped (env PDSERVE_ROUTER_PD_TRANSFER_US_PER_TOKEN)")
+    g.add_argument("--pd-rate-window-s", type=float,
+                   default=env.get_float("ROUTER_PD_RATE_WINDOW_S", d.rate_window_s),
+                   help="time constant of the prompt tokens a worker was given lately: its prefill rate "
+                        "(local vs remote) and its recent work (which prefill worker) "
+                        "(env PDSERVE_ROUTER_PD_RATE_WINDOW_S)")
 
 
 def pd_config_from_args(args: argparse.Namespace) -> PdConfig:
@@ -37,4 +42,5 @@ def pd_config_from_args(args: argparse.Namespace) -> PdConfig:
                     slo_tpot_ms=getattr(args, "slo_tpot_ms", d.slo_tpot_ms),
                     local_max_tokens=getattr(args, "pd_local_max_tokens", d.local_max_tokens),
                     remote_overhead_ms=getattr(args, "pd_remote_overhead_ms", d.remote_overhead_ms),
-                    transfer_us_per_token=getattr(args, "pd_transfer_us_per_token", d.transfer_us_per_token))
+                    transfer_us_per_token=getattr(args, "pd_transfer_us_per_token", d.transfer_us_per_token),
+                    rate_window_s=getattr(args, "pd_rate_window_s", d.rate_window_s))

@@ -14,6 +14,19 @@ the prefix it holds by the prefix index; ``Q_w`` = prompt tokens queued on ``w``
     ttft(local)    = 1000 * (Q_D + U_D) / R_D
     ttft(remote P) = 1000 * (Q_P + U_P) / R_P + remote_overhead_ms + U_D * transfer_us_per_token / 1000
 
+Which remote candidate: the lowest ``rank(P) = ttft(remote P) + 1000 * alpha * max(0, W_P - mean W) / R_P``
+(``W_P``: prompt tokens this router gave ``P`` to compute lately, a counter decayed over
+``rate_window_s``; the mean over the remote candidates; ``alpha``: the router's ``--load-alpha``).
+A worker that computed more than its share lately is where the conversations it prefilled
+will come back (a conversation's next turn is cheapest where its history is cached), so a
+request whose prefix would save little there, such as a new conversation that shares only a
+system prompt, starts its history on a worker with less of that coming: without this term
+every conversation of a system prompt piles onto the worker that computed the prompt first,
+and their later turns queue there while other prefill workers idle (multi-turn simulation,
+docs/benchmarks.md). A next turn whose history a worker holds still goes there while the
+history saves more than that worker's excess. The decision keeps the chosen worker's
+``ttft`` estimate (the rank is not a time).
+
     tpot(option)   = t_dec / (1 - u),  u = lam * c / 1000   (u capped at MAX_UTILISATION)
     lam(remote)    = lam_D                                   (D's decode rows only)
     lam(local)     = lam_D + U_D / rate_window_s             (this prompt joins D's prefill load)
@@ -40,7 +53,7 @@ violates least). Documented rules for ties and uncertainty, in order:
    costs ``D`` less than a Reserve + transfer costs the request. Because ``U_D`` counts only
    what ``D`` lacks, a prompt whose prefix ``D`` caches stays there (cache affinity).
 5. Otherwise the most headroom (``slo-headroom``); local keeps a tie within ``TIE_MARGIN``
-   (no transfer, no second worker busy); among remote candidates ties go to the lower ttft,
+   (no transfer, no second worker busy); among remote candidates ties go to the lower rank,
    then the lower key.
 
 Unmeasured figures (0 in GetStats until the worker ran such a step): a throughput is the
@@ -91,6 +104,7 @@ class PrefillPlace:
     uncached_tokens: int          # U: prompt tokens it must compute (prompt minus its cached prefix)
     queued_tokens: int = 0        # Q: prompt tokens queued there before this one
     tokens_per_s: float = 0.0     # R: measured prefill throughput; 0 = unmeasured
+    recent_tokens: float = 0.0    # W: prompt tokens it was given lately (decayed over rate_window_s)
 
 
 class PrefillWorker(Protocol):
@@ -103,6 +117,8 @@ class PrefillWorker(Protocol):
     def queued_prompt_tokens(self) -> int: ...      # Q
     @property
     def prefill_tokens_per_s(self) -> float: ...    # R; 0 = unmeasured
+    @property
+    def recent_prefill_tokens(self) -> float: ...   # W
 
 
 @dataclass(frozen=True)
@@ -173,28 +189,34 @@ def headroom(ttft: float, tpot: float, cfg: PdConfig) -> float:
 
 
 def fastest_remote(d: DecodePlace, cands: Sequence[PrefillPlace], cfg: PdConfig,
-                   fallback: float) -> tuple[float, str, int]:
-    """(ttft, key, uncached tokens) of the remote candidate with the lowest ttft, then the lower
-    key: also the one with the most headroom (every remote option has the same tpot, and
-    headroom does not grow with ttft). One pass, ``ttft_remote_ms`` inlined (one per worker per
-    request)."""
-    ttft, key, i = min((1000.0 * (p.queued_tokens + p.uncached_tokens) / (p.tokens_per_s if p.tokens_per_s > 0
-                                                                           else fallback), p.key, i)
-                       for i, p in enumerate(cands))
+                   fallback: float, alpha: float = 1.0) -> tuple[float, str, int]:
+    """(ttft, key, uncached tokens) of the remote candidate with the lowest rank, then the lower
+    key (the module docstring's rank: ttft plus the excess of recent work; every remote option
+    has the same tpot, so among equal excesses the lowest ttft is also the most headroom)."""
+    mean = sum(p.recent_tokens for p in cands) / len(cands)
+    best = None
+    for i, p in enumerate(cands):
+        r = p.tokens_per_s if p.tokens_per_s > 0 else fallback
+        ttft = 1000.0 * (p.queued_tokens + p.uncached_tokens) / r
+        excess = p.recent_tokens - mean
+        rank = (ttft + 1000.0 * alpha * excess / r if alpha > 0 and excess > 0 else ttft, p.key)
+        if best is None or rank < best[0]:
+            best = (rank, ttft, i)
+    _, ttft, i = best
     extra = cfg.remote_overhead_ms + d.place.uncached_tokens * cfg.transfer_us_per_token / 1000.0
-    return ttft + extra, key, cands[i].uncached_tokens
+    return ttft + extra, cands[i].key, cands[i].uncached_tokens
 
 
-def decide(d: DecodePlace, candidates: Sequence[PrefillPlace], cfg: PdConfig) -> PdDecision:
+def decide(d: DecodePlace, candidates: Sequence[PrefillPlace], cfg: PdConfig, alpha: float = 1.0) -> PdDecision:
     """Local or remote (and where) for one request; see the module docstring."""
     own = d.place.key
     cands = [p for p in candidates if p.key != own]
     fallback = fallback_rate([d.place, *cands])
-    return _rules(d, cfg, fallback, (lambda: fastest_remote(d, cands, cfg, fallback)) if cands else None)
+    return _rules(d, cfg, fallback, (lambda: fastest_remote(d, cands, cfg, fallback, alpha)) if cands else None)
 
 
 def decide_workers(d: DecodePlace, workers: Sequence[PrefillWorker], matched: Mapping[str, int],
-                   prompt_tokens: int, block_size: int, cfg: PdConfig) -> PdDecision:
+                   prompt_tokens: int, block_size: int, cfg: PdConfig, alpha: float = 1.0) -> PdDecision:
     """``decide`` over workers as they are: ``matched`` (worker key -> leading blocks of the prompt
     it holds, absent: none) gives each its U; no object is made per worker. The same decision as
     ``decide`` on their PrefillPlaces."""
@@ -206,14 +228,18 @@ def decide_workers(d: DecodePlace, workers: Sequence[PrefillWorker], matched: Ma
 
     def fastest() -> tuple[float, str, int]:      # fastest_remote over the workers
         get = matched.get
-        ttft, key = math.inf, ""
-        for w in ws:        # min((ttft, key)), uncached_tokens inlined: one pass, no tuple per worker
+        recent = [w.recent_prefill_tokens for w in ws] if alpha > 0 else None
+        mean = sum(recent) / len(recent) if recent else 0.0
+        best, ttft, key = math.inf, math.inf, ""
+        for i, w in enumerate(ws):      # uncached_tokens inlined: one pass, no object per worker
             cached = get(w.key, 0) * block_size
             u = prompt_tokens - cached if cached < prompt_tokens else min(prompt_tokens, 1)
             r = w.prefill_tokens_per_s
-            t = 1000.0 * (w.queued_prompt_tokens + u) / (r if r > 0 else fallback)
-            if t < ttft or (t == ttft and w.key < key):
-                ttft, key = t, w.key
+            r = r if r > 0 else fallback
+            t = 1000.0 * (w.queued_prompt_tokens + u) / r
+            rank = t + 1000.0 * alpha * (recent[i] - mean) / r if recent and recent[i] > mean else t
+            if rank < best or (rank == best and w.key < key):
+                best, ttft, key = rank, t, w.key
         extra = cfg.remote_overhead_ms + d.place.uncached_tokens * cfg.transfer_us_per_token / 1000.0
         return ttft + extra, key, uncached_tokens(prompt_tokens, get(key, 0), block_size)
 

@@ -386,6 +386,13 @@ class WorkerClient:
             self._prefill_counter = decayed + computed
             self._prefill_counter_at = now
 
+    @property
+    def recent_prefill_tokens(self) -> float:
+        """Prompt tokens this router has had the worker compute lately (the decayed counter:
+        pdserve.router.pd_policy's W)."""
+        return decayed_rate(self._prefill_counter, self._prefill_counter_at, time.monotonic(),
+                            self.settings.pd.rate_window_s)
+
     def prefill_rate(self) -> float:
         """Prompt tokens per second this router has had the worker compute lately: an
         exponentially decayed counter over ``rate_window_s`` (pdserve.router.pd_policy's lam)."""

@@ -96,6 +96,28 @@ def test_cache_affinity() -> None:
     assert uncached_tokens(64, 0, 0) == 64
 
 
+def test_recent_work_above_the_mean_spreads_new_conversations() -> None:
+    # a new conversation shares a 2,500-token system prompt with P1 (1,500 tokens left to
+    # compute: 150 ms) but P1 computed 4,500 tokens lately, P2 and P3 none: mean 1,500, P1's
+    # excess 3,000 -> rank 150 + 300 = 450 ms against P2's 400 ms (all 4,000 tokens): P2,
+    # reported with P2's estimate (400 + 2 + 4 ms)
+    hot, cold = pre("P1", uncached=1500), pre("P2")
+    hot.recent_tokens = 4500.0
+    d = decide(dec(4000, queued=3000), [hot, cold, pre("P3")], CFG)
+    assert (d.kind, d.prefill_key, d.ttft_ms, d.prefill_tokens) == (REMOTE, "P2", approx(406.0), 4000)
+    # a next turn whose history P1 holds (200 tokens to compute: 20 + 300 = 320 ms) stays on P1,
+    # and the decision reports P1's estimate, not its rank: 20 + 2 + 4 = 26 ms
+    hot.uncached_tokens = 200
+    d = decide(dec(4000, queued=3000), [hot, cold, pre("P3")], CFG)
+    assert (d.prefill_key, d.ttft_ms, d.prefill_tokens) == ("P1", approx(26.0), 200)
+    # alpha 0 (cache affinity and queues only): the new conversation goes to P1 (150 ms)
+    hot.uncached_tokens = 1500
+    assert decide(dec(4000, queued=3000), [hot, cold, pre("P3")], CFG, alpha=0.0).prefill_key == "P1"
+    # equal recent work is no excess: the lowest ttft wins
+    cold.recent_tokens = 4500.0
+    assert decide(dec(4000, queued=3000), [hot, cold], CFG).prefill_key == "P1"
+
+
 def test_modes_roles_and_missing_candidates() -> None:
     never = PdConfig(mode="never")
     assert decide(dec(4000, queued=3000), [pre()], never).reason == "never"
@@ -147,7 +169,8 @@ def test_decide_workers_equals_decide_on_random_fleets() -> None:
     for _ in range(500):
         n = rng.randint(1, 64) * bs + rng.randint(0, bs - 1)
         workers = [SimpleNamespace(key=f"p{i}", queued_prompt_tokens=rng.choice([0, 0, 512, rng.randrange(4000)]),
-                                   prefill_tokens_per_s=rng.choice([0.0, 8000.0, 12000.0]))
+                                   prefill_tokens_per_s=rng.choice([0.0, 8000.0, 12000.0]),
+                                   recent_prefill_tokens=rng.choice([0.0, 0.0, 1000.0, rng.uniform(0, 8000)]))
                    for i in range(rng.randint(1, 8))]
         matched = {w.key: rng.randint(1, n // bs + 2) for w in workers if rng.random() < 0.5}
         d = DecodePlace(PrefillPlace("D", uncached_tokens(n, rng.randint(0, n // bs), bs), rng.randrange(3000),
@@ -155,6 +178,7 @@ def test_decide_workers_equals_decide_on_random_fleets() -> None:
                         can_prefill=rng.random() < 0.5, decode_step_ms=10.0, mixed_step_ms=40.0,
                         max_num_batched_tokens=2048, prefill_rate=rng.choice([0.0, 3000.0]))
         places = [PrefillPlace(w.key, uncached_tokens(n, matched.get(w.key, 0), bs), w.queued_prompt_tokens,
-                               w.prefill_tokens_per_s) for w in workers]
+                               w.prefill_tokens_per_s, w.recent_prefill_tokens) for w in workers]
         cfg = PdConfig(mode=rng.choice(["adaptive", "always"]), local_max_tokens=rng.choice([0, 256]))
-        assert decide_workers(d, workers, matched, n, bs, cfg) == decide(d, places, cfg)
+        alpha = rng.choice([0.0, 1.0, 2.5])
+        assert decide_workers(d, workers, matched, n, bs, cfg, alpha) == decide(d, places, cfg, alpha)
