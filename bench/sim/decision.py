@@ -97,6 +97,8 @@ def _client(registry: WorkerRegistry, key: str, role: Role, blocks: int, rng: ra
     c.inflight_tokens = c.inflight * rng.randrange(200, 1500)
     c.inflight_prompt_tokens = rng.randrange(0, 4000) if role is Role.PREFILL else 0
     c.other_tokens = rng.randrange(0, 4000)
+    c.prefill_counter = rng.uniform(0, 20000) if role is Role.PREFILL else 0.0   # recent work (pd_policy's W)
+    c.prefill_counter_at = time.monotonic() - rng.uniform(0, 2)
     c.sync_figures()
 
 

@@ -177,7 +177,7 @@ class Flow:
                         s.mixed_step_ms if s else 0.0, s.max_num_batched_tokens if s else 0,
                         s.chunked_prefill if s else True, decode.prefill_rate())
         decision = decide_workers(d, prefillers if cfg.mode != "never" else [], matches, n, bs, cfg,
-                                  self.settings.load_alpha)
+                                  self.settings.load_alpha, time.monotonic())
         if decision.kind == REMOTE and self.settings.routing != "kv" and len(prefillers) > 1:
             pc = [PrefillCandidate(c.key, 0, c.inflight_prompt_tokens, c.inflight, c.other_prompt_tokens)
                   for c in prefillers]

@@ -118,7 +118,9 @@ class PrefillWorker(Protocol):
     @property
     def prefill_tokens_per_s(self) -> float: ...    # R; 0 = unmeasured
     @property
-    def recent_prefill_tokens(self) -> float: ...   # W
+    def prefill_counter(self) -> float: ...         # W's decayed counter when last updated ...
+    @property
+    def prefill_counter_at(self) -> float: ...      # ... and when (W = counter * exp(-(now - at) / rate_window_s))
 
 
 @dataclass(frozen=True)
@@ -216,10 +218,12 @@ def decide(d: DecodePlace, candidates: Sequence[PrefillPlace], cfg: PdConfig, al
 
 
 def decide_workers(d: DecodePlace, workers: Sequence[PrefillWorker], matched: Mapping[str, int],
-                   prompt_tokens: int, block_size: int, cfg: PdConfig, alpha: float = 1.0) -> PdDecision:
+                   prompt_tokens: int, block_size: int, cfg: PdConfig, alpha: float = 1.0,
+                   now: float = 0.0) -> PdDecision:
     """``decide`` over workers as they are: ``matched`` (worker key -> leading blocks of the prompt
-    it holds, absent: none) gives each its U; no object is made per worker. The same decision as
-    ``decide`` on their PrefillPlaces."""
+    it holds, absent: none) gives each its U, their decayed counters seen at ``now`` (the clock of
+    ``prefill_counter_at``) their W; no object is made per worker. The same decision as ``decide``
+    on their PrefillPlaces."""
     own = d.place.key
     ws = [w for w in workers if w.key != own]
     fallback = _mean_measured([d.place.tokens_per_s, *(w.prefill_tokens_per_s for w in ws)])
@@ -228,7 +232,9 @@ def decide_workers(d: DecodePlace, workers: Sequence[PrefillWorker], matched: Ma
 
     def fastest() -> tuple[float, str, int]:      # fastest_remote over the workers
         get = matched.get
-        recent = [w.recent_prefill_tokens for w in ws] if alpha > 0 else None
+        tau = cfg.rate_window_s         # decayed_rate inlined (W of an idle worker: 0)
+        recent = [w.prefill_counter * math.exp(-(now - w.prefill_counter_at) / tau) if w.prefill_counter else 0.0
+                  for w in ws] if alpha > 0 else None
         mean = sum(recent) / len(recent) if recent else 0.0
         best, ttft, key = math.inf, math.inf, ""
         for i, w in enumerate(ws):      # uncached_tokens inlined: one pass, no object per worker

@@ -124,9 +124,10 @@ class WorkerClient:
         self.free_blocks = 0            # last GetStats: num_total_blocks - num_used_blocks (0: none)
         self.total_blocks = 0           # last GetStats: num_total_blocks (0: unknown)
         self.prefill_tokens_per_s = 0.0 # last GetStats (0: unmeasured)
-        # Prompt tokens this router sent here to compute, as a decayed counter (pdserve.router.pd_policy).
-        self._prefill_counter = 0.0
-        self._prefill_counter_at = 0.0
+        # Prompt tokens this router sent here to compute, as a decayed counter (pdserve.router.pd_policy's
+        # W is its value now): its value when last updated, and when (time.monotonic()).
+        self.prefill_counter = 0.0
+        self.prefill_counter_at = 0.0
         self.num_kv_resyncs = 0         # KV event streams re-opened after a gap
         self._task: asyncio.Task | None = None
         self._kv_task: asyncio.Task | None = None
@@ -382,22 +383,15 @@ class WorkerClient:
         self.queued_prompt_tokens += prompt_tokens
         if computed:
             now, window = time.monotonic(), self.settings.pd.rate_window_s
-            decayed = decayed_rate(self._prefill_counter, self._prefill_counter_at, now, window)
-            self._prefill_counter = decayed + computed
-            self._prefill_counter_at = now
-
-    @property
-    def recent_prefill_tokens(self) -> float:
-        """Prompt tokens this router has had the worker compute lately (the decayed counter:
-        pdserve.router.pd_policy's W)."""
-        return decayed_rate(self._prefill_counter, self._prefill_counter_at, time.monotonic(),
-                            self.settings.pd.rate_window_s)
+            decayed = decayed_rate(self.prefill_counter, self.prefill_counter_at, now, window)
+            self.prefill_counter = decayed + computed
+            self.prefill_counter_at = now
 
     def prefill_rate(self) -> float:
         """Prompt tokens per second this router has had the worker compute lately: an
         exponentially decayed counter over ``rate_window_s`` (pdserve.router.pd_policy's lam)."""
         window = self.settings.pd.rate_window_s
-        return decayed_rate(self._prefill_counter, self._prefill_counter_at, time.monotonic(), window) / window
+        return decayed_rate(self.prefill_counter, self.prefill_counter_at, time.monotonic(), window) / window
 
     # ---- request rpcs -----------------------------------------------------------------
     # reserve / submit start the rpc before they return (its send is the next thing the loop

@@ -170,7 +170,8 @@ def test_decide_workers_equals_decide_on_random_fleets() -> None:
         n = rng.randint(1, 64) * bs + rng.randint(0, bs - 1)
         workers = [SimpleNamespace(key=f"p{i}", queued_prompt_tokens=rng.choice([0, 0, 512, rng.randrange(4000)]),
                                    prefill_tokens_per_s=rng.choice([0.0, 8000.0, 12000.0]),
-                                   recent_prefill_tokens=rng.choice([0.0, 0.0, 1000.0, rng.uniform(0, 8000)]))
+                                   prefill_counter=rng.choice([0.0, 0.0, 1000.0, rng.uniform(0, 8000)]),
+                                   prefill_counter_at=rng.uniform(90.0, 100.0))
                    for i in range(rng.randint(1, 8))]
         matched = {w.key: rng.randint(1, n // bs + 2) for w in workers if rng.random() < 0.5}
         d = DecodePlace(PrefillPlace("D", uncached_tokens(n, rng.randint(0, n // bs), bs), rng.randrange(3000),
@@ -178,7 +179,9 @@ def test_decide_workers_equals_decide_on_random_fleets() -> None:
                         can_prefill=rng.random() < 0.5, decode_step_ms=10.0, mixed_step_ms=40.0,
                         max_num_batched_tokens=2048, prefill_rate=rng.choice([0.0, 3000.0]))
         places = [PrefillPlace(w.key, uncached_tokens(n, matched.get(w.key, 0), bs), w.queued_prompt_tokens,
-                               w.prefill_tokens_per_s, w.recent_prefill_tokens) for w in workers]
-        cfg = PdConfig(mode=rng.choice(["adaptive", "always"]), local_max_tokens=rng.choice([0, 256]))
+                               w.prefill_tokens_per_s,
+                               decayed_rate(w.prefill_counter, w.prefill_counter_at, 100.0, 2.0)) for w in workers]
+        cfg = PdConfig(mode=rng.choice(["adaptive", "always"]), local_max_tokens=rng.choice([0, 256]),
+                       rate_window_s=2.0)
         alpha = rng.choice([0.0, 1.0, 2.5])
-        assert decide_workers(d, workers, matched, n, bs, cfg, alpha) == decide(d, places, cfg, alpha)
+        assert decide_workers(d, workers, matched, n, bs, cfg, alpha, 100.0) == decide(d, places, cfg, alpha)
