@@ -3,8 +3,8 @@
 #
 #   bash bench/scale_sim_host.sh multi-turn     # 6-turn conversations, open and closed loop
 #   bash bench/scale_sim_host.sh long           # 12-turn (4,096-block prefill pools) beside saturated,
-#                                               # then shared-prefix, then the decision alone x3
-#   bash bench/scale_sim_host.sh churn          # 4 workers killed and 4 added under load
+#                                               # then the decision alone x3
+#   bash bench/scale_sim_host.sh churn          # 4 workers killed and 4 added under load, then shared-prefix
 #
 # Results under $OUT/<plan>/ (JSON; at most 8 files come back from a device call), logs under
 # /tmp/scale_sim_logs/<plan>/ (their last lines printed). Needs .whl (the grpc / protobuf wheels of
@@ -28,10 +28,10 @@ long)
     sim saturated saturated --num-prompts 300 --rate 5 --policies kv,least-loaded,round-robin & b=$!
     sim long12 compare --workloads multi-turn-long --policies kv,round-robin,oracle --prefill-blocks 4096
     wait $b
-    sim shared compare --workloads shared-prefix --policies kv,round-robin,oracle
     for i in 1 2 3; do python3 -m bench.sim.decision --requests 2000 --out "$out/decision_run$i.json" > /dev/null; done ;;
 churn)
-    sim churn churn --num-prompts 1200 --rate 15 --churn-at 20 --churn-workload shared-prefix-long ;;
+    sim churn churn --num-prompts 1200 --rate 15 --churn-at 20 --churn-workload shared-prefix-long
+    sim shared compare --workloads shared-prefix --policies kv,round-robin,oracle ;;
 *) echo "unknown plan $plan"; exit 2 ;;
 esac
 for f in "$logs"/*.log; do echo "== $f"; tail -3 "$f"; done
