@@ -4,7 +4,8 @@
 #   bash bench/scale_sim_host.sh multi-turn     # 6-turn conversations, open and closed loop
 #   bash bench/scale_sim_host.sh long           # 12-turn (4,096-block prefill pools) beside saturated,
 #                                               # then the decision alone x3
-#   bash bench/scale_sim_host.sh churn          # 4 workers killed and 4 added under load, then shared-prefix
+#   bash bench/scale_sim_host.sh churn          # 4 workers killed and 4 added under load, then shared-prefix,
+#                                               # beside a repeat of the 6-turn open-loop compare
 #
 # Results under $OUT/<plan>/ (JSON; at most 8 files come back from a device call), logs under
 # /tmp/scale_sim_logs/<plan>/ (their last lines printed). Needs .whl (the grpc / protobuf wheels of
@@ -30,8 +31,10 @@ long)
     wait $b
     for i in 1 2 3; do python3 -m bench.sim.decision --requests 2000 --out "$out/decision_run$i.json" > /dev/null; done ;;
 churn)
+    sim open6_repeat compare --workloads multi-turn --policies kv,round-robin,oracle & b=$!
     sim churn churn --num-prompts 1200 --rate 15 --churn-at 20 --churn-workload shared-prefix-long
-    sim shared compare --workloads shared-prefix --policies kv,round-robin,oracle ;;
+    sim shared compare --workloads shared-prefix --policies kv,round-robin,oracle
+    wait $b ;;
 *) echo "unknown plan $plan"; exit 2 ;;
 esac
 for f in "$logs"/*.log; do echo "== $f"; tail -3 "$f"; done
