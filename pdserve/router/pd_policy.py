@@ -196,15 +196,15 @@ def fastest_remote(d: DecodePlace, cands: Sequence[PrefillPlace], cfg: PdConfig,
     key (the module docstring's rank: ttft plus the excess of recent work; every remote option
     has the same tpot, so among equal excesses the lowest ttft is also the most headroom)."""
     mean = sum(p.recent_tokens for p in cands) / len(cands)
-    best = None
-    for i, p in enumerate(cands):
+
+    def ranked(i: int) -> tuple[float, str, float]:      # (rank, key, ttft)
+        p = cands[i]
         r = p.tokens_per_s if p.tokens_per_s > 0 else fallback
         ttft = 1000.0 * (p.queued_tokens + p.uncached_tokens) / r
         excess = p.recent_tokens - mean
-        rank = (ttft + 1000.0 * alpha * excess / r if alpha > 0 and excess > 0 else ttft, p.key)
-        if best is None or rank < best[0]:
-            best = (rank, ttft, i)
-    _, ttft, i = best
+        return (ttft + 1000.0 * alpha * excess / r if alpha > 0 and excess > 0 else ttft, p.key, ttft)
+
+    _, _, ttft, i = min((*ranked(i), i) for i in range(len(cands)))
     extra = cfg.remote_overhead_ms + d.place.uncached_tokens * cfg.transfer_us_per_token / 1000.0
     return ttft + extra, cands[i].key, cands[i].uncached_tokens
 
