@@ -14,19 +14,6 @@ the prefix it holds by the prefix index; ``Q_w`` = prompt tokens queued on ``w``
     ttft(local)    = 1000 * (Q_D + U_D) / R_D
     ttft(remote P) = 1000 * (Q_P + U_P) / R_P + remote_overhead_ms + U_D * transfer_us_per_token / 1000
 
-Which remote candidate: the lowest ``rank(P) = ttft(remote P) + 1000 * alpha * max(0, W_P - mean W) / R_P``
-(``W_P``: prompt tokens this router gave ``P`` to compute lately, a counter decayed over
-``rate_window_s``; the mean over the remote candidates; ``alpha``: the router's ``--load-alpha``).
-A worker that computed more than its share lately is where the conversations it prefilled
-will come back (a conversation's next turn is cheapest where its history is cached), so a
-request whose prefix would save little there, such as a new conversation that shares only a
-system prompt, starts its history on a worker with less of that coming: without this term
-every conversation of a system prompt piles onto the worker that computed the prompt first,
-and their later turns queue there while other prefill workers idle (multi-turn simulation,
-docs/benchmarks.md). A next turn whose history a worker holds still goes there while the
-history saves more than that worker's excess. The decision keeps the chosen worker's
-``ttft`` estimate (the rank is not a time).
-
     tpot(option)   = t_dec / (1 - u),  u = lam * c / 1000   (u capped at MAX_UTILISATION)
     lam(remote)    = lam_D                                   (D's decode rows only)
     lam(local)     = lam_D + U_D / rate_window_s             (this prompt joins D's prefill load)
@@ -41,11 +28,24 @@ ran for others; an exponentially decayed rate over ``rate_window_s``). ``u`` is 
 ``D``'s time spent on prompt chunks; every decode row waits for it, so the time per output
 token of ``D``'s requests is ``t_dec / (1 - u)``.
 
+Which remote candidate: the lowest ``rank(P) = ttft(remote P) + 1000 * alpha * max(0, W_P - mean W) / R_P``
+(``W_P``: prompt tokens this router gave ``P`` to compute lately, a counter decayed over
+``rate_window_s``; the mean over the remote candidates; ``alpha``: the router's ``--load-alpha``).
+A worker that computed more than its share lately is where the conversations it prefilled
+will come back (a conversation's next turn is cheapest where its history is cached), so a
+request whose prefix would save little there, such as a new conversation that shares only a
+system prompt, starts its history on a worker with less of that coming: without this term
+every conversation of a system prompt piles onto the worker that computed the prompt first,
+and their later turns queue there while other prefill workers idle (multi-turn simulation,
+docs/benchmarks.md). A next turn whose history a worker holds still goes there while the
+history saves more than that worker's excess. The decision keeps the chosen worker's
+``ttft`` estimate (the rank is not a time).
+
 Each option's headroom is ``h = min(1 - ttft / slo_ttft_ms, 1 - tpot / slo_tpot_ms)`` (negative:
 an SLO is missed); the option with the most headroom wins (over two SLOs: the one that
 violates least). Documented rules for ties and uncertainty, in order:
 
-1. ``never`` -> local; ``always`` -> remote on the candidate with the lowest ttft (local when
+1. ``never`` -> local; ``always`` -> remote on the candidate with the lowest rank (local when
    there is none).
 2. No prefill-capable worker besides ``D`` -> local (``no-prefill-worker``).
 3. ``D`` of role decode -> remote (``decode-only``): it prefills only as a fallback.
