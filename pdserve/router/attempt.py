@@ -26,8 +26,9 @@ from pdserve.common.grpc_utils import (
 from pdserve.common.outputs import FinishReason, SequenceOutput
 from pdserve.common.worker_types import Reservation
 from pdserve.router.pd_policy import PdDecision
+from pdserve.router.prefill_call import PrefillRequest, PrefillStream, prefill_request
 from pdserve.router.subscription import OutputBuffer, Subscription
-from pdserve.router.worker_client import PrefillRequest, PrefillStream, WorkerClient, prefill_request
+from pdserve.router.worker_client import WorkerClient
 
 log = logging.getLogger(__name__)
 

@@ -21,8 +21,8 @@ Every call uses ``wait_for_ready=False`` and a timeout, so a dead worker fails f
 The request rpcs (:meth:`WorkerClient.reserve`, :meth:`~WorkerClient.submit`,
 :meth:`~WorkerClient.prefill`, :meth:`~WorkerClient.cancel`) take and return domain types
 (pdserve.common.worker_types, pdserve.common.outputs), converted by
-pdserve.common.grpc_utils.convert: this module and the servicers are the router's only
-protobuf edge. Their rpc errors are raised as ``grpc.aio.AioRpcError`` (the attempt maps them).
+pdserve.common.grpc_utils.convert: this module, pdserve.router.prefill_call and the servicers
+are the router's only protobuf edge. Their rpc errors are raised as ``grpc.aio.AioRpcError`` (the attempt maps them).
 """
 from __future__ import annotations
 
@@ -39,17 +39,11 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from pdserve.common.grpc_utils import Unavailable, client_channel
 from pdserve.common.grpc_utils.channels import RenewingChannels
-from pdserve.common.grpc_utils.convert import (
-    first_token_from_proto,
-    reservation_from_proto,
-    sampling_params_to_proto,
-    worker_info_from_proto,
-    worker_stats_from_proto,
-)
-from pdserve.common.outputs import SequenceOutput
+from pdserve.common.grpc_utils.convert import worker_info_from_proto, worker_stats_from_proto
 from pdserve.common.sampling_params import SamplingParams
 from pdserve.common.worker_types import DECODE_ROLES, Reservation, Role, WorkerInfo, WorkerStats
 from pdserve.router.pd_policy import decayed_rate
+from pdserve.router.prefill_call import PrefillRequest, PrefillStream, reservation, wire_params
 from pdserve.router.prefix_index import PrefixIndex
 from pdserve.router.settings import (
     CANCEL_TIMEOUT_S,
@@ -66,12 +60,6 @@ from pdserve.router.subscription import Subscription
 from pdserve.v1 import common_pb2, common_pb2_grpc, worker_pb2, worker_pb2_grpc
 
 log = logging.getLogger(__name__)
-
-# A Prefill request, built (the prompt's ids copied) before the reservation it targets is known.
-PrefillRequest = worker_pb2.PrefillRequest
-# The wire form of the few sampling parameter sets clients send, converted once each (the
-# messages are shared: only ever copied into a request).
-_wire_params = functools.lru_cache(maxsize=1024)(sampling_params_to_proto)
 
 DOWN_CODES = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED)
 LOADING = "loading its model"    # last_error while a starting worker loads its model
@@ -399,14 +387,14 @@ class WorkerClient:
     def reserve(self, request_id: str, token_ids, params: SamplingParams, lease_ms: int, deadline_unix_ms: int,
                 router_id: str, timeout: float) -> Awaitable[Reservation]:
         """Reserve KV blocks for the prompt ``token_ids`` (a list or the client's repeated field)."""
-        req = worker_pb2.ReserveRequest(request_id=request_id, token_ids=token_ids, params=_wire_params(params),
+        req = worker_pb2.ReserveRequest(request_id=request_id, token_ids=token_ids, params=wire_params(params),
                                         lease_ms=lease_ms, deadline_unix_ms=deadline_unix_ms, router_id=router_id)
-        return _reservation(self.stub.Reserve(req, timeout=timeout, wait_for_ready=False))
+        return reservation(self.stub.Reserve(req, timeout=timeout, wait_for_ready=False))
 
     def submit(self, request_id: str, token_ids, params: SamplingParams, deadline_unix_ms: int, router_id: str,
                timeout: float) -> Awaitable[object]:
         """Queue the request on this worker (it prefills it); its outputs come on the Subscribe stream."""
-        req = worker_pb2.SubmitRequest(request_id=request_id, token_ids=token_ids, params=_wire_params(params),
+        req = worker_pb2.SubmitRequest(request_id=request_id, token_ids=token_ids, params=wire_params(params),
                                        deadline_unix_ms=deadline_unix_ms, router_id=router_id)
         return self.stub.Submit(req, timeout=timeout, wait_for_ready=False)
 
@@ -429,48 +417,3 @@ class WorkerClient:
                                    timeout=CANCEL_TIMEOUT_S, wait_for_ready=False)
         except grpc.aio.AioRpcError as e:
             log.debug("Cancel %s on %s failed: %s", request_id, self.key, e.code().name)
-
-
-def prefill_request(request_id: str, token_ids, params: SamplingParams, deadline_unix_ms: int) -> PrefillRequest:
-    """A Prefill request without its KV target (:meth:`WorkerClient.prefill` sets it)."""
-    return worker_pb2.PrefillRequest(request_id=request_id, token_ids=token_ids, params=_wire_params(params),
-                                     deadline_unix_ms=deadline_unix_ms)
-
-
-async def _reservation(call: Awaitable[worker_pb2.ReserveResponse]) -> Reservation:
-    return reservation_from_proto(await call)
-
-
-class PrefillStream:
-    """A Prefill call: its first token (:meth:`first_token`), then KV transfer events
-    (:meth:`finish`). ``read()`` only: an rpc's read API and its iterator may not be mixed."""
-
-    __slots__ = ("call", "request_id", "logprobs")
-
-    def __init__(self, call: grpc.aio.UnaryStreamCall, request_id: str, logprobs: bool) -> None:
-        self.call = call
-        self.request_id = request_id
-        self.logprobs = logprobs
-
-    async def first_token(self) -> SequenceOutput | None:
-        """The request's first output; None when the stream did not start with a FirstToken."""
-        msg = await self.call.read()
-        if msg is grpc.aio.EOF or msg.WhichOneof("event") != "first_token":
-            return None
-        return first_token_from_proto(msg.first_token, self.request_id, self.logprobs)
-
-    async def finish(self) -> None:
-        """Read the rest of the stream (the KV transfer's end)."""
-        while True:
-            msg = await self.call.read()
-            if msg is grpc.aio.EOF:
-                return
-            if msg.WhichOneof("event") == "transfer_done":
-                log.debug("%s: KV transfer done: %d blocks, %.2f ms", self.request_id,
-                          msg.transfer_done.num_blocks, msg.transfer_done.transfer_ms)
-
-    def cancel(self) -> bool:
-        return self.call.cancel()
-
-    def done(self) -> bool:
-        return self.call.done()

@@ -94,6 +94,7 @@ def _edges() -> dict[tuple[str, str], list[str]]:
 # pdserve.common.grpc_utils.convert.
 ROUTER_PB2_EDGE = {
     "pdserve.router.worker_client",          # the workers' rpcs
+    "pdserve.router.prefill_call",           # ... the Prefill rpc's request and stream
     "pdserve.router.servicer",               # Generation, InfoService
     "pdserve.router.validation",             # the door's check of the wire SamplingParams
     "pdserve.router.kserve.servicer", "pdserve.router.kserve.convert", "pdserve.router.kserve.tensors",
