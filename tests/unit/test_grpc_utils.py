@@ -7,7 +7,9 @@ unexpected error; unary and streaming handlers), the message size limit, gracefu
 from __future__ import annotations
 
 import asyncio
+import logging
 import socket
+import time
 from collections.abc import Awaitable, Callable
 from typing import Any
 
@@ -18,6 +20,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc  # noqa: E402
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc  # noqa: E402
 
 from pdserve.common.grpc_utils import (  # noqa: E402
+    DeadlineExceeded,
     InvalidArgument,
     NotFound,
     PeerUnavailable,
@@ -63,10 +66,20 @@ async def _stream_tokens(request: bytes, context: Any) -> Any:
     raise NotFound("request_id r1 is unknown")
 
 
+async def _stream_past_deadline(request: bytes, context: Any) -> Any:
+    """Yields once, then holds the event loop past the client's deadline (so the call ends in the
+    core before the handler is cancelled) and raises the domain error of its own deadline, as a
+    router whose deadline timer fires with the client's does."""
+    yield b"first"
+    time.sleep(0.8)
+    raise DeadlineExceeded("deadline passed")
+
+
 def _add_stream_handler(servicer: Any, server: grpc.aio.Server) -> None:
     """A raw (bytes in/out) server-streaming service, to test streaming error mapping."""
     handler = grpc.method_handlers_generic_handler(
-        "test.Stream", {"Tokens": grpc.unary_stream_rpc_method_handler(servicer)})
+        "test.Stream", {"Tokens": grpc.unary_stream_rpc_method_handler(servicer),
+                        "Late": grpc.unary_stream_rpc_method_handler(_stream_past_deadline)})
     server.add_generic_rpc_handlers((handler,))
 
 
@@ -190,6 +203,42 @@ def test_streaming_error_after_first_message() -> None:
         assert "r1" in info.value.details()
 
     run_with_server(body)
+
+
+def test_error_after_the_call_ended_is_not_an_error_log(caplog: pytest.LogCaptureFixture) -> None:
+    """A handler failing after its call already ended (the client's deadline passed): there is no
+    one to send a status to, so the interceptor sends none and nothing logs an ERROR (gRPC
+    logged "ExecuteBatchError raised in core" with a traceback when the status was sent)."""
+    async def body(server: Any, address: str, channel: grpc.aio.Channel) -> None:
+        call = channel.unary_stream("/test.Stream/Late")(b"", timeout=0.3)
+        with pytest.raises(grpc.aio.AioRpcError) as info:
+            async for _ in call:
+                pass
+        assert info.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+        await asyncio.sleep(1.0)            # the handler wakes up and fails meanwhile
+        ok = await common_pb2_grpc.InfoServiceStub(channel).Info(common_pb2.InfoRequest(), timeout=5)
+        assert ok.worker_id == "w0"         # the server serves on
+
+    with caplog.at_level(logging.DEBUG):
+        run_with_server(body)
+    errors = [r for r in caplog.records if r.levelno >= logging.ERROR]
+    assert not errors, [r.getMessage() for r in errors]
+
+
+def test_a_status_that_cannot_be_sent_ends_the_handler_as_cancelled(caplog: pytest.LogCaptureFixture) -> None:
+    """The race above when the handler's error wins it: the call has ended in gRPC's core and
+    sending the status fails (gRPC's ExecuteBatchError, here a context whose abort raises as
+    gRPC's does then). The interceptor ends the handler as cancelled (gRPC logs that at DEBUG)."""
+    from pdserve.common.grpc_utils.interceptor import _abort
+
+    class EndedCall:
+        async def abort(self, code: grpc.StatusCode, details: str, trailing_metadata: Any = ()) -> None:
+            raise RuntimeError('Failed "execute_batch"')
+
+    with caplog.at_level(logging.DEBUG), pytest.raises(asyncio.CancelledError):
+        asyncio.run(_abort(DeadlineExceeded("deadline passed"), EndedCall(), "/pdserve.v1.Generation/Generate"))
+    assert [r.levelno for r in caplog.records if r.levelno >= logging.WARNING] == []
+    assert any("DEADLINE_EXCEEDED not sent" in r.getMessage() for r in caplog.records)
 
 
 def test_message_over_limit_is_rejected() -> None:

@@ -8,6 +8,7 @@ keeps its status (WARNING); NotImplementedError -> UNIMPLEMENTED; anything else 
 """
 from __future__ import annotations
 
+import asyncio
 import inspect
 import logging
 from collections.abc import Awaitable, Callable
@@ -79,7 +80,16 @@ async def _abort(exc: Exception, context: grpc.aio.ServicerContext, method: str)
         level = logging.WARNING if isinstance(exc, grpc.aio.AioRpcError) else logging.DEBUG
         log.log(level, "%s -> %s: %s", method, code.name, details)
     trailing = ((PEER_METADATA_KEY, exc.peer),) if isinstance(exc, PeerUnavailable) else ()
-    await context.abort(code, details, trailing_metadata=trailing)
+    try:
+        await context.abort(code, details, trailing_metadata=trailing)
+    except grpc.aio.AbortError:
+        raise
+    except Exception as unsent:  # noqa: BLE001 - the status could not go out
+        # The call ended before its status was sent (the client's deadline or cancel won the race
+        # with this error; gRPC's "execute_batch" fails): nobody is left to tell. End the handler
+        # as a cancelled one ends, instead of gRPC logging the failed send as an error.
+        log.debug("%s: %s not sent, the call had ended (%r)", method, code.name, unsent)
+        raise asyncio.CancelledError from None
 
 
 def _wrap_unary_response(behavior: Callable[..., Any], method: str) -> Callable[..., Awaitable[Any]]:
