@@ -12,7 +12,7 @@
 # docs/benchmarks.md) and .simcache (the embedded model's config and tokenizer; the routers need
 # no weights) carried; PDSERVE_GIT_COMMIT names the commit in every JSON.
 set -u
-plan=${1:?plan: multi-turn | long}
+plan=${1:?plan: multi-turn | long | churn}
 out=${OUT:-/tmp/out}/$plan
 logs=/tmp/scale_sim_logs/$plan
 mkdir -p "$out" "$logs"

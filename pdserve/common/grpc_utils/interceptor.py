@@ -82,7 +82,7 @@ async def _abort(exc: Exception, context: grpc.aio.ServicerContext, method: str)
     trailing = ((PEER_METADATA_KEY, exc.peer),) if isinstance(exc, PeerUnavailable) else ()
     try:
         await context.abort(code, details, trailing_metadata=trailing)
-    except grpc.aio.AbortError:
+    except (grpc.aio.AbortError, grpc.aio.UsageError):   # aborted; or aborted twice: a bug, surfaced
         raise
     except Exception as unsent:  # noqa: BLE001 - the status could not go out
         # The call ended before its status was sent (the client's deadline or cancel won the race
