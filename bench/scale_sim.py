@@ -69,10 +69,9 @@ def _scrape(port: int) -> str:
 
 
 def _start_cluster(cfg: SimConfig, log_dir: Path, tries: int = 3) -> Cluster:
-    """A started deployment; a fresh one (new ports) when a process failed to start. The ports
-    come from free_ports() (bind to 0, release), i.e. from the ephemeral range that the
-    deployment's own ~10^3 client connections also draw from, so a port can be taken between its
-    pick and the worker's bind ("Address already in use")."""
+    """A started deployment; a fresh one (new ports) when a process failed to start (free_ports()
+    picks outside the ephemeral range, but another program may still take a port between the
+    pick and the worker's bind)."""
     for i in range(tries):
         try:
             return Cluster(cfg, log_dir).start()
