@@ -611,13 +611,13 @@ def test_pair_channel_cta_cap():
     a negative cap is refused before anything is built."""
     from types import SimpleNamespace
 
-    from pdserve.common.kv_transfer.channel import _cap_ctas
+    from pdserve.common.kv_transfer.process_group import cap_ctas
     opts = SimpleNamespace(config=SimpleNamespace(max_ctas=32, min_ctas=8))
-    _cap_ctas(opts, 4)
+    cap_ctas(opts, 4)
     assert (opts.config.max_ctas, opts.config.min_ctas) == (4, 4)
     opts = SimpleNamespace(config=SimpleNamespace(max_ctas=32, min_ctas=1))
-    _cap_ctas(opts, 2)
+    cap_ctas(opts, 2)
     assert (opts.config.max_ctas, opts.config.min_ctas) == (2, 1)
-    _cap_ctas(SimpleNamespace(), 4)           # a torch without per-communicator config: left as is
+    cap_ctas(SimpleNamespace(), 4)           # a torch without per-communicator config: left as is
     with pytest.raises(KvTransferError, match="max_ctas must be >= 0"):
         PairChannel("127.0.0.1:1", "p", "d", 1, 0, "cpu", max_ctas=-1)

@@ -9,7 +9,6 @@ failure breaks the channel for good (``is_broken``); a new epoch builds a new on
 """
 from __future__ import annotations
 
-import datetime
 import logging
 import os
 import re
@@ -23,6 +22,7 @@ import torch.distributed as dist
 
 from .. import env
 from .errors import KvTransferError
+from .process_group import POLL_SLEEP_S, abort_pg, cap_ctas, fine_timer_slack, nccl_available, seconds
 from .store import connect_store
 
 log = logging.getLogger(__name__)
@@ -56,14 +56,6 @@ def _wire(t: torch.Tensor) -> torch.Tensor:
     if not t.is_contiguous():
         raise KvTransferError("pair channel tensors must be contiguous")
     return t.reshape(-1).view(torch.uint8)
-
-
-def _seconds(value: float) -> datetime.timedelta:
-    return datetime.timedelta(seconds=max(0.001, float(value)))
-
-
-def _nccl_available() -> bool:
-    return hasattr(dist, "ProcessGroupNCCL") and dist.is_nccl_available()
 
 
 class Op:
@@ -115,7 +107,7 @@ class PairChannel:
         self.is_cuda = device.type == "cuda"
         self.stream: torch.cuda.Stream | None = None    # set exactly when is_cuda
         if self.is_cuda:
-            if not _nccl_available():
+            if not nccl_available():
                 raise KvTransferError("CUDA pair channel needs torch.distributed with NCCL")
             self.stream = stream if stream is not None else torch.cuda.Stream(device)
         self._broken = False
@@ -171,7 +163,7 @@ class PairChannel:
             finally:
                 done.set()
                 if abandoned.is_set() and "pg" in result:
-                    _abort_pg(result.pop("pg"), self.is_cuda)
+                    abort_pg(result.pop("pg"), self.is_cuda)
 
         thread = threading.Thread(target=build, name=f"kv-join-{self.prefix}", daemon=True)
         thread.start()
@@ -204,16 +196,16 @@ class PairChannel:
     def _make_pg(self, prefix_store, deadline: float, high_priority: bool):
         left = max(1.0, deadline - time.monotonic())
         if not self.is_cuda:
-            return dist.ProcessGroupGloo(prefix_store, self.rank, 2, _seconds(left))
+            return dist.ProcessGroupGloo(prefix_store, self.rank, 2, seconds(left))
         # Unless set, do not let an NCCL error (a dead peer) kill this process.
         os.environ.setdefault("TORCH_NCCL_ASYNC_ERROR_HANDLING", "2")
         os.environ.setdefault("TORCH_NCCL_SHOW_EAGER_INIT_P2P_SERIALIZATION_WARNING", "false")
         opts = dist.ProcessGroupNCCL.Options()
         opts.is_high_priority_stream = bool(high_priority)
         # Backstop only: this module aborts the group itself at its own timeout.
-        opts._timeout = _seconds(2 * self.timeout + 30.0)
+        opts._timeout = seconds(2 * self.timeout + 30.0)
         if self.max_ctas:
-            _cap_ctas(opts, self.max_ctas)
+            cap_ctas(opts, self.max_ctas)
         for attr, value in (("group_name", self.prefix), ("global_ranks_in_group", [0, 1])):
             try:
                 setattr(opts, attr, value)
@@ -277,7 +269,7 @@ class PairChannel:
                 with torch.cuda.stream(self.stream):
                     work.work.wait()
             elif not work.done:  # a Gloo work must be waited once only
-                work.work.wait(_seconds(deadline - time.monotonic()))
+                work.work.wait(seconds(deadline - time.monotonic()))
                 work.done = True
         except Exception as e:
             self._fail(f"transfer failed: {e}")
@@ -294,7 +286,7 @@ class PairChannel:
             return
         pending = works
         t_start = time.monotonic()
-        _fine_timer_slack()
+        fine_timer_slack()
         while pending:
             if self._broken:
                 raise self._error("channel was aborted"
@@ -313,7 +305,7 @@ class PairChannel:
                 self.abort(what)
                 raise self._error(f"{what} (peer dead or stalled?)")
             # Yield first, then short sleeps (chosen by measurement: bench/NOTES.md).
-            time.sleep(0 if now - t_start < 0.002 else _POLL_SLEEP_S)
+            time.sleep(0 if now - t_start < 0.002 else POLL_SLEEP_S)
         for w in works:  # re-raise a recorded error (e.g. communicator aborted)
             self.wait(w, deadline)
 
@@ -367,7 +359,7 @@ class PairChannel:
             pg, self._pg = self._pg, None
             self._store = None
         if pg is not None:
-            _abort_pg(pg, self.is_cuda)
+            abort_pg(pg, self.is_cuda)
 
     def close(self) -> None:
         """Release the channel; NCCL communicators are aborted, so it never waits for a peer."""
@@ -376,47 +368,4 @@ class PairChannel:
             pg, self._pg = self._pg, None
             self._store = None
         if pg is not None:
-            _abort_pg(pg, self.is_cuda)
-
-
-def _cap_ctas(opts, max_ctas: int) -> None:
-    """At most ``max_ctas`` CTAs for the communicator: its buffers are per CTA (on nvidia-h200-x2,
-    NCCL 2.28: 261 / 517 MiB per pair channel on the sending / receiving GPU by default, 37 / 69 MiB
-    with 4; bench/NOTES.md)."""
-    config = getattr(opts, "config", None)
-    if config is None or not hasattr(config, "max_ctas"):
-        log.warning("this torch cannot cap NCCL CTAs per communicator: pair channels use NCCL's default")
-        return
-    config.max_ctas = max_ctas
-    if getattr(config, "min_ctas", 0) > max_ctas:
-        config.min_ctas = max_ctas
-
-
-_POLL_SLEEP_S = 10e-6
-_slack = threading.local()
-
-
-def _fine_timer_slack() -> None:
-    """Linux: 1 us timer slack for this thread's short sleeps (once per thread)."""
-    if getattr(_slack, "done", False):
-        return
-    _slack.done = True
-    try:
-        import ctypes
-        ctypes.CDLL(None, use_errno=True).prctl(29, 1000, 0, 0, 0)   # PR_SET_TIMERSLACK, ns
-    except Exception:  # noqa: BLE001 - not Linux: the default slack only costs latency
-        pass
-
-
-def _abort_pg(pg, is_cuda: bool) -> None:
-    if not is_cuda:
-        return  # Gloo: dropping the last reference closes its connections
-    for name in ("abort", "_abort", "shutdown"):
-        fn = getattr(pg, name, None)
-        if fn is None:
-            continue
-        try:
-            fn()
-            return
-        except Exception as e:  # noqa: BLE001 - best effort
-            log.debug("ProcessGroupNCCL.%s failed: %s", name, e)
+            abort_pg(pg, self.is_cuda)
