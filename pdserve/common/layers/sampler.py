@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import itertools
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Protocol
 
 import numpy as np
@@ -102,6 +102,97 @@ def _flat_indices(rows: list[list[int]], V: int, pin: bool) -> torch.Tensor:
     return out.pin_memory() if pin else out
 
 
+@dataclass
+class _Rows:
+    """Per-row sampling parameters gathered on the host, and the batch flags they imply."""
+
+    vocab_size: int
+    temps: list[float] = field(default_factory=list)
+    top_ks: list[int] = field(default_factory=list)
+    top_ps: list[float] = field(default_factory=list)
+    min_ps: list[float] = field(default_factory=list)
+    reps: list[float] = field(default_factory=list)
+    pres: list[float] = field(default_factory=list)
+    freqs: list[float] = field(default_factory=list)
+    gens: list[torch.Generator | None] = field(default_factory=list)
+    seeded_rows: list[int] = field(default_factory=list)
+    all_greedy: bool = True
+    any_greedy: bool = False
+    any_top_k: bool = False
+    any_top_p: bool = False
+    any_min_p: bool = False
+    any_rep: bool = False
+    any_add: bool = False
+    need_logprobs: bool = False
+    any_unseeded_sampled: bool = False
+    max_top_k: int = 0
+    sort_k: int = 0
+
+    def add(self, row: int, sp: SamplingParams, gen: torch.Generator | None) -> None:
+        """Append row ``row`` (``gen``: its generator when it is a seeded sampled row)."""
+        V = self.vocab_size
+        k = sp.top_k if 0 < sp.top_k < V else V
+        self.temps.append(sp.temperature)
+        self.top_ks.append(k)
+        self.top_ps.append(sp.top_p)
+        self.min_ps.append(sp.min_p)
+        self.reps.append(sp.repetition_penalty)
+        self.pres.append(sp.presence_penalty)
+        self.freqs.append(sp.frequency_penalty)
+        self.gens.append(gen)
+        self.any_rep |= sp.repetition_penalty != 1.0
+        self.any_add |= sp.presence_penalty != 0.0 or sp.frequency_penalty != 0.0
+        self.need_logprobs |= sp.logprobs
+        if sp.temperature == 0.0:
+            self.any_greedy = True
+            return
+        self.all_greedy = False
+        if k < V:
+            self.any_top_k = True
+            self.max_top_k = max(self.max_top_k, k)
+        self.sort_k = max(self.sort_k, k)
+        self.any_top_p |= sp.top_p < 1.0
+        self.any_min_p |= sp.min_p > 0.0
+        if gen is not None:
+            self.seeded_rows.append(row)
+        else:
+            self.any_unseeded_sampled = True
+
+
+def _generator(seq: SampledSequence, V: int, device: torch.device,
+               generators: dict[int, torch.Generator]) -> torch.Generator | None:
+    """The generator of a seeded sampled sequence (created in ``generators`` and advanced past
+    its completion tokens when missing); None for greedy or unseeded rows."""
+    sp = seq.sampling_params
+    if sp.temperature == 0.0 or sp.seed is None:
+        return None
+    gen = generators.get(seq.seq_id)
+    if gen is None:
+        gen = torch.Generator(device=device)
+        gen.manual_seed(sp.seed)
+        _advance(gen, seq.num_completion_tokens, V, device)
+        generators[seq.seq_id] = gen
+    return gen
+
+
+def _penalty_tensors(seqs: Sequence[SampledSequence], V: int, device: torch.device, pin: bool,
+                     any_rep: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """``output_counts`` [B, V] fp32 (completion token counts of the rows with a penalty) and,
+    when ``any_rep``, ``prompt_mask`` [B, V] bool (prompt tokens of the rows with one)."""
+    B = len(seqs)
+    outs = [seq.completion_token_ids if seq.sampling_params.has_penalties else [] for seq in seqs]
+    idx = _flat_indices(outs, V, pin).to(device, non_blocking=True)     # row * V + token
+    output_counts = torch.zeros(B, V, dtype=torch.float32, device=device)
+    output_counts.view(-1).index_add_(0, idx, torch.ones(idx.shape, dtype=torch.float32, device=device))
+    if not any_rep:
+        return output_counts, None
+    prompts = [seq.prompt_token_ids if seq.sampling_params.repetition_penalty != 1.0 else [] for seq in seqs]
+    idx = _flat_indices(prompts, V, pin).to(device, non_blocking=True)
+    prompt_mask = torch.zeros(B, V, dtype=torch.bool, device=device)
+    prompt_mask.view(-1).index_fill_(0, idx, True)
+    return output_counts, prompt_mask
+
+
 def prepare_sampling(seqs: Sequence[SampledSequence], vocab_size: int, device: torch.device,
                      generators: dict[int, torch.Generator]) -> SamplingBatch:
     """Build the :class:`SamplingBatch` for ``seqs`` (row ``i`` is ``seqs[i]``); ``vocab_size``
@@ -110,97 +201,26 @@ def prepare_sampling(seqs: Sequence[SampledSequence], vocab_size: int, device: t
     device = torch.device(device)
     V = int(vocab_size)
     pin = device.type == "cuda"
-
-    temps: list[float] = []
-    top_ks: list[int] = []
-    top_ps: list[float] = []
-    min_ps: list[float] = []
-    reps: list[float] = []
-    pres: list[float] = []
-    freqs: list[float] = []
-    gens: list[torch.Generator | None] = []
-    seeded_rows: list[int] = []
-
-    all_greedy = True
-    any_greedy = any_top_k = any_top_p = any_min_p = False
-    any_rep = any_add = need_logprobs = False
-    any_unseeded_sampled = False
-    max_top_k = 0
-    sort_k = 0
-
+    rows = _Rows(V)
     for i, seq in enumerate(seqs):
-        sp = seq.sampling_params
-        greedy = sp.temperature == 0.0
-        k = sp.top_k if 0 < sp.top_k < V else V
-        temps.append(sp.temperature)
-        top_ks.append(k)
-        top_ps.append(sp.top_p)
-        min_ps.append(sp.min_p)
-        reps.append(sp.repetition_penalty)
-        pres.append(sp.presence_penalty)
-        freqs.append(sp.frequency_penalty)
-        any_rep |= sp.repetition_penalty != 1.0
-        any_add |= sp.presence_penalty != 0.0 or sp.frequency_penalty != 0.0
-        need_logprobs |= sp.logprobs
-        gen = None
-        if greedy:
-            any_greedy = True
-        else:
-            all_greedy = False
-            if k < V:
-                any_top_k = True
-                max_top_k = max(max_top_k, k)
-            sort_k = max(sort_k, k)
-            any_top_p |= sp.top_p < 1.0
-            any_min_p |= sp.min_p > 0.0
-            if sp.seed is not None:
-                gen = generators.get(seq.seq_id)
-                if gen is None:
-                    gen = torch.Generator(device=device)
-                    gen.manual_seed(sp.seed)
-                    _advance(gen, seq.num_completion_tokens, V, device)
-                    generators[seq.seq_id] = gen
-                seeded_rows.append(i)
-            else:
-                any_unseeded_sampled = True
-        gens.append(gen)
-
-    def to_dev(t: torch.Tensor) -> torch.Tensor:
-        return t.to(device, non_blocking=True)
-
+        rows.add(i, seq.sampling_params, _generator(seq, V, device, generators))
     # All fp32 per-row parameters travel in one host-to-device copy; the fields are row views.
-    params = to_dev(torch.tensor([temps, top_ps, min_ps, reps, pres, freqs], dtype=torch.float32,
-                                 pin_memory=pin).reshape(6, len(seqs)))
-    top_ks_t = to_dev(torch.tensor(top_ks, dtype=torch.int64, pin_memory=pin))
-
-    any_penalty = any_rep or any_add
-    output_counts = prompt_mask = None
-    if any_penalty:
-        B = len(seqs)
-        # Completion tokens of the rows with a penalty, as flat indices row * V + token.
-        outs = [seq.completion_token_ids if seq.sampling_params.has_penalties else []
-                for seq in seqs]
-        idx = to_dev(_flat_indices(outs, V, pin))
-        output_counts = torch.zeros(B, V, dtype=torch.float32, device=device)
-        output_counts.view(-1).index_add_(0, idx, torch.ones(idx.shape, dtype=torch.float32,
-                                                              device=device))
-        if any_rep:
-            prompts = [seq.prompt_token_ids if seq.sampling_params.repetition_penalty != 1.0 else []
-                       for seq in seqs]
-            idx = to_dev(_flat_indices(prompts, V, pin))
-            prompt_mask = torch.zeros(B, V, dtype=torch.bool, device=device)
-            prompt_mask.view(-1).index_fill_(0, idx, True)
-
+    params = torch.tensor([rows.temps, rows.top_ps, rows.min_ps, rows.reps, rows.pres, rows.freqs],
+                          dtype=torch.float32, pin_memory=pin).reshape(6, len(seqs)).to(device, non_blocking=True)
+    top_ks = torch.tensor(rows.top_ks, dtype=torch.int64, pin_memory=pin).to(device, non_blocking=True)
+    any_penalty = rows.any_rep or rows.any_add
+    output_counts, prompt_mask = (_penalty_tensors(seqs, V, device, pin, rows.any_rep) if any_penalty
+                                  else (None, None))
     return SamplingBatch(
         temperatures=params[0], top_ps=params[1], min_ps=params[2],
         repetition_penalties=params[3], presence_penalties=params[4], frequency_penalties=params[5],
-        top_ks=top_ks_t, output_counts=output_counts, prompt_mask=prompt_mask,
-        generators=gens, vocab_size=V,
-        all_greedy=all_greedy, any_greedy=any_greedy,
-        any_top_k=any_top_k, any_top_p=any_top_p, any_min_p=any_min_p,
-        any_penalty=any_penalty, any_repetition_penalty=any_rep, any_additive_penalty=any_add,
-        need_logprobs=need_logprobs, max_top_k=max_top_k, sort_k=sort_k or V,
-        seeded_rows=seeded_rows, any_unseeded_sampled=any_unseeded_sampled,
+        top_ks=top_ks, output_counts=output_counts, prompt_mask=prompt_mask,
+        generators=rows.gens, vocab_size=V,
+        all_greedy=rows.all_greedy, any_greedy=rows.any_greedy,
+        any_top_k=rows.any_top_k, any_top_p=rows.any_top_p, any_min_p=rows.any_min_p,
+        any_penalty=any_penalty, any_repetition_penalty=rows.any_rep, any_additive_penalty=rows.any_add,
+        need_logprobs=rows.need_logprobs, max_top_k=rows.max_top_k, sort_k=rows.sort_k or V,
+        seeded_rows=rows.seeded_rows, any_unseeded_sampled=rows.any_unseeded_sampled,
     )
 
 
