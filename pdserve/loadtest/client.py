@@ -18,6 +18,7 @@ import time
 import uuid
 from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass
+from multiprocessing.process import BaseProcess
 from typing import Any
 
 import numpy as np
@@ -113,17 +114,56 @@ def _cpu_now() -> tuple[float, float, float]:
     return time.process_time(), ru.ru_utime, ru.ru_stime
 
 
+def _open_channels(address: str, num_channels: int) -> list[Any]:
+    """``num_channels`` gRPC channels (at least one per address of ``address``, a comma-separated
+    list of router replicas, which the channels alternate between)."""
+    import grpc
+    addrs = [a for a in address.split(",") if a]
+    return [grpc.aio.insecure_channel(addrs[i % len(addrs)],
+                                      options=list(CHANNEL_OPTIONS) + [("pdserve.bench.channel", i)])
+            for i in range(max(len(addrs), num_channels))]
+
+
+async def _send_all(items: Sequence[tuple[int, BenchRequest, float]], stubs: Sequence[Any], protos: Sequence[Any],
+                    start_at: float, timeout: float | None, sem: asyncio.Semaphore | None,
+                    progress: Callable[[int], None]) -> list[RequestRecord]:
+    """Release each request at ``start_at`` plus its offset, over the stubs in turn; their records
+    once all have ended."""
+    tasks: list[asyncio.Task] = []
+    sent: dict[int, asyncio.Task] = {}
+    for k, (idx, req, off) in enumerate(items):
+        target = start_at + off
+        delay = target - time.perf_counter()
+        if delay > 0:
+            await asyncio.sleep(delay)
+        rec = RequestRecord(index=idx, scheduled_time=target, release_time=time.perf_counter())
+        stub = stubs[k % len(stubs)]
+        if req.after >= 0:      # _shares put the request it follows in this process, earlier
+            coro = _send_after(sent[req.after], stub, protos[k], rec, req.prompt_len, timeout, sem)
+        else:
+            coro = send_one(stub, protos[k], rec, req.prompt_len, timeout, sem)
+        task = sent[idx] = asyncio.create_task(coro)
+        task.add_done_callback(lambda _t: progress(1))
+        tasks.append(task)
+    return list(await asyncio.gather(*tasks))
+
+
+def _proc_info(num_requests: int, limit: int | None, cpu0: tuple[float, float, float],
+               cpu1: tuple[float, float, float], wall: float) -> dict[str, Any]:
+    """What one process reports besides its records: its share and its CPU use while sending."""
+    user, sys_ = cpu1[1] - cpu0[1], cpu1[2] - cpu0[2]
+    return {"pid": os.getpid(), "requests": num_requests, "concurrency_limit": limit,
+            "process_time_s": cpu1[0] - cpu0[0], "cpu_user_s": user, "cpu_sys_s": sys_,
+            "wall_s": wall, "cpu_util": (user + sys_) / wall if wall > 0 else 0.0,
+            "max_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024.0}
+
+
 async def _run_proc(address: str, items: Sequence[tuple[int, BenchRequest, float]], limit: int | None,
                     timeout: float | None, num_channels: int, ready: Callable[[], float],
                     progress: Callable[[int], None]) -> tuple[list[RequestRecord], dict[str, Any]]:
     """One process's share: connect, wait for the common start (``ready()`` returns it), send."""
-    import grpc
-
     from pdserve.v1 import router_pb2_grpc
-    addrs = [a for a in address.split(",") if a]     # several router replicas: channels alternate
-    channels = [grpc.aio.insecure_channel(addrs[i % len(addrs)],
-                                          options=list(CHANNEL_OPTIONS) + [("pdserve.bench.channel", i)])
-                for i in range(max(len(addrs), num_channels))]
+    channels = _open_channels(address, num_channels)
     try:
         await asyncio.wait_for(asyncio.gather(*(c.channel_ready() for c in channels)), READY_TIMEOUT_S)
         stubs = [router_pb2_grpc.GenerationStub(c) for c in channels]
@@ -137,34 +177,13 @@ async def _run_proc(address: str, items: Sequence[tuple[int, BenchRequest, float
         if delay > 0:
             await asyncio.sleep(delay)
         cpu0 = _cpu_now()
-        tasks: list[asyncio.Task] = []
-        sent: dict[int, asyncio.Task] = {}
-        for k, (idx, req, off) in enumerate(items):
-            target = start_at + off
-            delay = target - time.perf_counter()
-            if delay > 0:
-                await asyncio.sleep(delay)
-            rec = RequestRecord(index=idx, scheduled_time=target, release_time=time.perf_counter())
-            stub = stubs[k % len(stubs)]
-            if req.after >= 0:      # _shares put the request it follows in this process, earlier
-                coro = _send_after(sent[req.after], stub, protos[k], rec, req.prompt_len, timeout, sem)
-            else:
-                coro = send_one(stub, protos[k], rec, req.prompt_len, timeout, sem)
-            task = sent[idx] = asyncio.create_task(coro)
-            task.add_done_callback(lambda _t: progress(1))
-            tasks.append(task)
-        records = list(await asyncio.gather(*tasks))
+        records = await _send_all(items, stubs, protos, start_at, timeout, sem, progress)
         cpu1 = _cpu_now()
         wall = time.perf_counter() - start_at
     finally:
         gc.unfreeze()
         await asyncio.gather(*(c.close() for c in channels), return_exceptions=True)
-    user, sys_ = cpu1[1] - cpu0[1], cpu1[2] - cpu0[2]
-    info = {"pid": os.getpid(), "requests": len(items), "concurrency_limit": limit,
-            "process_time_s": cpu1[0] - cpu0[0], "cpu_user_s": user, "cpu_sys_s": sys_,
-            "wall_s": wall, "cpu_util": (user + sys_) / wall if wall > 0 else 0.0,
-            "max_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024.0}
-    return records, info
+    return records, _proc_info(len(items), limit, cpu0, cpu1, wall)
 
 
 def _child_main(proc_no: int, address: str, items, limit, timeout, num_channels, q, go, start_val) -> None:
@@ -227,6 +246,82 @@ def _shares(items: list[Item], num_procs: int) -> list[list[Item]]:
     return shares
 
 
+def _run_here(address: str, items: list[Item], limit: int | None, timeout: float | None, num_channels: int,
+              progress: Callable[[int], None]) -> tuple[list[RequestRecord], list[dict[str, Any]], float]:
+    """All requests from this process: its records, its info (one), the start time."""
+    start = [0.0]
+
+    def ready() -> float:
+        start[0] = time.perf_counter() + 0.01
+        return start[0]
+
+    records, info = run_async(_run_proc(address, items, limit, timeout, num_channels, ready, progress))
+    return records, [info], start[0]
+
+
+def _check_children(children: Sequence[BaseProcess], connecting: bool, deadline: float) -> None:
+    """Raise if a client process has failed, or if they are still connecting after ``deadline``."""
+    dead = [c for c in children if c.exitcode not in (None, 0)]
+    if dead:
+        raise RuntimeError(f"client process {dead[0].name} exited with {dead[0].exitcode}") from None
+    if connecting and time.monotonic() > deadline:
+        raise TimeoutError("client processes did not connect to the router in time") from None
+
+
+def _collect(q: Any, children: Sequence[BaseProcess], go: Any, start_val: Any,
+             progress: Callable[[int], None]) -> dict[int, tuple]:
+    """The client processes' messages until each has sent its result: once all are connected, the
+    common start; their progress to ``progress``; a failure raised. Each process's result."""
+    num_procs = len(children)
+    results: dict[int, tuple] = {}
+    ready_n = 0
+    deadline = time.monotonic() + READY_TIMEOUT_S + 30
+    while len(results) < num_procs:
+        try:
+            kind, p, payload = q.get(timeout=0.5)
+        except queue_mod.Empty:
+            _check_children(children, ready_n < num_procs, deadline)
+            continue
+        if kind == "ready":
+            ready_n += 1
+            if ready_n == num_procs:
+                start_val.value = time.perf_counter() + 0.05
+                go.set()
+        elif kind == "progress":
+            progress(payload)
+        elif kind == "result":
+            results[p] = payload
+        elif kind == "error":
+            raise RuntimeError(f"client process {p} failed: {payload}")
+    return results
+
+
+def _run_children(address: str, shares: list[list[Item]], limits: Sequence[int | None], timeout: float | None,
+                  num_channels: int, progress: Callable[[int], None],
+                  ) -> tuple[list[RequestRecord], list[dict[str, Any]], float]:
+    """Each share from a client process of its own: all records, each process's info, the start time."""
+    num_procs = len(shares)
+    ctx = mp.get_context("spawn")
+    q = ctx.Queue()
+    go = ctx.Event()
+    start_val = ctx.Value("d", 0.0)
+    children = [ctx.Process(target=_child_main, daemon=True, name=f"bench-client-{p}",
+                            args=(p, address, shares[p], limits[p], timeout, num_channels, q, go, start_val))
+                for p in range(num_procs)]
+    for c in children:
+        c.start()
+    try:
+        results = _collect(q, children, go, start_val, progress)
+        for c in children:
+            c.join(timeout=10)
+    finally:
+        for c in children:
+            if c.is_alive():
+                c.terminate()
+    records = [r for p in range(num_procs) for r in results[p][0]]
+    return records, [results[p][1] for p in range(num_procs)], start_val.value
+
+
 def run_load(address: str, requests: Sequence[BenchRequest], offsets: Collection[float], *,
              max_concurrency: int | None = None, num_procs: int = 1, timeout: float | None = 600.0,
              channels_per_proc: int = 4, pbar=None) -> LoadResult:
@@ -241,63 +336,10 @@ def run_load(address: str, requests: Sequence[BenchRequest], offsets: Collection
     shares = _shares(items, num_procs)
     limits = split_concurrency(max_concurrency, num_procs)
     update = (lambda n: pbar.update(n)) if pbar is not None else (lambda n: None)
-
     if num_procs == 1:
-        start = [0.0]
-
-        def ready() -> float:
-            start[0] = time.perf_counter() + 0.01
-            return start[0]
-
-        records, info = run_async(_run_proc(address, items, limits[0], timeout, channels_per_proc, ready, update))
-        procs = [info]
-        start_at = start[0]
+        records, procs, start_at = _run_here(address, items, limits[0], timeout, channels_per_proc, update)
     else:
-        ctx = mp.get_context("spawn")
-        q = ctx.Queue()
-        go = ctx.Event()
-        start_val = ctx.Value("d", 0.0)
-        children = [ctx.Process(target=_child_main, daemon=True, name=f"bench-client-{p}",
-                                args=(p, address, shares[p], limits[p], timeout, channels_per_proc,
-                                      q, go, start_val))
-                    for p in range(num_procs)]
-        for c in children:
-            c.start()
-        try:
-            results: dict[int, tuple] = {}
-            ready_n = 0
-            deadline = time.monotonic() + READY_TIMEOUT_S + 30
-            while len(results) < num_procs:
-                try:
-                    kind, p, payload = q.get(timeout=0.5)
-                except queue_mod.Empty:
-                    dead = [c for c in children if c.exitcode not in (None, 0)]
-                    if dead:
-                        raise RuntimeError(
-                            f"client process {dead[0].name} exited with {dead[0].exitcode}") from None
-                    if ready_n < num_procs and time.monotonic() > deadline:
-                        raise TimeoutError("client processes did not connect to the router in time") from None
-                    continue
-                if kind == "ready":
-                    ready_n += 1
-                    if ready_n == num_procs:
-                        start_val.value = time.perf_counter() + 0.05
-                        go.set()
-                elif kind == "progress":
-                    update(payload)
-                elif kind == "result":
-                    results[p] = payload
-                elif kind == "error":
-                    raise RuntimeError(f"client process {p} failed: {payload}")
-            for c in children:
-                c.join(timeout=10)
-        finally:
-            for c in children:
-                if c.is_alive():
-                    c.terminate()
-        records = [r for p in range(num_procs) for r in results[p][0]]
-        procs = [results[p][1] for p in range(num_procs)]
-        start_at = start_val.value
+        records, procs, start_at = _run_children(address, shares, limits, timeout, channels_per_proc, update)
     records.sort(key=lambda r: r.index)
     end = max((r.end_time for r in records), default=start_at)
     duration = max(end - start_at, 1e-9)

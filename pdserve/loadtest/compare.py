@@ -6,18 +6,20 @@ requests and arrival times. Output: a markdown table, a JSON file and PNG plots.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import datetime
 import logging
 import shlex
 import sys
 import tempfile
-from collections.abc import Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
 from pdserve.loadtest import arrivals, capacity, datasets, metrics, procs
 from pdserve.loadtest.runner import (
+    RunOptions,
     build_requests,
     git_commit,
     host_info,
@@ -125,57 +127,133 @@ def run_capacity(address: str, requests: Sequence[datasets.BenchRequest], opts, 
     return cap, results
 
 
-def run_compare(args: argparse.Namespace) -> int:
-    """``pdserve bench compare``."""
-    if bool(args.targets) == bool(args.launch):
-        raise SystemExit("pdserve bench compare: give either --targets or --launch")
-    opts = opts_from_args(args)
+_Config = tuple[str, str | None, str | None]   # (name, router address or None, `pdserve up` flags or None)
+
+
+def _capacity_search(args: argparse.Namespace, opts: RunOptions) -> capacity.CapacitySearch | None:
+    """The ``--capacity`` bisection asked for, if any (it needs per-request SLOs)."""
     try:
         search = capacity.search_from_args(args) if getattr(args, "capacity", False) else None
     except ValueError as e:
         raise SystemExit(f"--capacity: {e}") from None
     if search is not None and not [k for k in opts.slo if k not in metrics.RUN_SLOS]:
         raise SystemExit("--capacity needs per-request SLOs: --slo ttft_ms=..,tpot_ms=..[,itl_p99_ms=..]")
-    points = sweep_points(arrivals.parse_rates(args.request_rate), parse_concurrency(args.max_concurrency))
+    return search
+
+
+def _deployment_configs(args: argparse.Namespace) -> list[_Config]:
+    """The deployments to compare: running routers (``--targets``) or `pdserve up` flags (``--launch``)."""
     if args.targets:
-        configs: list[tuple[str, str | None, str | None]] = [(n, a, None) for n, a in parse_targets(args.targets)]
-    else:
-        ups = [tuple(c.split("=", 1)) for c in args.up_config] or default_up_configs(args.gpus)
-        if any(len(u) != 2 for u in ups):
-            raise SystemExit("--up-config takes NAME='pdserve up flags'")
-        configs = [(n, None, a) for n, a in ups]
-    stem = result_stem(args, prefix="compare")
-    json_path = stem.parent / f"{stem.name}.json"
-    log_dir = Path(tempfile.mkdtemp(prefix="pdserve-compare-"))
-    payload: dict[str, Any] = {
+        return [(n, a, None) for n, a in parse_targets(args.targets)]
+    ups = [tuple(c.split("=", 1)) for c in args.up_config] or default_up_configs(args.gpus)
+    if any(len(u) != 2 for u in ups):
+        raise SystemExit("--up-config takes NAME='pdserve up flags'")
+    return [(n, None, a) for n, a in ups]
+
+
+def _payload(args: argparse.Namespace, opts: RunOptions) -> dict[str, Any]:
+    """The JSON file's header; the deployments, tables and plots are added as they come."""
+    return {
         "benchmark": "pdserve bench compare", "label": args.label or args.dataset,
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(), "command": " ".join(sys.argv),
         "commit": git_commit(), "host": host_info(), "config": run_config(args), "options": asdict(opts),
         "deployments": []}
+
+
+def _wait_up(svc: procs.Service, address: str, up_args: str, timeout: float) -> None:
+    """Until the router of a `pdserve up` deployment reports all its workers; raises if one of its
+    processes exits first."""
+    n_pre, n_dec = expected_workers(up_args)
+    n_procs = expected_processes(up_args)
+
+    def check() -> None:
+        if not svc.alive() or len(svc.group_pids()) < n_procs:
+            raise RuntimeError(f"a process of `pdserve up` ({svc.name}) exited; its log "
+                               f"{svc.log_path}:\n{svc.log_tail(40)}")
+
+    procs.wait_ready([svc], timeout)
+    procs.wait_workers(address, n_pre, n_dec, timeout, check)
+
+
+@contextlib.contextmanager
+def _deployment(args: argparse.Namespace, config: _Config, log_dir: Path) -> Iterator[str]:
+    """The router address of one deployment: the one given, or that of a `pdserve up` started here,
+    with all its workers, and stopped on leaving."""
+    name, address, up_args = config
+    svc = None
+    try:
+        if up_args is not None:
+            rport = args.router_port or procs.free_port()
+            full = f"--model {args.model} --device {args.device} {up_args} {args.up_args} " \
+                   f"--startup-timeout {args.startup_timeout}"
+            svc = procs.pdserve_up(rport, procs.free_port_range(16), shlex.split(full), log_dir, name).start()
+            address = f"127.0.0.1:{rport}"
+            print(f"[{name}] pdserve up {full} (router {address}; log {svc.log_path})", flush=True)
+            _wait_up(svc, address, up_args, args.startup_timeout)
+        assert address is not None
+        yield address
+    finally:
+        if svc is not None:
+            svc.stop(timeout=60)
+
+
+def _measure(address: str, requests: Sequence[datasets.BenchRequest], name: str,
+             points: Sequence[tuple[float, int | None]], opts: RunOptions, search: capacity.CapacitySearch | None,
+             checkpoint: Callable[[list[dict], Any], None]) -> tuple[list[dict], capacity.Capacity | None]:
+    """One deployment's rate sweep, or its capacity bisection: every run's result, and the capacity."""
+    if search is None:
+        results, _ = run_sweep(address, requests, points, opts, checkpoint, label=name)
+        return results, None
+    cap, results = run_capacity(address, requests, opts, search, name, checkpoint)
+    return results, cap
+
+
+def _tables(payload: dict[str, Any], series: Sequence[tuple[str, Sequence[dict[str, Any]]]],
+            capacities: Sequence[tuple[str, capacity.Capacity]], opts: RunOptions,
+            search: capacity.CapacitySearch | None) -> str:
+    """The markdown report (after a search, the capacity table first), also put in ``payload``."""
+    p_hi = "p" + metrics.percentile_key(max(opts.percentiles, default=99.0))
+    table = markdown_table(series, p_hi)
+    payload["table_markdown"] = table
+    if search is not None and capacities:     # capacities come only from a search
+        payload["capacity_markdown"] = capacity.markdown(capacities, opts.slo, search.min_attainment)
+        table = payload["capacity_markdown"] + "\n\n" + table
+    return table
+
+
+def _plots(payload: dict[str, Any], series: Sequence[tuple[str, Sequence[dict[str, Any]]]],
+           capacities: Sequence[tuple[str, capacity.Capacity]], stem: Path, opts: RunOptions,
+           search: capacity.CapacitySearch | None) -> None:
+    """The goodput plot (and, after a search, the capacity plot), named in ``payload``."""
+    from pdserve.loadtest import plots
+    metric = "request_goodput" if opts.slo else "request_throughput"
+    png = plots.goodput_compare(series, stem.parent / f"{stem.name}_goodput.png",
+                                f"{payload['label']}: " + " vs ".join(n for n, _ in series), metric)
+    payload["plots"] = {"goodput": png.name}
+    if search is not None and capacities:
+        cpng = plots.capacity_compare(capacities, stem.parent / f"{stem.name}_capacity.png",
+                                      f"{payload['label']}: SLO capacity", search.min_attainment)
+        payload["plots"]["capacity"] = cpng.name
+
+
+def run_compare(args: argparse.Namespace) -> int:
+    """``pdserve bench compare``."""
+    if bool(args.targets) == bool(args.launch):
+        raise SystemExit("pdserve bench compare: give either --targets or --launch")
+    opts = opts_from_args(args)
+    search = _capacity_search(args, opts)
+    points = sweep_points(arrivals.parse_rates(args.request_rate), parse_concurrency(args.max_concurrency))
+    configs = _deployment_configs(args)
+    stem = result_stem(args, prefix="compare")
+    json_path = stem.parent / f"{stem.name}.json"
+    log_dir = Path(tempfile.mkdtemp(prefix="pdserve-compare-"))
+    payload = _payload(args, opts)
     requests: list[datasets.BenchRequest] | None = None
     series: list[tuple[str, list[dict]]] = []
     capacities: list[tuple[str, capacity.Capacity]] = []
-    for name, address, up_args in configs:
-        svc = None
-        try:
-            if up_args is not None:
-                rport = args.router_port or procs.free_port()
-                full = f"--model {args.model} --device {args.device} {up_args} {args.up_args} " \
-                       f"--startup-timeout {args.startup_timeout}"
-                svc = procs.pdserve_up(rport, procs.free_port_range(16), shlex.split(full), log_dir, name).start()
-                address = f"127.0.0.1:{rport}"
-                print(f"[{name}] pdserve up {full} (router {address}; log {svc.log_path})", flush=True)
-                n_pre, n_dec = expected_workers(up_args)
-                n_procs = expected_processes(up_args)
-
-                def check(svc=svc, n_procs=n_procs) -> None:
-                    if not svc.alive() or len(svc.group_pids()) < n_procs:
-                        raise RuntimeError(f"a process of `pdserve up` ({svc.name}) exited; its log "
-                                           f"{svc.log_path}:\n{svc.log_tail(40)}")
-
-                procs.wait_ready([svc], args.startup_timeout)
-                procs.wait_workers(address, n_pre, n_dec, args.startup_timeout, check)
-            assert address is not None
+    for config in configs:
+        name, _, up_args = config
+        with _deployment(args, config, log_dir) as address:
             info = model_info(address, args.ready_timeout)
             if requests is None:
                 requests = build_requests(args, info)
@@ -189,32 +267,14 @@ def run_compare(args: argparse.Namespace) -> int:
                 dep["results"] = results
                 write_json(json_path, payload)
 
-            if search is None:
-                results, _ = run_sweep(address, requests, points, opts, checkpoint, label=name)
-            else:
-                cap, results = run_capacity(address, requests, opts, search, name, checkpoint)
+            results, cap = _measure(address, requests, name, points, opts, search, checkpoint)
+            if cap is not None:
                 dep["capacity"] = cap.as_dict()
                 capacities.append((name, cap))
             series.append((name, results))
-        finally:
-            if svc is not None:
-                svc.stop(timeout=60)
-    p_hi = "p" + metrics.percentile_key(max(opts.percentiles, default=99.0))
-    table = markdown_table(series, p_hi)
-    payload["table_markdown"] = table
-    if search is not None and capacities:     # capacities come only from a search
-        payload["capacity_markdown"] = capacity.markdown(capacities, opts.slo, search.min_attainment)
-        table = payload["capacity_markdown"] + "\n\n" + table
+    table = _tables(payload, series, capacities, opts, search)
     if not args.no_plots:
-        from pdserve.loadtest import plots
-        metric = "request_goodput" if opts.slo else "request_throughput"
-        png = plots.goodput_compare(series, stem.parent / f"{stem.name}_goodput.png",
-                                    f"{payload['label']}: " + " vs ".join(n for n, _ in series), metric)
-        payload["plots"] = {"goodput": png.name}
-        if search is not None and capacities:
-            cpng = plots.capacity_compare(capacities, stem.parent / f"{stem.name}_capacity.png",
-                                          f"{payload['label']}: SLO capacity", search.min_attainment)
-            payload["plots"]["capacity"] = cpng.name
+        _plots(payload, series, capacities, stem, opts, search)
     write_json(json_path, payload)
     (stem.parent / f"{stem.name}.md").write_text(table + "\n")
     print(table)
