@@ -21,7 +21,7 @@ import itertools
 import logging
 import time
 from collections.abc import AsyncGenerator, Callable
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 
 import grpc
 import grpc.aio
@@ -98,6 +98,17 @@ class Job:
 
     def expired(self) -> bool:
         return self.deadline is not None and time.monotonic() >= self.deadline
+
+
+@dataclass
+class _Run:
+    """One request's attempts as :meth:`Flow.generate` runs them: the first, then any migrations."""
+
+    att: Attempt | None = None       # the attempt now running (None: closed by a migration)
+    cancel_workers: bool = True      # closing it cancels the request there (not once they finished it)
+    generated: list[int] = field(default_factory=list)  # every token sent so far (a migration's prompt tail)
+    migrations: int = 0
+    cached: int | None = None        # the first attempt's, once a migration replaced it
 
 
 class Flow:
@@ -263,18 +274,14 @@ class Flow:
             raise Unavailable("the router is shutting down")
         started = time.monotonic()
         status = "UNKNOWN"
-        att: Attempt | None = None
-        cancel_workers = True
+        run = _Run()
         self.inflight += 1
         try:
-            att, step = await self._start(job)
+            run.att, step = await self._start(job)
             out = self._open_output(job)     # made by _after_send, normally
             first = True
-            generated: list[int] = []        # every token sent so far (a migration's prompt tail)
-            migrations = 0
-            cached: int | None = None        # the first attempt's, once a migration replaced it
             while True:
-                answer = self._respond(job, out, att.cached_tokens if cached is None else cached, step)
+                answer = self._respond(job, out, run.att.cached_tokens if run.cached is None else run.cached, step)
                 if answer is not None:
                     resp, done, stop_hit = answer
                     if first:       # observed after the yield: the message goes out first
@@ -285,21 +292,11 @@ class Flow:
                     else:
                         yield resp
                     if done:
-                        cancel_workers = stop_hit
-                        reason = finish_reason_name(resp.finish_reason, resp.matched_stop is not None)
-                        self.metrics.finish.labels(reason).inc()
+                        run.cancel_workers = stop_hit
+                        self._count_finish(resp)
                         break
-                generated.extend(step.token_ids)
-                try:
-                    step = await att.next()
-                except Cut as cut:
-                    if not self._can_migrate(job, generated, migrations):
-                        raise cut.cause from None
-                    migrations += 1
-                    cached = att.cached_tokens if cached is None else cached
-                    att.close(cancel_workers=True)
-                    att = None
-                    att, step = await self._migrate(job, generated, cut)
+                run.generated.extend(step.token_ids)
+                step = await self._next_step(job, run)
             status = "OK"
         except asyncio.CancelledError:
             status = "DEADLINE_EXCEEDED" if job.expired() else "CANCELLED"
@@ -314,14 +311,39 @@ class Flow:
             status = e.code().name
             raise
         finally:
-            if att is not None:
-                att.close(cancel_workers=cancel_workers)
-            self.inflight -= 1
-            if job.output is not None:      # counted in (see _after_send)
-                self.metrics.in_flight.dec()
-                self.metrics.output_tokens.inc(job.output.num_tokens)
-            self.metrics.requests.labels(method, status).inc()
-            self.metrics.e2e.observe(time.monotonic() - started)
+            self._end_request(job, run, method, status, started)
+
+    def _count_finish(self, resp: TextOutput) -> None:
+        """Count the request's finish reason (its last output's)."""
+        reason = finish_reason_name(resp.finish_reason, resp.matched_stop is not None)
+        self.metrics.finish.labels(reason).inc()
+
+    async def _next_step(self, job: Job, run: _Run) -> SequenceOutput:
+        """The request's next step: from its attempt, or, when the attempt's stream was cut after
+        its first token, from a migration to other workers (which replaces ``run.att``)."""
+        assert run.att is not None
+        try:
+            return await run.att.next()
+        except Cut as cut:
+            if not self._can_migrate(job, run.generated, run.migrations):
+                raise cut.cause from None
+            run.migrations += 1
+            run.cached = run.att.cached_tokens if run.cached is None else run.cached
+            run.att.close(cancel_workers=True)
+            run.att = None
+            run.att, step = await self._migrate(job, run.generated, cut)
+            return step
+
+    def _end_request(self, job: Job, run: _Run, method: str, status: str, started: float) -> None:
+        """The request's end, however it ended: its attempt closed, its metrics counted."""
+        if run.att is not None:
+            run.att.close(cancel_workers=run.cancel_workers)
+        self.inflight -= 1
+        if job.output is not None:      # counted in (see _after_send)
+            self.metrics.in_flight.dec()
+            self.metrics.output_tokens.inc(job.output.num_tokens)
+        self.metrics.requests.labels(method, status).inc()
+        self.metrics.e2e.observe(time.monotonic() - started)
 
     def _can_migrate(self, job: Job, generated: list[int], migrations: int) -> bool:
         """A stream cut after its first token may go on elsewhere: within the limit and the

@@ -12,10 +12,8 @@ stream's sequence numbers (or a view larger than the worker's pool) the stream i
 and its snapshot repairs the view. A worker is marked up only while its health says SERVING
 (a draining worker stays down once a refused request marked it so).
 
-Load of other router replicas: every GetStats answer is kept with this router's own load at
-the time of the poll; :attr:`WorkerClient.other_tokens` / :attr:`other_prompt_tokens` are the
-worker's figure minus that own share (never below 0), stale by at most STATS_INTERVAL_S plus a
-round trip. This router's own load is counted live (``add_load``).
+The load figures (this router's own, counted live, and the other router replicas', from each
+GetStats answer) are :class:`~pdserve.router.worker_load.WorkerLoad`'s, a base of WorkerClient.
 Every call uses ``wait_for_ready=False`` and a timeout, so a dead worker fails fast.
 
 The request rpcs (:meth:`WorkerClient.reserve`, :meth:`~WorkerClient.submit`,
@@ -29,7 +27,6 @@ from __future__ import annotations
 import asyncio
 import functools
 import logging
-import time
 from collections.abc import Awaitable, Callable
 from collections.abc import Set as AbstractSet
 
@@ -42,7 +39,6 @@ from pdserve.common.grpc_utils.channels import RenewingChannels
 from pdserve.common.grpc_utils.convert import worker_info_from_proto, worker_stats_from_proto
 from pdserve.common.sampling_params import SamplingParams
 from pdserve.common.worker_types import DECODE_ROLES, Reservation, Role, WorkerInfo, WorkerStats
-from pdserve.router.pd_policy import decayed_rate
 from pdserve.router.prefill_call import PrefillRequest, PrefillStream, reservation, wire_params
 from pdserve.router.prefix_index import PrefixIndex
 from pdserve.router.settings import (
@@ -57,6 +53,7 @@ from pdserve.router.settings import (
     RouterSettings,
 )
 from pdserve.router.subscription import Subscription
+from pdserve.router.worker_load import WorkerLoad
 from pdserve.v1 import common_pb2, common_pb2_grpc, worker_pb2, worker_pb2_grpc
 
 log = logging.getLogger(__name__)
@@ -77,7 +74,7 @@ SUBSCRIBE_CHANNEL_OPTIONS = (
 )
 
 
-class WorkerClient:
+class WorkerClient(WorkerLoad):
     def __init__(self, address: str, expected_roles: AbstractSet[Role], settings: RouterSettings,
                  prefix_index: PrefixIndex, check_info: Callable[[WorkerClient, WorkerInfo], str | None],
                  on_change: Callable[[], None] = lambda: None) -> None:
@@ -98,24 +95,7 @@ class WorkerClient:
         self.retired = False            # left DNS: no new requests; closed once idle
         self.dns_source: str | None = None  # the dns:/// target that found it (None: static)
         self.last_error = ""
-        # Load from this router, live.
-        self.inflight = 0
-        self.inflight_tokens = 0        # decode: prompt + tokens generated so far
-        self.inflight_prompt_tokens = 0 # prefill: prompts being prefilled
-        # Other routers' load, from the last GetStats (see the module docstring).
-        self.other_tokens = 0
-        self.other_prompt_tokens = 0
-        # What the routing policy reads per worker per request, kept current where it changes
-        # (add_load, each GetStats; sync_figures after setting the fields above directly).
-        self.load_tokens = 0            # inflight_tokens + other_tokens
-        self.queued_prompt_tokens = 0   # inflight_prompt_tokens + other_prompt_tokens
-        self.free_blocks = 0            # last GetStats: num_total_blocks - num_used_blocks (0: none)
-        self.total_blocks = 0           # last GetStats: num_total_blocks (0: unknown)
-        self.prefill_tokens_per_s = 0.0 # last GetStats (0: unmeasured)
-        # Prompt tokens this router sent here to compute, as a decayed counter (pdserve.router.pd_policy's
-        # W is its value now): its value when last updated, and when (time.monotonic()).
-        self.prefill_counter = 0.0
-        self.prefill_counter_at = 0.0
+        super().__init__()              # the load fields (pdserve.router.worker_load)
         self.num_kv_resyncs = 0         # KV event streams re-opened after a gap
         self._task: asyncio.Task | None = None
         self._kv_task: asyncio.Task | None = None
@@ -280,24 +260,6 @@ class WorkerClient:
         if self.kv_wanted and not self._kv_unimplemented and (self._kv_task is None or self._kv_task.done()):
             self._start_kv_events()
 
-    def _note_others(self, stats: WorkerStats, own_tokens: int, own_prompt: int) -> None:
-        """Other routers' load = the worker's figure minus this router's share at the poll."""
-        bs = self.info.block_size if self.info is not None else 0
-        held = max(stats.num_running_context_tokens + stats.num_waiting_prefill_tokens,
-                   stats.num_used_blocks * bs)
-        self.other_tokens = max(0, held - own_tokens)
-        self.other_prompt_tokens = max(0, stats.num_waiting_prefill_tokens - own_prompt)
-        self.sync_figures()
-
-    def sync_figures(self) -> None:
-        """Recompute the policy's figures (``load_tokens`` ...) from the load fields and ``stats``."""
-        s = self.stats
-        self.load_tokens = self.inflight_tokens + self.other_tokens
-        self.queued_prompt_tokens = self.inflight_prompt_tokens + self.other_prompt_tokens
-        self.free_blocks = s.num_total_blocks - s.num_used_blocks if s is not None else 0
-        self.total_blocks = s.num_total_blocks if s is not None else 0
-        self.prefill_tokens_per_s = s.prefill_tokens_per_s if s is not None else 0.0
-
     def mark_down(self, reason: str, quiet: bool = False) -> None:
         """Stop routing here; requests on its output stream get UNAVAILABLE; reconnect later."""
         was_up, self.up = self.up, False
@@ -360,26 +322,6 @@ class WorkerClient:
             log.info("worker %s: KV events lost or inconsistent; re-subscribing for a snapshot", self.key)
             await asyncio.sleep(KV_RESUBSCRIBE_S)
         self.prefix_index.remove_worker(self.key)
-
-    # ---- load accounting --------------------------------------------------------------
-    def add_load(self, requests: int = 0, tokens: int = 0, prompt_tokens: int = 0, computed: int = 0) -> None:
-        """``computed``: prompt tokens this router just gave the worker to compute (its prefill rate)."""
-        self.inflight += requests
-        self.inflight_tokens += tokens
-        self.inflight_prompt_tokens += prompt_tokens
-        self.load_tokens += tokens
-        self.queued_prompt_tokens += prompt_tokens
-        if computed:
-            now, window = time.monotonic(), self.settings.pd.rate_window_s
-            decayed = decayed_rate(self.prefill_counter, self.prefill_counter_at, now, window)
-            self.prefill_counter = decayed + computed
-            self.prefill_counter_at = now
-
-    def prefill_rate(self) -> float:
-        """Prompt tokens per second this router has had the worker compute lately: an
-        exponentially decayed counter over ``rate_window_s`` (pdserve.router.pd_policy's lam)."""
-        window = self.settings.pd.rate_window_s
-        return decayed_rate(self.prefill_counter, self.prefill_counter_at, time.monotonic(), window) / window
 
     # ---- request rpcs -----------------------------------------------------------------
     # reserve / submit start the rpc before they return (its send is the next thing the loop
