@@ -13,7 +13,8 @@ from pathlib import Path
 import grpc
 
 from pdserve.loadtest import procs
-from pdserve.loadtest.procs import Service, free_port, free_port_range
+from pdserve.loadtest.ports import free_port, free_port_range
+from pdserve.loadtest.procs import Service
 from pdserve.v1 import router_pb2_grpc, worker_pb2, worker_pb2_grpc
 
 

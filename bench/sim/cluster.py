@@ -12,6 +12,7 @@ from pathlib import Path
 import grpc
 
 from pdserve.loadtest import procs
+from pdserve.loadtest.ports import free_port, free_ports
 from pdserve.router.pd_policy import PdConfig
 from pdserve.v1 import worker_pb2, worker_pb2_grpc
 
@@ -68,7 +69,7 @@ class Cluster:
         return procs.Service(f"{role}-{port}", cmd, f"127.0.0.1:{port}", self.log_dir / f"{role}-{port}.log")
 
     def _role(self, role: str, n: int, n_single: int, n_late: int, blocks: int) -> tuple[list[str], list[str]]:
-        ports = procs.free_ports(n + n_late)
+        ports = free_ports(n + n_late)
         addrs = [f"127.0.0.1:{p}" for p in ports]
         pooled = ports[:n - n_single]
         for i in range(0, len(pooled), PER_FLEET):
@@ -97,11 +98,11 @@ class Cluster:
             s.start()
         procs.wait_ready(workers, timeout)
         for i in range(c.num_routers):
-            port = procs.free_port()
+            port = free_port()
             self.routers.append(procs.router(
                 port, decode=self.decode + self.decode_late, prefill=self.prefill + self.prefill_late, model="default",
                 extra=["--routing", c.routing, "--load-alpha", str(c.load_alpha), "--router-id", f"r{i}",
-                       "--metrics-port", str(procs.free_port()), "--block-size", str(c.block_size),
+                       "--metrics-port", str(free_port()), "--block-size", str(c.block_size),
                        "--migration-limit", str(c.migration_limit),
                        # the recent-work window is modelled time, stretched like the GPUs
                        "--pd-rate-window-s", str(PdConfig().rate_window_s * c.time_scale)],

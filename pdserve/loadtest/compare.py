@@ -17,7 +17,7 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
-from pdserve.loadtest import arrivals, capacity, datasets, metrics, procs
+from pdserve.loadtest import arrivals, capacity, datasets, metrics, ports, procs
 from pdserve.loadtest.runner import (
     RunOptions,
     build_requests,
@@ -183,10 +183,10 @@ def _deployment(args: argparse.Namespace, config: _Config, log_dir: Path) -> Ite
     svc = None
     try:
         if up_args is not None:
-            rport = args.router_port or procs.free_port()
+            rport = args.router_port or ports.free_port()
             full = f"--model {args.model} --device {args.device} {up_args} {args.up_args} " \
                    f"--startup-timeout {args.startup_timeout}"
-            svc = procs.pdserve_up(rport, procs.free_port_range(16), shlex.split(full), log_dir, name).start()
+            svc = procs.pdserve_up(rport, ports.free_port_range(16), shlex.split(full), log_dir, name).start()
             address = f"127.0.0.1:{rport}"
             print(f"[{name}] pdserve up {full} (router {address}; log {svc.log_path})", flush=True)
             _wait_up(svc, address, up_args, args.startup_timeout)

@@ -12,7 +12,6 @@ import asyncio
 import contextlib
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -24,67 +23,6 @@ from typing import IO, Any
 ROOT = Path(__file__).resolve().parents[2]
 STOP_GRACE_S = 30.0       # SIGTERM -> SIGKILL: as long as a service's own default drain grace
 _TICK = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
-
-
-_PICKED: set[int] = set()     # ports this process has already handed out
-_LOWEST_PORT = 10000          # below: well-known and registered services
-
-
-def _ephemeral_range() -> tuple[int, int]:
-    """The kernel's range for ports bound to 0 and for outgoing connections (Linux default)."""
-    try:
-        lo, hi = Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()
-        return int(lo), int(hi)
-    except (OSError, ValueError):
-        return 32768, 60999
-
-
-def _candidate_ports() -> list[int]:
-    """Ports outside the ephemeral range: a port picked there cannot be taken between its pick
-    and the service's bind by one of the deployment's own outgoing connections, which draw
-    from the ephemeral range (the cause of "Address already in use" at start-up)."""
-    lo, hi = _ephemeral_range()
-    below = range(_LOWEST_PORT, max(_LOWEST_PORT, lo))
-    above = range(min(hi + 1, 65536), 65536)
-    return [*below, *above]
-
-
-def _bindable(port: int) -> bool:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        try:
-            s.bind(("127.0.0.1", port))
-        except OSError:
-            return False
-    return True
-
-
-def free_port_range(n: int, tries: int = 200) -> int:
-    """The first of ``n`` consecutive free ports, outside the ephemeral range and never handed
-    out before by this process (random picks, so two test processes rarely collide)."""
-    import random
-    lo, hi = _ephemeral_range()
-    cands = _candidate_ports()
-    if len(cands) < n:
-        raise RuntimeError(f"no {n} consecutive ports outside the ephemeral range")
-    for _ in range(tries):
-        base = random.choice(cands)
-        block = range(base, base + n)
-        if any(lo <= p <= hi or p > 65535 for p in block) or _PICKED.intersection(block):
-            continue
-        if all(_bindable(p) for p in block):
-            _PICKED.update(block)
-            return base
-    raise RuntimeError(f"no {n} consecutive free ports found")
-
-
-def free_port() -> int:
-    """A free port for a service this process is about to start (see free_port_range)."""
-    return free_port_range(1)
-
-
-def free_ports(n: int, consecutive: int = 1) -> list[int]:
-    """``n`` free ports; with ``consecutive`` = 2 each port p also has p + 1 free (worker + KV store)."""
-    return [free_port_range(consecutive) for _ in range(n)]
 
 
 def cpu_seconds(pid: int) -> float:

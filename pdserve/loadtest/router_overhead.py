@@ -28,6 +28,7 @@ from pdserve.loadtest import procs
 from pdserve.loadtest.client import run_async, run_load
 from pdserve.loadtest.datasets import BenchRequest
 from pdserve.loadtest.metrics import compute_metrics
+from pdserve.loadtest.ports import free_ports
 from pdserve.loadtest.runner import git_commit, host_info
 
 log = logging.getLogger(__name__)
@@ -203,7 +204,7 @@ def latency_benchmark(args: argparse.Namespace, log_dir: Path) -> dict[str, Any]
     for setup in [s.strip() for s in args.setups.split(",") if s.strip()]:
         if setup not in ("colocated", "disagg"):
             raise SystemExit(f"unknown setup {setup!r} (colocated, disagg)")
-        ports = procs.free_ports(3, 2)
+        ports = free_ports(3, 2)
         step = args.latency_step_ms
         if setup == "colocated":
             workers = [procs.scripted_worker(ports[0], "both", step_ms=step, prefill_ms=step, log_dir=log_dir)]
@@ -251,7 +252,7 @@ async def _direct_fanout(decode: str, reqs: list[BenchRequest], concurrency: int
 
 def fanout_benchmark(args: argparse.Namespace, log_dir: Path) -> list[dict[str, Any]]:
     concs = [int(c) for c in str(args.fanout_concurrency).split(",") if c.strip()]
-    wport, rport = procs.free_ports(2, 2)
+    wport, rport = free_ports(2, 2)
     worker = procs.scripted_worker(wport, "both", step_ms=args.fanout_step_ms, num_blocks=262144,
                                    log_dir=log_dir)
     router = procs.router(rport, decode=[worker.address], model=args.model, log_dir=log_dir)

@@ -18,7 +18,8 @@ from grpc_reflection.v1alpha import reflection_pb2
 
 from pdserve.cli import errors as cli_errors
 from pdserve.common.grpc_utils.server import wait_ready
-from pdserve.loadtest.procs import ROOT, free_port, free_port_range
+from pdserve.loadtest.ports import free_port, free_port_range
+from pdserve.loadtest.procs import ROOT
 
 STARTUP_S = 300
 

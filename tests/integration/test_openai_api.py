@@ -27,7 +27,8 @@ import openai
 import pytest
 
 from bench import deployment as services
-from pdserve.loadtest.procs import Service, free_port
+from pdserve.loadtest.ports import free_port
+from pdserve.loadtest.procs import Service
 from pdserve.v1 import common_pb2, router_pb2, router_pb2_grpc
 
 QUESTION = "What is the capital of France?"

@@ -10,7 +10,8 @@ import time
 import grpc
 import pytest
 
-from pdserve.loadtest.procs import Service, free_port, wait_ready
+from pdserve.loadtest.ports import free_port
+from pdserve.loadtest.procs import Service, wait_ready
 from pdserve.v1 import common_pb2, worker_pb2, worker_pb2_grpc
 
 ROUTER = "router-under-test"

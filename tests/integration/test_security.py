@@ -15,7 +15,8 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from pdserve.common.kv_transfer import KvTransferError, PairChannel
 from pdserve.common.security import ClientSecurity, TlsFiles
-from pdserve.loadtest.procs import Service, free_port
+from pdserve.loadtest.ports import free_port
+from pdserve.loadtest.procs import Service
 from pdserve.v1 import common_pb2, common_pb2_grpc, router_pb2, router_pb2_grpc, worker_pb2, worker_pb2_grpc
 from tests.security_certs import CA
 

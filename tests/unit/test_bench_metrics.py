@@ -206,9 +206,9 @@ _HAVE_SERVICES = (importlib.util.find_spec("pdserve.loadtest.scripted_worker") i
 def router_addr(tmp_path_factory):
     if not _HAVE_SERVICES:
         pytest.skip("router or scripted worker not available")
-    from pdserve.loadtest import procs
+    from pdserve.loadtest import ports, procs
     logs = tmp_path_factory.mktemp("logs")
-    wport, rport = procs.free_ports(2, 2)
+    wport, rport = ports.free_ports(2, 2)
     services = [procs.scripted_worker(wport, "both", step_ms=2.0, log_dir=logs).start(),
                 procs.router(rport, decode=[f"127.0.0.1:{wport}"], log_dir=logs).start()]
     try:

@@ -12,7 +12,7 @@ import pytest
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from pdserve.common.grpc_utils.channels import RenewingChannels
-from pdserve.loadtest.procs import free_port
+from pdserve.loadtest.ports import free_port
 
 pytestmark = pytest.mark.timeout(60)
 

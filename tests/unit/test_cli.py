@@ -12,7 +12,8 @@ import pytest
 
 from pdserve import cli
 from pdserve.cli import errors as cli_errors
-from pdserve.loadtest.procs import ROOT, free_port, free_port_range
+from pdserve.loadtest.ports import free_port, free_port_range
+from pdserve.loadtest.procs import ROOT
 
 TIMEOUT_S = 120
 

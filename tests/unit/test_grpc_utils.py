@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import socket
 import time
 from collections.abc import Awaitable, Callable
 from typing import Any
@@ -33,6 +32,7 @@ from pdserve.common.grpc_utils import (  # noqa: E402
     unavailable_peer,
     wait_ready,
 )
+from pdserve.loadtest.ports import free_port
 from pdserve.v1 import common_pb2, common_pb2_grpc  # noqa: E402
 
 INFO_SERVICE = "pdserve.v1.InfoService"
@@ -81,12 +81,6 @@ def _add_stream_handler(servicer: Any, server: grpc.aio.Server) -> None:
         "test.Stream", {"Tokens": grpc.unary_stream_rpc_method_handler(servicer),
                         "Late": grpc.unary_stream_rpc_method_handler(_stream_past_deadline)})
     server.add_generic_rpc_handlers((handler,))
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def run_with_server(body: Callable[[Any, str, grpc.aio.Channel], Awaitable[None]],
@@ -256,7 +250,7 @@ def test_message_over_limit_is_rejected() -> None:
 
 
 def test_wait_ready_times_out_with_unavailable() -> None:
-    port = _free_port()
+    port = free_port()
 
     async def main() -> None:
         loop = asyncio.get_running_loop()
@@ -273,7 +267,7 @@ def test_serve_startup_then_graceful_shutdown() -> None:
     events: list[str] = []
 
     async def main() -> None:
-        port = _free_port()
+        port = free_port()
         server = build_server(
             f"127.0.0.1:{port}",
             [Service(INFO_SERVICE, common_pb2_grpc.add_InfoServiceServicer_to_server,

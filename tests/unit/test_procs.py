@@ -8,11 +8,11 @@ import time
 
 import pytest
 
-from pdserve.loadtest import procs
+from pdserve.loadtest import ports, procs
 
 
 def _python(name: str, code: str, log_dir=None) -> procs.Service:
-    return procs.Service(name, [sys.executable, "-c", code], f"127.0.0.1:{procs.free_port()}",
+    return procs.Service(name, [sys.executable, "-c", code], f"127.0.0.1:{ports.free_port()}",
                          log_dir / f"{name}.log" if log_dir else None)
 
 
@@ -76,13 +76,3 @@ def test_wait_ready_notices_a_service_whose_port_another_process_answers(tmp_pat
         thread.join(10)
         procs.stop_all([child])
 
-
-def test_free_ports_avoid_the_ephemeral_range_and_never_repeat():
-    lo, hi = procs._ephemeral_range()
-    picked = procs.free_ports(50, consecutive=2)
-    ports = [p + k for p in picked for k in range(2)]
-    assert len(set(ports)) == 100                       # no port handed out twice
-    assert not [p for p in ports if lo <= p <= hi]      # none that an outgoing connection may take
-    assert all(procs._bindable(p) for p in ports)
-    base = procs.free_port_range(16)
-    assert not set(range(base, base + 16)) & set(ports)

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import asyncio
 import signal
-import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -19,6 +18,7 @@ from pathlib import Path
 import pytest
 
 import pdserve.router.workers as workers_mod
+from pdserve.loadtest.ports import free_port
 from pdserve.loadtest.scripted_state import script_token
 from pdserve.router.metrics import RouterMetrics
 from pdserve.router.observed import ObservedFlow
@@ -35,24 +35,9 @@ SPEC = ModelSpec("tiny-llama", max_model_len=1024, vocab_size=VOCAB)
 HOSTS = ("127.0.0.1", "127.0.0.2", "127.0.0.3")
 
 
-def _free_port_on_all_hosts() -> int:
-    for _ in range(50):
-        with socket.socket() as s:
-            s.bind((HOSTS[0], 0))
-            port = s.getsockname()[1]
-        try:
-            for h in HOSTS[1:]:
-                with socket.socket() as t:
-                    t.bind((h, port))
-            return port
-        except OSError:
-            continue
-    raise RuntimeError("no port free on every loopback host")
-
-
 @pytest.fixture()
 def pods(tmp_path):
-    port = _free_port_on_all_hosts()
+    port = free_port()   # free on 0.0.0.0: on every loopback host
     procs = {}
     for h in HOSTS:
         log = open(tmp_path / f"{h}.log", "w")

@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -30,6 +29,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 ROOT = Path(__file__).resolve().parents[2]
 
+from pdserve.loadtest.ports import free_port  # noqa: E402
 from pdserve.loadtest.scripted_state import script_logprob, script_token  # noqa: E402
 from pdserve.v1 import common_pb2, common_pb2_grpc, router_pb2, router_pb2_grpc, worker_pb2, worker_pb2_grpc  # noqa: E402
 
@@ -37,12 +37,6 @@ SP = common_pb2.SamplingParams
 FR = common_pb2
 VOCAB = 49152
 TINY_VOCAB = 512
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @dataclass
