@@ -33,7 +33,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import triton  # noqa: E402
 from triton.testing import do_bench  # noqa: E402
 
-from pdserve.common.ops import kv_store, paged_attention  # noqa: E402
+from pdserve.common.ops import kv_store, paged_attention, paged_attention_prefill  # noqa: E402
 from pdserve.common.ops.reference import (  # noqa: E402
     paged_attention_decode_ref,
     paged_attention_prefill_ref,
@@ -125,7 +125,7 @@ def check_correctness(seed: int) -> dict:
     cu = torch.tensor([0] + torch.tensor(q_lens).cumsum(0).tolist(), dtype=torch.int32, device=DEV)
     q = torch.randn(sum(q_lens), HQ, D, device=DEV, dtype=DTYPE)
     out = torch.full_like(q, float("nan"))
-    paged_attention.paged_attention_prefill(q, kc, vc, cu, cl, bt, max(q_lens), D ** -0.5, out=out)
+    paged_attention_prefill.paged_attention_prefill(q, kc, vc, cu, cl, bt, max(q_lens), D ** -0.5, out=out)
     ref = paged_attention_prefill_ref(q, kc, vc, cu, cl, bt, max(q_lens), D ** -0.5)
     res["prefill_rel_err"] = rel_err(out, ref)
     res["prefill_nan"] = bool(torch.isnan(out).any())
@@ -280,7 +280,7 @@ def _prefill_row(name: str, q_lens: list[int], ctx: list[int], bs: int, layers: 
     out = torch.empty_like(q)
 
     def fn() -> None:
-        paged_attention.paged_attention_prefill(q, kc, vc, cu, cl, bt, max(q_lens), D ** -0.5, out=out)
+        paged_attention_prefill.paged_attention_prefill(q, kc, vc, cu, cl, bt, max(q_lens), D ** -0.5, out=out)
 
     fn()
     ref = paged_attention_prefill_ref(q, kc, vc, cu, cl, bt, max(q_lens), D ** -0.5)

@@ -14,7 +14,7 @@ import random
 import torch
 
 from bench.common import graph_time, write_result
-from pdserve.common.ops.paged_attention import paged_attention_prefill
+from pdserve.common.ops.paged_attention_prefill import paged_attention_prefill
 from pdserve.common.ops.reference import paged_attention_prefill_ref
 
 HKV, HQ, D, BLOCK = 8, 16, 128, 256

@@ -21,7 +21,7 @@ triton = pytest.importorskip("triton")
 if torch.cuda.is_available():
     if os.environ.get("TRITON_INTERPRET") == "1":
         pytest.skip("TRITON_INTERPRET=1: kernels would not be compiled", allow_module_level=True)
-    from pdserve.common.ops import kv_store, paged_attention  # noqa: E402
+    from pdserve.common.ops import kv_store, paged_attention, paged_attention_prefill  # noqa: E402
     from pdserve.common.ops.reference import (  # noqa: E402
         paged_attention_decode_ref,
         paged_attention_prefill_ref,
@@ -156,7 +156,7 @@ def test_prefill_gpu(dtype, geometry, block_size, case):
     q = torch.randn(T, hq, d, device=DEV, generator=gq).to(dtype)
     scale = d ** -0.5
     out = torch.full_like(q, float("nan"))
-    paged_attention.paged_attention_prefill(q, kc, vc, cu, cl, bt, max(q_lens), scale, out=out)
+    paged_attention_prefill.paged_attention_prefill(q, kc, vc, cu, cl, bt, max(q_lens), scale, out=out)
     ref = paged_attention_prefill_ref(q, kc, vc, cu, cl, bt, max(q_lens), scale)
     assert not torch.isnan(out).any()
     assert rel_err(out, ref) < TOL[dtype], rel_err(out, ref)
@@ -229,7 +229,7 @@ def test_end_to_end_store_prefill_decode_gpu():
         kv_store.store_kvcache(k[lo:hi], v[lo:hi], kc, vc, slots[lo:hi])
         cu = torch.tensor([0, hi - lo], dtype=torch.int32, device=DEV)
         cl = torch.tensor([hi], dtype=torch.int32, device=DEV)
-        outs.append(paged_attention.paged_attention_prefill(q[lo:hi], kc, vc, cu, cl, bt, hi - lo, scale))
+        outs.append(paged_attention_prefill.paged_attention_prefill(q[lo:hi], kc, vc, cu, cl, bt, hi - lo, scale))
     kv_store.store_kvcache(k[n:], v[n:], kc, vc, slots[n:])
     dec = paged_attention.paged_attention_decode(q[n:], kc, vc, bt,
                                                  torch.tensor([n + 1], dtype=torch.int32, device=DEV), scale)

@@ -18,7 +18,7 @@ import pytest  # noqa: E402
 triton = pytest.importorskip("triton")
 
 
-from pdserve.common.ops import kv_store, paged_attention  # noqa: E402
+from pdserve.common.ops import kv_store, paged_attention, paged_attention_prefill  # noqa: E402
 from pdserve.common.ops.reference import (  # noqa: E402
     paged_attention_decode_ref,
     paged_attention_prefill_ref,
@@ -275,7 +275,7 @@ def test_paged_attention_prefill(block_size, hkv, group, d, q_lens, ctx, seed):
     scale = d ** -0.5
     ref = paged_attention_prefill_ref(q, kc, vc, cu, cl, bt, max(q_lens), scale)
     out = torch.full((T, hq, d), float("nan"), device=DEVICE)
-    res = paged_attention.paged_attention_prefill(q, kc, vc, cu, cl, bt, max(q_lens), scale, out=out)
+    res = paged_attention_prefill.paged_attention_prefill(q, kc, vc, cu, cl, bt, max(q_lens), scale, out=out)
     assert res.data_ptr() == out.data_ptr()
     assert not torch.isnan(out).any()                            # every row written
     assert_close(out, ref)
@@ -298,7 +298,7 @@ def test_store_then_prefill_then_decode():
     kv_store.store_kvcache(k, v, kc, vc, slots)
     cu = torch.tensor([0, n], dtype=torch.int32, device=DEVICE)
     cl = torch.tensor([n], dtype=torch.int32, device=DEVICE)
-    pre = paged_attention.paged_attention_prefill(q, kc, vc, cu, cl, bt, n, 0.125)
+    pre = paged_attention_prefill.paged_attention_prefill(q, kc, vc, cu, cl, bt, n, 0.125)
     dec = paged_attention.paged_attention_decode(q[-1:], kc, vc, bt, cl, 0.125)
     assert_close(dec[0], pre[-1])
     assert_close(pre, paged_attention_prefill_ref(q, kc, vc, cu, cl, bt, n, 0.125))

@@ -15,10 +15,10 @@ class TritonBackend(AttentionBackend):
     name = "triton"
 
     def __init__(self) -> None:
-        from pdserve.common.ops import kv_store, paged_attention  # imports triton
+        from pdserve.common.ops import kv_store, paged_attention, paged_attention_prefill  # imports triton
         self._store = kv_store.store_kvcache
         self._decode = paged_attention.paged_attention_decode
-        self._prefill = paged_attention.paged_attention_prefill
+        self._prefill = paged_attention_prefill.paged_attention_prefill
 
     def store_kv(self, key, value, k_cache, v_cache, slot_mapping) -> None:
         self._store(key, value, k_cache, v_cache, slot_mapping)
