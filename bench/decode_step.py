@@ -20,11 +20,16 @@ from pdserve.common.engine.sequence import Sequence
 
 
 def build_batch(llm: LLM, batch: int, context: int) -> list[Sequence]:
+    return build_ragged_batch(llm, [context] * batch)
+
+
+def build_ragged_batch(llm: LLM, contexts: list[int]) -> list[Sequence]:
+    """Decode rows with ``contexts[i]`` tokens of context each, their KV blocks filled at random."""
     eng = llm.engine
     rng = random.Random(0)
     seqs = []
-    for _ in range(batch):
-        s = Sequence([rng.randrange(10000) for _ in range(context)], SamplingParams(max_tokens=8),
+    for c in contexts:
+        s = Sequence([rng.randrange(10000) for _ in range(c)], SamplingParams(max_tokens=8),
                      eng.config.block_size)
         eng.block_manager.allocate(s, register=False)
         s.num_cached_tokens = s.num_tokens - 1

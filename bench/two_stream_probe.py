@@ -18,24 +18,10 @@ import random
 import torch
 
 from bench.common import copy_bandwidth, write_result
-from bench.decode_step import time_step
+from bench.decode_step import build_ragged_batch, time_step
 from pdserve.common.context import ForwardContext, forward_context
-from pdserve.common.engine import LLM, SamplingParams
-from pdserve.common.engine.sequence import Sequence
+from pdserve.common.engine import LLM
 from pdserve.common.ops.paged_attention import DECODE_MAX_SPLITS, alloc_decode_workspace, decode_num_splits
-
-
-def build_batch(llm: LLM, contexts: list[int]) -> list[Sequence]:
-    eng, rng = llm.engine, random.Random(0)
-    seqs = []
-    for c in contexts:
-        s = Sequence([rng.randrange(10000) for _ in range(c)], SamplingParams(max_tokens=8), eng.config.block_size)
-        eng.block_manager.allocate(s, register=False)
-        s.num_cached_tokens = s.num_tokens - 1
-        seqs.append(s)
-    used = max(b for s in seqs for b in s.block_table) + 1
-    eng.model_runner.kv_cache[:used].normal_()
-    return seqs
 
 
 class TwoStreamStep:
@@ -95,7 +81,7 @@ class TwoStreamStep:
 
 
 def point(llm: LLM, contexts: list[int], label: str) -> dict:
-    seqs = build_batch(llm, contexts)
+    seqs = build_ragged_batch(llm, contexts)
     mr, bs = llm.engine.model_runner, len(contexts)
     input_ids, positions, ctx = mr.prepare_decode(seqs)
     one = time_step(llm, seqs, iters=30)                      # also leaves the batch in the static buffers
