@@ -218,7 +218,10 @@ LOADGEN_QUESTIONS = ["What is the capital of France?", "Name three primary color
 LOADGEN_OUTPUT_TOKENS = 12
 LOADGEN_REPEAT = 2      # each question twice a run: with 10 requests, one run's median TTFT moved ±15% between runs
 LOADGEN_REQUESTS = LOADGEN_REPEAT * len(LOADGEN_QUESTIONS)
-AGREE = 0.20        # relative difference allowed between the two tools' best TTFT (median) and ITL (mean)
+# Every guidellm run's TTFT (median) and ITL (mean) must lie within bench serve's own runs (interleaved
+# with it) widened by AGREE. Not the best of each: bench serve's own three runs spanned 140-187 ms of
+# TTFT in one CI run on 2 cores, so one lucky run decided a best-of comparison.
+AGREE = 0.20
 LOADGEN_ROUNDS = 3  # bench serve runs, with a guidellm run between each two
 
 
@@ -325,5 +328,6 @@ def test_third_party_load_generator_agrees_with_bench_serve(dep, client, model, 
     report = f"guidellm {theirs}, pdserve bench serve {ours} (ms)"
     print(report)
     for k in ("ttft", "itl"):
-        best_ours, best_theirs = min(r[k] for r in ours), min(r[k] for r in theirs)
-        assert abs(best_theirs - best_ours) <= AGREE * best_ours, f"{k} differs by more than {AGREE:.0%}: {report}"
+        low, high = min(r[k] for r in ours) * (1 - AGREE), max(r[k] for r in ours) * (1 + AGREE)
+        assert all(low <= r[k] <= high for r in theirs), \
+            f"{k}: a guidellm run outside bench serve's runs +/- {AGREE:.0%}: {report}"
