@@ -8,12 +8,7 @@ of reading the weights twice. This probe times, for each (batch, context) point,
 own graph against a two-stream graph over the same static buffers, and checks the hidden states
 agree. The rows of a ragged point are sorted longest first and dealt alternately to the halves.
 
-Run 23 found the attention kernel fills every SM (two programs per SM by shared memory), so the
-other stream's small kernels wait for its tail. ``--attn-programs`` caps decode attention at a
-persistent grid of that many programs (``max_programs``), leaving room on each SM; each cap is
-timed with one stream (what the cap costs attention) and with two (what it buys).
-
-    python -m bench.two_stream_probe --attn-programs 66 132 264 --out bench/results/two_stream_probe_h100.json
+    python -m bench.two_stream_probe --out bench/results/two_stream_probe_h100.json
 """
 from __future__ import annotations
 
@@ -30,19 +25,16 @@ from pdserve.common.ops.paged_attention import DECODE_MAX_SPLITS, alloc_decode_w
 
 
 class TwoStreamStep:
-    """One graph: rows [0, h) on stream A, rows [h, bs) on stream B (``parts=2``; ``parts=1``:
-    all rows on one stream), over the engine's static decode buffers (filled by a replay of the
-    engine's own graph first). ``attn_programs``: decode attention's program cap (None: grid)."""
+    """One graph: rows [0, h) on stream A, rows [h, bs) on stream B, over the engine's static
+    decode buffers (filled by a replay of the engine's own graph first)."""
 
-    def __init__(self, llm: LLM, bs: int, parts: int = 2, attn_programs: int | None = None) -> None:
+    def __init__(self, llm: LLM, bs: int) -> None:
         mr = llm.engine.model_runner
         self.gr, self.model, self.bs, self.h = mr.graph_runner, mr.model, bs, bs // 2
-        self.ranges = ((0, self.h), (self.h, bs)) if parts == 2 else ((0, bs),)
-        self.attn_programs = attn_programs
         cfg, dev = self.model.config, self.gr.input_ids.device
         self.ws = [alloc_decode_workspace(self.bs, cfg.num_attention_heads, cfg.head_dim, DECODE_MAX_SPLITS, dev)
-                   for _ in self.ranges]
-        self.streams = [torch.cuda.Stream() for _ in self.ranges]
+                   for _ in range(2)]
+        self.streams = [torch.cuda.Stream(), torch.cuda.Stream()]
         self.graph = torch.cuda.CUDAGraph()
         self.out: torch.Tensor | None = None
 
@@ -51,13 +43,12 @@ class TwoStreamStep:
         splits = decode_num_splits(hi - lo, cfg.num_key_value_heads, gr.max_context_len, gr.input_ids.device)
         return ForwardContext(is_prefill=False, slot_mapping=gr.slot_mapping[lo:hi],
                               context_lens=gr.context_lens[lo:hi], block_tables=gr.block_tables[lo:hi],
-                              max_context_len=gr.max_context_len, decode_workspace=ws, decode_num_splits=splits,
-                              decode_max_programs=self.attn_programs)
+                              max_context_len=gr.max_context_len, decode_workspace=ws, decode_num_splits=splits)
 
     def _forward(self) -> torch.Tensor:
         gr, main = self.gr, torch.cuda.current_stream()
         outs = []
-        for (lo, hi), ws, stream in zip(self.ranges, self.ws, self.streams):
+        for (lo, hi), ws, stream in zip(((0, self.h), (self.h, self.bs)), self.ws, self.streams):
             stream.wait_stream(main)
             with torch.cuda.stream(stream), forward_context(self._ctx(lo, hi, ws)):
                 outs.append(self.model(gr.input_ids[lo:hi], gr.positions[lo:hi]))
@@ -89,39 +80,26 @@ class TwoStreamStep:
         return {"median_s": times[len(times) // 2], "min_s": times[0]}
 
 
-def variant(llm: LLM, bs: int, ref: torch.Tensor, parts: int, programs: int | None) -> dict:
-    """Times one (streams, attention cap) variant and checks its hidden states against ``ref``."""
-    step = TwoStreamStep(llm, bs, parts, programs)
-    step.capture()
-    timing = step.time()
-    assert step.out is not None
-    got = step.out.float()
-    err = ((got - ref).abs().max() / ref.abs().max().clamp_min(1e-6)).item()
-    cos = torch.nn.functional.cosine_similarity(got, ref, dim=-1).min().item()
-    assert cos > 0.99, f"streams={parts} attn_programs={programs}: hidden states differ (min cos {cos})"
-    return {"streams": parts, "attn_programs": programs, **timing, "max_rel_diff": err, "min_row_cosine": cos}
-
-
-def point(llm: LLM, contexts: list[int], label: str, caps: list[int]) -> dict:
+def point(llm: LLM, contexts: list[int], label: str) -> dict:
     seqs = build_ragged_batch(llm, contexts)
     mr, bs = llm.engine.model_runner, len(contexts)
     input_ids, positions, ctx = mr.prepare_decode(seqs)
     one = time_step(llm, seqs, iters=30)                      # also leaves the batch in the static buffers
     ref = mr.graph_runner.run(input_ids, positions, ctx).float().clone()
-    variants = [variant(llm, bs, ref, 2, None)]
-    for cap in caps:
-        variants += [variant(llm, bs, ref, 1, cap), variant(llm, bs, ref, 2, cap)]
+    two = TwoStreamStep(llm, bs)
+    two.capture()
+    t2 = two.time()
+    assert two.out is not None
+    got = two.out.float()
+    err = ((got - ref).abs().max() / ref.abs().max().clamp_min(1e-6)).item()
+    cos = torch.nn.functional.cosine_similarity(got, ref, dim=-1).min().item()
     for s in seqs:
         llm.engine.block_manager.deallocate(s)
-    for v in variants:
-        v["speedup"] = one["median_s"] / v["median_s"] - 1
-    best = max(variants, key=lambda v: v["speedup"])
-    print(f"{label:>22s}: one graph {1e3 * one['median_s']:.3f} ms; "
-          + ", ".join(f"{v['streams']}s/{v['attn_programs'] or 'grid'} {1e3 * v['median_s']:.3f} "
-                      f"({100 * v['speedup']:+.1f}%)" for v in variants)
-          + f"; best min cos {best['min_row_cosine']:.6f}")
+    gain = one["median_s"] / t2["median_s"] - 1
+    print(f"{label:>22s}: one graph {1e3 * one['median_s']:.3f} ms, two streams {1e3 * t2['median_s']:.3f} ms "
+          f"({100 * gain:+.1f}%), max rel diff {err:.2e}, min cos {cos:.6f}")
     return {"label": label, "batch": bs, "contexts": [min(contexts), max(contexts)], "one_graph": one,
-            "variants": variants, "best": {k: best[k] for k in ("streams", "attn_programs", "speedup")}}
+            "two_streams": t2, "speedup": gain, "max_rel_diff": err, "min_row_cosine": cos}
 
 
 def ragged(bs: int, lo: int, hi: int, seed: int = 1) -> list[int]:
@@ -134,22 +112,18 @@ def ragged(bs: int, lo: int, hi: int, seed: int = 1) -> list[int]:
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", default="qwen3-0.6b")
-    p.add_argument("--attn-programs", type=int, nargs="*", default=[],
-                   help="decode attention program caps to try (persistent grid)")
     p.add_argument("--out", default="bench/results/two_stream_probe.json")
     args = p.parse_args(argv)
     bandwidth = copy_bandwidth()
     llm = LLM(args.model, block_size=256, max_num_seqs=512, max_model_len=4096)
-    caps = args.attn_programs
-    points = [point(llm, [600] * 256, "b=256 ctx=600", caps),
-              point(llm, [1200] * 256, "b=256 ctx=1200", caps),
-              point(llm, ragged(256, 200, 2000), "b=256 ragged 200-2000", caps),
-              point(llm, ragged(192, 600, 2000), "b=192 ragged 600-2000", caps),
-              point(llm, ragged(128, 600, 2000), "b=128 ragged 600-2000", caps),
-              point(llm, ragged(64, 800, 2000), "b=64 ragged 800-2000", caps),
-              point(llm, [1200] * 32, "b=32 ctx=1200", caps)]
-    write_result(args.out, {"model": args.model, "copy_bandwidth_GBps": bandwidth / 1e9,
-                            "attn_programs": caps, "points": points})
+    points = [point(llm, [600] * 256, "b=256 ctx=600"),
+              point(llm, [1200] * 256, "b=256 ctx=1200"),
+              point(llm, ragged(256, 200, 2000), "b=256 ragged 200-2000"),
+              point(llm, ragged(192, 600, 2000), "b=192 ragged 600-2000"),
+              point(llm, ragged(128, 600, 2000), "b=128 ragged 600-2000"),
+              point(llm, ragged(64, 800, 2000), "b=64 ragged 800-2000"),
+              point(llm, [1200] * 32, "b=32 ctx=1200")]
+    write_result(args.out, {"model": args.model, "copy_bandwidth_GBps": bandwidth / 1e9, "points": points})
     return 0
 
 

@@ -25,7 +25,6 @@ class ForwardContext:
     max_context_len: int | None = None         # host-side max of context_lens, when known
     decode_workspace: torch.Tensor | None = None   # preallocated split-KV workspace (CUDA graphs)
     decode_num_splits: int | None = None       # fixed split count (CUDA graphs)
-    decode_max_programs: int | None = None     # cap on decode attention's programs (None: one per item)
 
 
 _current: ForwardContext | None = None

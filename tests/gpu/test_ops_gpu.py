@@ -102,10 +102,9 @@ def test_store_kvcache_gpu(dtype, block_size):
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
 @pytest.mark.parametrize("geometry", ["qwen3", "smollm2", "mha64"])
 @pytest.mark.parametrize("block_size", [16, 32])
-@pytest.mark.parametrize("batch,max_ctx,num_splits,max_programs", [
-    (64, 2048, None, None), (3, 2048, None, None), (64, 700, 3, None), (1, 4096, None, None),
-    (64, 2048, 1, 132), (64, 700, 3, 100)])          # persistent grid: programs loop over items
-def test_decode_gpu(dtype, geometry, block_size, batch, max_ctx, num_splits, max_programs):
+@pytest.mark.parametrize("batch,max_ctx,num_splits", [(64, 2048, None), (3, 2048, None),
+                                                       (64, 700, 3), (1, 4096, None)])
+def test_decode_gpu(dtype, geometry, block_size, batch, max_ctx, num_splits):
     hq, hkv, d = GEOMETRIES[geometry]
     seed = seed_of(str(dtype), geometry, block_size, batch, max_ctx, num_splits)
     ctx = random_contexts(batch, max_ctx, block_size, seed)
@@ -120,7 +119,7 @@ def test_decode_gpu(dtype, geometry, block_size, batch, max_ctx, num_splits, max
     scale = d ** -0.5
     out = torch.full((batch, hq, d), float("nan"), device=DEV, dtype=dtype)
     res = paged_attention.paged_attention_decode(q, kc, vc, bt, cl, scale, out=out,
-                                                 num_splits=num_splits, max_programs=max_programs)
+                                                 num_splits=num_splits)
     ref = paged_attention_decode_ref(q, kc, vc, bt, cl, scale)
     assert res.data_ptr() == out.data_ptr() and res.dtype == dtype
     assert not torch.isnan(out).any()

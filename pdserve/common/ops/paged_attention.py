@@ -28,52 +28,25 @@ _WS_PAD = 16                    # workspace row = D accumulators + m + l, padded
 
 
 # Per-batch integers are not specialised: no recompile when one becomes 1 or a multiple of 16.
-@triton.jit(do_not_specialize=["num_splits", "stride_btb", "num_items"])
+@triton.jit(do_not_specialize=["num_splits", "stride_btb"])
 def _decode_split_kernel(
     q_ptr, k_ptr, v_ptr, bt_ptr, cl_ptr, out_ptr, ws_ptr,
     qk_scale,                               # softmax scale * log2(e)
-    num_splits, num_items,
+    num_splits,
     stride_qb, stride_qh,
     stride_kb, stride_kt, stride_kh,
     stride_vb, stride_vt, stride_vh,
     stride_btb,
     stride_ob, stride_oh,
     stride_wb, stride_wh, stride_ws,
-    NUM_KV: tl.constexpr, PERSISTENT: tl.constexpr,
     GROUP: tl.constexpr, BLOCK_G: tl.constexpr, HEAD_DIM: tl.constexpr,
     BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr,
     SINGLE_SPLIT: tl.constexpr, DOT_PRECISION: tl.constexpr,
 ):
-    """Grid ``(Hkv, splits, B)``: one (KV head, split, sequence) item per program, KV head
-    fastest so a sequence's heads start together. ``PERSISTENT``: grid ``(P,)``, program ``p``
-    takes items ``p, p + P, ...`` in that same order (``num_items = Hkv * splits * B``)."""
-    if PERSISTENT:
-        for item in range(tl.program_id(0), num_items, tl.num_programs(0)):
-            rest = item // NUM_KV
-            _decode_item(item % NUM_KV, rest % num_splits, rest // num_splits,
-                         q_ptr, k_ptr, v_ptr, bt_ptr, cl_ptr, out_ptr, ws_ptr, qk_scale, num_splits,
-                         stride_qb, stride_qh, stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh,
-                         stride_btb, stride_ob, stride_oh, stride_wb, stride_wh, stride_ws,
-                         GROUP, BLOCK_G, HEAD_DIM, BLOCK_SIZE, BLOCK_N, SINGLE_SPLIT, DOT_PRECISION)
-    else:
-        _decode_item(tl.program_id(0), tl.program_id(1), tl.program_id(2),
-                     q_ptr, k_ptr, v_ptr, bt_ptr, cl_ptr, out_ptr, ws_ptr, qk_scale, num_splits,
-                     stride_qb, stride_qh, stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh,
-                     stride_btb, stride_ob, stride_oh, stride_wb, stride_wh, stride_ws,
-                     GROUP, BLOCK_G, HEAD_DIM, BLOCK_SIZE, BLOCK_N, SINGLE_SPLIT, DOT_PRECISION)
+    kvh = tl.program_id(0)                  # fastest: a sequence's KV heads start together
+    split = tl.program_id(1)
+    b = tl.program_id(2)
 
-
-@triton.jit
-def _decode_item(
-    kvh, split, b,
-    q_ptr, k_ptr, v_ptr, bt_ptr, cl_ptr, out_ptr, ws_ptr, qk_scale, num_splits,
-    stride_qb, stride_qh, stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh,
-    stride_btb, stride_ob, stride_oh, stride_wb, stride_wh, stride_ws,
-    GROUP: tl.constexpr, BLOCK_G: tl.constexpr, HEAD_DIM: tl.constexpr,
-    BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr,
-    SINGLE_SPLIT: tl.constexpr, DOT_PRECISION: tl.constexpr,
-):
-    """One query group's attention over one split of one sequence's context."""
     ctx = tl.load(cl_ptr + b)
     n_tiles = tl.cdiv(ctx, BLOCK_N)
     tiles_per_split = tl.cdiv(n_tiles, num_splits)
@@ -86,7 +59,7 @@ def _decode_item(
     g_mask = offs_g < GROUP
     heads = kvh * GROUP + offs_g
 
-    b64 = tl.cast(b, tl.int64)
+    b64 = b.to(tl.int64)
     q = tl.load(q_ptr + b64 * stride_qb + heads[:, None] * stride_qh + offs_d[None, :],
                 mask=g_mask[:, None], other=0.0)
 
@@ -95,8 +68,8 @@ def _decode_item(
     acc = tl.zeros([BLOCK_G, HEAD_DIM], dtype=tl.float32)
 
     bt_row = bt_ptr + b64 * stride_btb
-    k_head = k_ptr + tl.cast(kvh, tl.int64) * stride_kh
-    v_head = v_ptr + tl.cast(kvh, tl.int64) * stride_vh
+    k_head = k_ptr + kvh.to(tl.int64) * stride_kh
+    v_head = v_ptr + kvh.to(tl.int64) * stride_vh
     for t0 in range(t_begin, t_end, BLOCK_N):
         t = t0 + offs_n
         t_mask = t < t_end
@@ -220,15 +193,13 @@ def paged_attention_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
                            num_splits: int | None = None,
                            max_context_len: int | None = None,
                            block_n: int | None = None, num_warps: int | None = None,
-                           num_stages: int | None = None,
-                           max_programs: int | None = None) -> torch.Tensor:
+                           num_stages: int | None = None) -> torch.Tensor:
     """Decode attention: ``q[B, Hq, D]``, one query per sequence at position ``context_lens-1``.
 
     ``out``: optional ``[>=B, Hq, D]`` (``out[:B]`` is returned); ``workspace``: from
     ``alloc_decode_workspace``; ``num_splits``: default ``decode_num_splits`` on
     ``max_context_len`` (default ``block_tables.shape[1] * block_size``). With all three given
-    nothing is allocated or synchronized (CUDA-graph capture safe). ``max_programs``: run at
-    most that many programs, each looping over items (leaves SMs free for another stream).
+    nothing is allocated or synchronized (CUDA-graph capture safe).
     """
     B = q.shape[0]
     Hq, Hkv, D, block_size = check_caches(q, k_cache, v_cache)
@@ -268,19 +239,15 @@ def paged_attention_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
         ws = workspace
         ws_strides = (workspace.stride(0), workspace.stride(1), workspace.stride(2))
     qk_scale = float(scale) * LOG2E
-    num_items = Hkv * num_splits * B
-    persistent = max_programs is not None and 0 < max_programs < num_items
-    grid = (max_programs,) if persistent else (Hkv, num_splits, B)
-    _decode_split_kernel[grid](
+    _decode_split_kernel[(Hkv, num_splits, B)](
         q, k_cache, v_cache, block_tables, context_lens, out, ws,
-        qk_scale, num_splits, num_items,
+        qk_scale, num_splits,
         q.stride(0), q.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
         block_tables.stride(0),
         out.stride(0), out.stride(1),
         *ws_strides,
-        NUM_KV=Hkv, PERSISTENT=persistent,
         GROUP=group, BLOCK_G=block_g, HEAD_DIM=D, BLOCK_SIZE=block_size, BLOCK_N=block_n,
         SINGLE_SPLIT=single, DOT_PRECISION=dot_precision(q.dtype),
         num_warps=num_warps, num_stages=num_stages,

@@ -1,7 +1,7 @@
 """The project's Triton kernels (pdserve/common/ops): the default backend on CUDA.
 
-Decode takes the context's optional split-KV workspace and split count (CUDA graphs), its
-host-side max context length (eager split count) and its optional cap on attention programs.
+Decode takes the context's optional split-KV workspace and split count (CUDA graphs) and its
+host-side max context length (eager split count).
 """
 from __future__ import annotations
 
@@ -32,4 +32,4 @@ class TritonBackend(AttentionBackend):
         ctx = get_forward_context()
         return self._decode(q, k_cache, v_cache, block_tables, context_lens, scale, out=out,
                             workspace=ctx.decode_workspace, num_splits=ctx.decode_num_splits,
-                            max_context_len=ctx.max_context_len, max_programs=ctx.decode_max_programs)
+                            max_context_len=ctx.max_context_len)
