@@ -1,0 +1,142 @@
+"""Lab probe: what one kernel boundary costs inside a CUDA graph, against one grid-wide barrier
+inside a persistent kernel.
+
+W-nano's decode steps pay ~1.05 ms each over their bytes floor at every batch size (bench/NOTES.md,
+run 8 and the step model), spread over ~280 dependent kernels. A persistent decode layer (one
+kernel per layer or per step, phases separated by grid barriers) only helps if a barrier costs
+much less than a kernel boundary. This probe times, over ``--phases`` dependent phases:
+
+- ``graph_touch``: that many launches of a kernel that reads and writes 1 KiB per program, one
+  program per SM, captured in one graph: the bare cost of a boundary;
+- ``graph_rms_norm``: that many launches of the engine's RMSNorm kernel on a [256, 1024] batch;
+- ``persistent_touch`` / ``persistent_rms_norm``: the same work as phases of one persistent kernel
+  (one program per SM), each phase ended by a grid barrier (an atomic counter and a spin).
+
+Each variant is checked against torch before it is timed. A barrier that never completes (the
+programs were not all resident) gives up after a bounded spin and fails the check.
+
+    python -m bench.boundary_probe --out bench/results/boundary_probe_h100.json
+"""
+from __future__ import annotations
+
+import argparse
+
+import torch
+import triton
+import triton.language as tl
+
+from bench.common import graph_time, write_result
+from pdserve.common.ops.fused import rms_norm
+
+SPIN_LIMIT = tl.constexpr(1 << 22)   # bounded spin: a missing program fails the check instead of hanging
+
+
+@triton.jit
+def _touch_kernel(x_ptr, BLOCK: tl.constexpr):
+    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    tl.store(x_ptr + offs, tl.load(x_ptr + offs) + 1.0)
+
+
+@triton.jit
+def _grid_barrier(counter_ptr, target):
+    """Every program adds 1, then waits until the counter reaches ``target`` (phase * programs)."""
+    tl.debug_barrier()                                          # this program's stores are issued
+    tl.atomic_add(counter_ptr, 1, sem="release", scope="gpu")
+    seen = tl.atomic_add(counter_ptr, 0, sem="acquire", scope="gpu")
+    spins = 0
+    while (seen < target) & (spins < SPIN_LIMIT):
+        seen = tl.atomic_add(counter_ptr, 0, sem="acquire", scope="gpu")
+        spins += 1
+
+
+@triton.jit
+def _persistent_touch_kernel(x_ptr, counter_ptr, num_phases, BLOCK: tl.constexpr):
+    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    for phase in range(num_phases):
+        tl.store(x_ptr + offs, tl.load(x_ptr + offs) + 1.0)
+        _grid_barrier(counter_ptr, (phase + 1) * tl.num_programs(0))
+
+
+@triton.jit
+def _persistent_rms_norm_kernel(x_ptr, w_ptr, out_ptr, counter_ptr, num_rows, n_cols, eps, num_phases,
+                                BLOCK: tl.constexpr):
+    """Phase ``p`` norms ``x`` into ``out[p % 2]`` (rows dealt round robin), like one engine
+    add+RMSNorm kernel per phase."""
+    cols = tl.arange(0, BLOCK)
+    mask = cols < n_cols
+    w = tl.load(w_ptr + cols, mask=mask, other=0.0).to(tl.float32)
+    for phase in range(num_phases):
+        dst = out_ptr + (phase % 2) * num_rows * n_cols
+        for row in range(tl.program_id(0), num_rows, tl.num_programs(0)):
+            x = tl.load(x_ptr + row * n_cols + cols, mask=mask, other=0.0).to(tl.float32)
+            normed = x * tl.rsqrt(tl.sum(x * x, axis=0) / n_cols + eps)
+            tl.store(dst + row * n_cols + cols, (w * normed).to(dst.dtype.element_ty), mask=mask)
+        _grid_barrier(counter_ptr, (phase + 1) * tl.num_programs(0))
+
+
+def timed(fn, phases: int) -> dict:
+    seconds = graph_time(fn, calls=1, replays=20)
+    return {"total_us": 1e6 * seconds, "per_phase_us": 1e6 * seconds / phases}
+
+
+def probe(phases: int, programs: int) -> dict:
+    dev = torch.device("cuda")
+    block = 256
+    x = torch.zeros(programs * block, device=dev)
+    counter = torch.zeros(1, dtype=torch.int32, device=dev)
+
+    def graph_touch() -> None:
+        for _ in range(phases):
+            _touch_kernel[(programs,)](x, BLOCK=block, num_warps=4)
+
+    def persistent_touch() -> None:
+        counter.zero_()
+        _persistent_touch_kernel[(programs,)](x, counter, phases, BLOCK=block, num_warps=4)
+
+    for fn in (graph_touch, persistent_touch):                  # each adds `phases` to every element
+        x.zero_()
+        fn()
+        torch.cuda.synchronize()
+        assert torch.all(x == phases), f"{fn.__name__}: {x.min().item()}..{x.max().item()} != {phases}"
+
+    rows, hidden = 256, 1024
+    h = torch.randn(rows, hidden, device=dev, dtype=torch.bfloat16)
+    w = torch.randn(hidden, device=dev, dtype=torch.bfloat16)
+    out = torch.empty(2, rows, hidden, device=dev, dtype=torch.bfloat16)
+
+    def graph_rms_norm() -> None:
+        for _ in range(phases):
+            rms_norm(h, w, 1e-6)
+
+    def persistent_rms_norm() -> None:
+        counter.zero_()
+        _persistent_rms_norm_kernel[(programs,)](h, w, out, counter, rows, hidden, 1e-6, phases,
+                                                 BLOCK=hidden, num_warps=4)
+
+    persistent_rms_norm()
+    ref = (h.float() * torch.rsqrt(h.float().pow(2).mean(-1, keepdim=True) + 1e-6) * w.float())
+    torch.testing.assert_close(out[(phases - 1) % 2].float(), ref, rtol=2e-2, atol=2e-2)
+    assert counter.item() == phases * programs, counter.item()
+    return {"phases": phases, "programs": programs,
+            "graph_touch": timed(graph_touch, phases), "persistent_touch": timed(persistent_touch, phases),
+            "graph_rms_norm": timed(graph_rms_norm, phases),
+            "persistent_rms_norm": timed(persistent_rms_norm, phases)}
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--phases", type=int, default=280, help="dependent phases (~kernels of a decode step)")
+    p.add_argument("--out", default="bench/results/boundary_probe.json")
+    args = p.parse_args(argv)
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    points = [probe(args.phases, programs) for programs in (sms, sms // 2)]
+    for pt in points:
+        print(f"programs={pt['programs']}: " + ", ".join(
+            f"{k} {pt[k]['per_phase_us']:.2f} us/phase" for k in
+            ("graph_touch", "persistent_touch", "graph_rms_norm", "persistent_rms_norm")))
+    write_result(args.out, {"sm_count": sms, "points": points})
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
