@@ -10,7 +10,10 @@ much less than a kernel boundary. This probe times, over ``--phases`` dependent 
   program per SM, captured in one graph: the bare cost of a boundary;
 - ``graph_rms_norm``: that many launches of the engine's RMSNorm kernel on a [256, 1024] batch;
 - ``persistent_touch`` / ``persistent_rms_norm``: the same work as phases of one persistent kernel
-  (one program per SM), each phase ended by a grid barrier (an atomic counter and a spin).
+  (one program per SM), each phase ended by a grid barrier (an atomic counter and a spin);
+- ``graph_touch_pdl`` / ``graph_rms_norm_chain_pdl``: the graph launches with programmatic
+  dependent launch, each kernel releasing the next at its start and waiting (``gdc_wait``) for
+  the one before (the norm chain reads what the previous launch wrote, and is checked).
 
 Each variant is checked against torch before it is timed. A barrier that never completes (the
 programs were not all resident) gives up after a bounded spin and fails the check.
@@ -32,9 +35,26 @@ SPIN_LIMIT = tl.constexpr(1 << 22)   # bounded spin: a missing program fails the
 
 
 @triton.jit
-def _touch_kernel(x_ptr, BLOCK: tl.constexpr):
+def _touch_kernel(x_ptr, BLOCK: tl.constexpr, PDL: tl.constexpr):
+    if PDL:
+        tl.extra.cuda.gdc_launch_dependents()     # the next kernel may be scheduled now ...
+        tl.extra.cuda.gdc_wait()                  # ... and waits here for this one's whole grid
     offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     tl.store(x_ptr + offs, tl.load(x_ptr + offs) + 1.0)
+
+
+@triton.jit
+def _rms_norm_rows_kernel(x_ptr, w_ptr, out_ptr, n_cols, eps, BLOCK: tl.constexpr, PDL: tl.constexpr):
+    if PDL:
+        tl.extra.cuda.gdc_launch_dependents()
+        tl.extra.cuda.gdc_wait()
+    row = tl.program_id(0)
+    cols = tl.arange(0, BLOCK)
+    mask = cols < n_cols
+    x = tl.load(x_ptr + row * n_cols + cols, mask=mask, other=0.0).to(tl.float32)
+    w = tl.load(w_ptr + cols, mask=mask, other=0.0).to(tl.float32)
+    normed = x * tl.rsqrt(tl.sum(x * x, axis=0) / n_cols + eps)
+    tl.store(out_ptr + row * n_cols + cols, (w * normed).to(out_ptr.dtype.element_ty), mask=mask)
 
 
 @triton.jit
@@ -87,13 +107,17 @@ def probe(phases: int, programs: int) -> dict:
 
     def graph_touch() -> None:
         for _ in range(phases):
-            _touch_kernel[(programs,)](x, BLOCK=block, num_warps=4)
+            _touch_kernel[(programs,)](x, BLOCK=block, PDL=False, num_warps=4)
+
+    def graph_touch_pdl() -> None:
+        for _ in range(phases):
+            _touch_kernel[(programs,)](x, BLOCK=block, PDL=True, num_warps=4, launch_pdl=True)
 
     def persistent_touch() -> None:
         counter.zero_()
         _persistent_touch_kernel[(programs,)](x, counter, phases, BLOCK=block, num_warps=4)
 
-    for fn in (graph_touch, persistent_touch):                  # each adds `phases` to every element
+    for fn in (graph_touch, graph_touch_pdl, persistent_touch):   # each adds `phases` to every element
         x.zero_()
         fn()
         torch.cuda.synchronize()
@@ -108,6 +132,12 @@ def probe(phases: int, programs: int) -> dict:
         for _ in range(phases):
             rms_norm(h, w, 1e-6)
 
+    def graph_rms_norm_pdl(n: int = phases) -> None:   # row i of phase p reads what phase p-1 wrote
+        for p in range(n):
+            src = h if p == 0 else out[(p - 1) % 2]
+            _rms_norm_rows_kernel[(rows,)](src, w, out[p % 2], hidden, 1e-6, BLOCK=hidden, PDL=True,
+                                           num_warps=4, launch_pdl=True)
+
     def persistent_rms_norm() -> None:
         counter.zero_()
         _persistent_rms_norm_kernel[(programs,)](h, w, out, counter, rows, hidden, 1e-6, phases,
@@ -117,9 +147,17 @@ def probe(phases: int, programs: int) -> dict:
     ref = (h.float() * torch.rsqrt(h.float().pow(2).mean(-1, keepdim=True) + 1e-6) * w.float())
     torch.testing.assert_close(out[(phases - 1) % 2].float(), ref, rtol=2e-2, atol=2e-2)
     assert counter.item() == phases * programs, counter.item()
+    checked = 6                                 # a chain of norms: the ordering must hold under PDL
+    graph_rms_norm_pdl(checked)
+    chain = h.float()
+    for _ in range(checked):
+        chain = (chain * torch.rsqrt(chain.pow(2).mean(-1, keepdim=True) + 1e-6) * w.float()).bfloat16().float()
+    torch.testing.assert_close(out[(checked - 1) % 2].float(), chain, rtol=2e-2, atol=2e-2)
     return {"phases": phases, "programs": programs,
-            "graph_touch": timed(graph_touch, phases), "persistent_touch": timed(persistent_touch, phases),
+            "graph_touch": timed(graph_touch, phases), "graph_touch_pdl": timed(graph_touch_pdl, phases),
+            "persistent_touch": timed(persistent_touch, phases),
             "graph_rms_norm": timed(graph_rms_norm, phases),
+            "graph_rms_norm_chain_pdl": timed(graph_rms_norm_pdl, phases),
             "persistent_rms_norm": timed(persistent_rms_norm, phases)}
 
 
@@ -133,7 +171,8 @@ def main(argv: list[str] | None = None) -> int:
     for pt in points:
         print(f"programs={pt['programs']}: " + ", ".join(
             f"{k} {pt[k]['per_phase_us']:.2f} us/phase" for k in
-            ("graph_touch", "persistent_touch", "graph_rms_norm", "persistent_rms_norm")))
+            ("graph_touch", "graph_touch_pdl", "persistent_touch", "graph_rms_norm",
+             "graph_rms_norm_chain_pdl", "persistent_rms_norm")))
     write_result(args.out, {"sm_count": sms, "points": points})
     return 0
 
