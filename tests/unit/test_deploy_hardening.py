@@ -16,7 +16,7 @@ import subprocess
 import pytest
 import tomllib
 import yaml
-from test_deploy import (
+from deploy_render import (
     DEPLOY,
     K8S,
     KUSTOMIZATIONS,

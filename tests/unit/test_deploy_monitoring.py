@@ -2,7 +2,7 @@
 dashboard (deploy/grafana/pdserve.json).
 
 Each overlay is rendered with the component (``components: [.../components/monitoring]``, as
-docs/deploy.md says) by the same kustomize as tests/unit/test_deploy.py; everything but the
+docs/deploy.md says) by the same kustomize as the other deploy tests (tests/unit/deploy_render.py); everything but the
 PodMonitor is validated strictly against the Kubernetes schemas, and the PodMonitor (a custom
 resource) against what the Prometheus Operator reads: its selector picks every pdserve pod and
 each of them has the named port it scrapes, the metrics port of docs/design.md. Every series the
@@ -17,7 +17,7 @@ import subprocess
 
 import pytest
 import yaml
-from test_deploy import (
+from deploy_render import (
     DEPLOY,
     K8S,
     MIN_K8S_VERSION,
