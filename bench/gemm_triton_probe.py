@@ -18,41 +18,10 @@ import itertools
 import torch
 import torch.nn.functional as F
 import triton
-import triton.language as tl
 
-from bench.common import copy_bandwidth, graph_time, write_result
+from bench.cold_weights import linear, time_cold, weight_copies
+from bench.common import copy_bandwidth, write_result
 from bench.gemm_shapes import gemm_shapes
-
-
-@triton.jit
-def _linear_kernel(a_ptr, w_ptr, c_ptr, M, N, K, stride_am, stride_wn, stride_cm,
-                   BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):
-    """c[M, N] = a[M, K] @ w[N, K]^T (N % BN == 0, K % BK == 0)."""
-    pid_n = tl.program_id(0)
-    pid_m = tl.program_id(1)
-    offs_m = pid_m * BM + tl.arange(0, BM)
-    offs_n = pid_n * BN + tl.arange(0, BN)
-    offs_k = tl.arange(0, BK)
-    m_mask = offs_m < M
-    a_ptrs = a_ptr + offs_m[:, None] * stride_am + offs_k[None, :]
-    w_ptrs = w_ptr + offs_n[:, None].to(tl.int64) * stride_wn + offs_k[None, :]
-    acc = tl.zeros([BM, BN], dtype=tl.float32)
-    for _ in range(0, K, BK):
-        a = tl.load(a_ptrs, mask=m_mask[:, None], other=0.0)
-        w = tl.load(w_ptrs)
-        acc = tl.dot(a, tl.trans(w), acc)
-        a_ptrs += BK
-        w_ptrs += BK
-    tl.store(c_ptr + offs_m[:, None] * stride_cm + offs_n[None, :], acc.to(c_ptr.dtype.element_ty),
-             mask=m_mask[:, None])
-
-
-def triton_linear(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor, cfg: tuple[int, int, int, int, int]) -> None:
-    bm, bn, bk, stages, warps = cfg
-    M, K = x.shape
-    N = w.shape[0]
-    _linear_kernel[(N // bn, triton.cdiv(M, bm))](x, w, out, M, N, K, x.stride(0), w.stride(0), out.stride(0),
-                                                  BM=bm, BN=bn, BK=bk, num_stages=stages, num_warps=warps)
 
 
 def configs(m: int) -> list[tuple[int, int, int, int, int]]:
@@ -62,20 +31,11 @@ def configs(m: int) -> list[tuple[int, int, int, int, int]]:
             for bm, bn, bk, st in itertools.product(bms, (32, 64, 128), (64, 128), (3, 4))]
 
 
-def time_cold(fn_for_copy, copies: int) -> float:
-    """Seconds per call, the calls cycling over ``copies`` weights (each from DRAM)."""
-    def run() -> None:
-        for i in range(copies):
-            fn_for_copy(i)
-    return graph_time(run, calls=1, replays=10) / copies
-
-
 def probe_shape(name: str, n: int, k: int, m: int, cold_bytes: int, bandwidth: float) -> dict:
-    dev = torch.device("cuda")
-    copies = max(2, -(-cold_bytes // (n * k * 2)))
-    ws = [torch.randn(n, k, device=dev, dtype=torch.bfloat16) / k ** 0.5 for _ in range(copies)]
-    x = torch.randn(m, k, device=dev, dtype=torch.bfloat16)
-    out = torch.empty(m, n, device=dev, dtype=torch.bfloat16)
+    ws = weight_copies(n, k, cold_bytes)
+    copies = len(ws)
+    x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+    out = torch.empty(m, n, device="cuda", dtype=torch.bfloat16)
     ref = F.linear(x, ws[0])
     row = {"gemm": name, "M": m, "N": n, "K": k, "copies": copies, "floor_us": 1e6 * n * k * 2 / bandwidth,
            "cublas_us": 1e6 * time_cold(lambda i: F.linear(x, ws[i]), copies)}
@@ -84,9 +44,9 @@ def probe_shape(name: str, n: int, k: int, m: int, cold_bytes: int, bandwidth: f
         if n % cfg[1] or k % cfg[2]:
             continue
         try:
-            triton_linear(x, ws[0], out, cfg)
+            linear(x, ws[0], out, cfg)
             torch.testing.assert_close(out, ref, rtol=2e-2, atol=2e-2)
-            us = 1e6 * time_cold(lambda i, cfg=cfg: triton_linear(x, ws[i], out, cfg), copies)
+            us = 1e6 * time_cold(lambda i, cfg=cfg: linear(x, ws[i], out, cfg), copies)
         except (triton.runtime.errors.OutOfResources, RuntimeError) as e:   # config too large here
             row.setdefault("skipped", []).append([list(cfg), type(e).__name__])
             continue

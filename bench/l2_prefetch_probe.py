@@ -26,11 +26,10 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
-from bench.common import copy_bandwidth, graph_time, write_result
+from bench.cold_weights import THREADS, describe, rms_norm_row, time_ways, weight_copies
+from bench.common import copy_bandwidth, write_result
 from bench.gemm_shapes import gemm_shapes
 from pdserve.common.ops.fused import rms_norm
-
-THREADS = tl.constexpr(128)           # 4 warps: one prefetch range per thread
 
 
 @triton.jit
@@ -63,21 +62,14 @@ def _norm_prefetch_kernel(x_ptr, w_ptr, out_ptr, rows, n_cols, eps, pf_ptr, pf_b
     if MODE != 0:
         _prefetch_slice(pf_ptr, pf_bytes, pid, tl.num_programs(0), MODE)
     if pid < rows:
-        cols = tl.arange(0, BLOCK)
-        mask = cols < n_cols
-        x = tl.load(x_ptr + pid * n_cols + cols, mask=mask, other=0.0)
-        xf = x.to(tl.float32)
-        normed = (xf * tl.rsqrt(tl.sum(xf * xf, axis=0) / n_cols + eps)).to(x.dtype)
-        w = tl.load(w_ptr + cols, mask=mask, other=0.0)
-        tl.store(out_ptr + pid * n_cols + cols, (w.to(tl.float32) * normed.to(tl.float32)).to(x.dtype), mask=mask)
+        rms_norm_row(x_ptr, w_ptr, out_ptr, pid, n_cols, eps, BLOCK)
 
 
 def pair_us(name: str, n: int, k: int, m: int, programs: int, cold_bytes: int) -> dict:
-    dev = torch.device("cuda")
-    copies = max(2, -(-cold_bytes // (n * k * 2)))
-    ws = [torch.randn(n, k, device=dev, dtype=torch.bfloat16) / k ** 0.5 for _ in range(copies)]
-    x = torch.randn(m, k, device=dev, dtype=torch.bfloat16)
-    g = torch.randn(k, device=dev, dtype=torch.bfloat16)
+    ws = weight_copies(n, k, cold_bytes)
+    copies = len(ws)
+    x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+    g = torch.randn(k, device="cuda", dtype=torch.bfloat16)
     normed = torch.empty_like(x)
     ref = F.linear(rms_norm(x, g, 1e-6), ws[0])
 
@@ -92,18 +84,8 @@ def pair_us(name: str, n: int, k: int, m: int, programs: int, cold_bytes: int) -
         return run
 
     row = {"gemm": name, "M": m, "N": n, "K": k, "copies": copies, "programs": max(m, programs)}
-    for label, fn in (("base", base), ("grid", variant(0)), ("bulk", variant(1)), ("lines", variant(2))):
-        try:
-            torch.testing.assert_close(fn(0), ref, rtol=2e-2, atol=2e-2)
-
-            def cycle(fn=fn) -> None:
-                for i in range(copies):
-                    fn(i)
-            row[f"{label}_us"] = 1e6 * graph_time(cycle, calls=1, replays=10) / copies
-        except Exception as e:                                   # noqa: BLE001 (record, go on)
-            row[f"{label}_error"] = f"{type(e).__name__}: {str(e)[:300]}"
-    print(f"{name:8s} M={m:4d}: " + ", ".join(f"{lab} {row[f'{lab}_us']:.2f}" if f"{lab}_us" in row
-                                              else f"{lab} ERROR" for lab in ("base", "grid", "bulk", "lines")))
+    row.update(time_ways({"base": base, "grid": variant(0), "bulk": variant(1), "lines": variant(2)}, ref, copies))
+    print(f"{name:8s} M={m:4d}: " + describe(row, ["base", "grid", "bulk", "lines"]))
     return row
 
 
