@@ -28,7 +28,7 @@ import torch
 import triton
 import triton.language as tl
 
-from bench.cold_weights import rms_norm_row
+from bench.cold_weights import rms_norm_kernel, rms_norm_row
 from bench.common import graph_time, write_result
 from pdserve.common.ops.fused import rms_norm
 
@@ -42,14 +42,6 @@ def _touch_kernel(x_ptr, BLOCK: tl.constexpr, PDL: tl.constexpr):
         tl.extra.cuda.gdc_wait()                  # ... and waits here for this one's whole grid
     offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     tl.store(x_ptr + offs, tl.load(x_ptr + offs) + 1.0)
-
-
-@triton.jit
-def _rms_norm_rows_kernel(x_ptr, w_ptr, out_ptr, n_cols, eps, BLOCK: tl.constexpr, PDL: tl.constexpr):
-    if PDL:
-        tl.extra.cuda.gdc_launch_dependents()
-        tl.extra.cuda.gdc_wait()
-    rms_norm_row(x_ptr, w_ptr, out_ptr, tl.program_id(0), n_cols, eps, BLOCK)
 
 
 @triton.jit
@@ -125,7 +117,7 @@ def probe(phases: int, programs: int) -> dict:
     def graph_rms_norm_pdl(n: int = phases) -> None:   # row i of phase p reads what phase p-1 wrote
         for p in range(n):
             src = h if p == 0 else out[(p - 1) % 2]
-            _rms_norm_rows_kernel[(rows,)](src, w, out[p % 2], hidden, 1e-6, BLOCK=hidden, PDL=True,
+            rms_norm_kernel[(rows,)](src, w, out[p % 2], hidden, 1e-6, BLOCK=hidden, PDL=True,
                                            num_warps=4, launch_pdl=True)
 
     def persistent_rms_norm() -> None:

@@ -32,6 +32,15 @@ def rms_norm_row(x_ptr, w_ptr, out_ptr, row, n_cols, eps, BLOCK: tl.constexpr):
 
 
 @triton.jit
+def rms_norm_kernel(x_ptr, w_ptr, out_ptr, n_cols, eps, BLOCK: tl.constexpr, PDL: tl.constexpr):
+    """One row per program; ``PDL``: release the next kernel at the start, wait for the previous."""
+    if PDL:
+        tl.extra.cuda.gdc_launch_dependents()
+        tl.extra.cuda.gdc_wait()
+    rms_norm_row(x_ptr, w_ptr, out_ptr, tl.program_id(0), n_cols, eps, BLOCK)
+
+
+@triton.jit
 def prefetch_rows_l2(w_ptr, row0, num_rows, K):
     """Prefetch rows ``[row0, row0 + num_rows)`` of a contiguous bf16 ``[*, K]`` matrix into L2
     (``cp.async.bulk.prefetch.L2``, one range per thread; the range must split into 16-byte

@@ -28,6 +28,17 @@ def _device(args: dict, rank: int):
     return torch.device("cuda", rank)
 
 
+def _bind(args: dict, rank: int):
+    """This process's device (``cuda:rank``, or the CPU with ``--cpu-threads`` threads), made current."""
+    import torch
+    dev = _device(args, rank)
+    if dev.type == "cuda":
+        torch.cuda.set_device(dev)
+    else:
+        torch.set_num_threads(max(1, args["cpu_threads"]))
+    return dev
+
+
 def _sync(dev) -> None:
     import torch
     if dev.type == "cuda":
@@ -86,11 +97,7 @@ def decode_proc(args: dict, sched: dict, addr_q, go_q, t_q, res_q) -> None:
         import torch
 
         from pdserve.common.kv_transfer import KvReceiver, KvStoreServer, KvTransferError
-        dev = _device(args, 1)
-        if dev.type == "cuda":
-            torch.cuda.set_device(dev)
-        else:
-            torch.set_num_threads(max(1, args["cpu_threads"]))
+        dev = _bind(args, 1)
         server = KvStoreServer("127.0.0.1", 0)
         addr_q.put(server.address)
         dt = _dtype(args["dtype"])
@@ -218,11 +225,7 @@ def prefill_proc(args: dict, sched: dict | None, addr_q, go_q, t_q, res_q,
         import torch
 
         from pdserve.common.kv_transfer import KvSender
-        dev = _device(args, 0)
-        if dev.type == "cuda":
-            torch.cuda.set_device(dev)
-        else:
-            torch.set_num_threads(max(1, args["cpu_threads"]))
+        dev = _bind(args, 0)
         addr = addr_q.get(timeout=WAIT)
         addr_q.put(addr)
         dt = _dtype(args["dtype"])

@@ -21,20 +21,11 @@ import argparse
 import torch
 import torch.nn.functional as F
 import triton
-import triton.language as tl
 
-from bench.cold_weights import describe, linear, rms_norm_row, time_ways, weight_copies
+from bench.cold_weights import describe, linear, rms_norm_kernel, time_ways, weight_copies
 from bench.common import write_result
 from bench.gemm_shapes import gemm_shapes
 from pdserve.common.ops.fused import rms_norm
-
-
-@triton.jit
-def _norm_kernel(x_ptr, w_ptr, out_ptr, n_cols, eps, BLOCK: tl.constexpr, PDL: tl.constexpr):
-    if PDL:
-        tl.extra.cuda.gdc_launch_dependents()
-        tl.extra.cuda.gdc_wait()
-    rms_norm_row(x_ptr, w_ptr, out_ptr, tl.program_id(0), n_cols, eps, BLOCK)
 
 
 def tile(m: int) -> tuple[int, int, int, int, int]:
@@ -56,7 +47,7 @@ def chain(name: str, n: int, k: int, m: int, cold_bytes: int) -> dict:
 
     def triton_pair(i: int, pdl: bool, prefetch: bool) -> torch.Tensor:
         extra = {"launch_pdl": True} if pdl else {}
-        _norm_kernel[(m,)](x, g, normed, k, 1e-6, BLOCK=triton.next_power_of_2(k), PDL=pdl, num_warps=4, **extra)
+        rms_norm_kernel[(m,)](x, g, normed, k, 1e-6, BLOCK=triton.next_power_of_2(k), PDL=pdl, num_warps=4, **extra)
         return linear(normed, ws[i], out, cfg, pdl=pdl, prefetch=prefetch)
 
     ways = {"cublas": lambda i: F.linear(rms_norm(x, g, 1e-6), ws[i]),

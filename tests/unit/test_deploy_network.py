@@ -71,6 +71,18 @@ def _sources(deps: dict) -> dict[str, dict]:
     return srcs
 
 
+def _rendered(renderer, name) -> tuple[list[dict], dict, dict, dict]:
+    """(objects, Deployments by role, design ports, traffic sources) of one kustomization."""
+    objs = render(renderer, name)
+    deps = deployments(objs)
+    return objs, deps, design_ports(), _sources(deps)
+
+
+def _pod(deps: dict, role: str) -> tuple[dict, dict]:
+    """(pod labels, main container) of ``role``'s Deployment."""
+    return deps[role]["spec"]["template"]["metadata"]["labels"], main_container(deps[role])
+
+
 # ports NCCL/Gloo may pick: low, the Linux ephemeral range 32768-60999, and around our own ports
 EPHEMERAL_SAMPLES = (1024, 29500, 32768, 40000, 50055, 55555, 60999, 65535)
 
@@ -78,13 +90,9 @@ EPHEMERAL_SAMPLES = (1024, 29500, 32768, 40000, 50055, 55555, 60999, 65535)
 @pytest.mark.parametrize("name", list(KUSTOMIZATIONS))
 def test_network_policy_worker_grpc_only_from_callers(renderer, name):
     """Prefill gRPC: router pods only. Decode gRPC: router and prefill pods only."""
-    objs = render(renderer, name)
-    deps = deployments(objs)
-    ports = design_ports()
-    srcs = _sources(deps)
+    objs, deps, ports, srcs = _rendered(renderer, name)
     for role in WORKERS:
-        labels = deps[role]["spec"]["template"]["metadata"]["labels"]
-        c = main_container(deps[role])
+        labels, c = _pod(deps, role)
         grpc = ports[role]["grpc"]
         callers = GRPC_CALLERS[role]
         for src_name, src in srcs.items():
@@ -108,12 +116,8 @@ def test_network_policy_worker_grpc_only_from_callers(renderer, name):
 
 @pytest.mark.parametrize("name", list(KUSTOMIZATIONS))
 def test_network_policy_kv_transfer_within_deployment(renderer, name):
-    objs = render(renderer, name)
-    deps = deployments(objs)
-    ports = design_ports()
-    srcs = _sources(deps)
-    decode_labels = deps["decode"]["spec"]["template"]["metadata"]["labels"]
-    decode_c = main_container(deps["decode"])
+    objs, deps, ports, srcs = _rendered(renderer, name)
+    decode_labels, decode_c = _pod(deps, "decode")
     kv = ports["decode"]["kv"]
     assert ingress_allowed(objs, decode_labels, decode_c, srcs["prefill"], kv), "prefill -> decode TCPStore"
     for outsider in ("other-pod", "spoofed-router-other-ns", "spoofed-decode-other-ns"):
@@ -132,12 +136,8 @@ def test_network_policy_kv_transfer_within_deployment(renderer, name):
 
 @pytest.mark.parametrize("name", list(KUSTOMIZATIONS))
 def test_network_policy_router_entry_and_default_deny(renderer, name):
-    objs = render(renderer, name)
-    deps = deployments(objs)
-    ports = design_ports()
-    srcs = _sources(deps)
-    router_labels = deps["router"]["spec"]["template"]["metadata"]["labels"]
-    router_c = main_container(deps["router"])
+    objs, deps, ports, srcs = _rendered(renderer, name)
+    router_labels, router_c = _pod(deps, "router")
     client = {"labels": {}, "same_ns": False, "ns_labels": {"kubernetes.io/metadata.name": "clients"}}
     assert ingress_allowed(objs, router_labels, router_c, client, ports["router"]["grpc"])
     assert ingress_allowed(objs, router_labels, router_c, client, ports["router"]["metrics"])
