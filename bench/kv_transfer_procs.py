@@ -171,6 +171,15 @@ def _check_verify_item(args: dict, item: dict, pool, expected, poison_block, nby
     return checked
 
 
+def _expect_failure(fut, t0: float, error_type) -> dict:
+    """A posted receive that must fail with ``error_type`` (and how long it took since ``t0``)."""
+    try:
+        fut.result(timeout=WAIT)
+        return {"ok": False, "error": "no error"}
+    except error_type as e:
+        return {"ok": True, "seconds": time.monotonic() - t0, "error": str(e)[:300]}
+
+
 def _decode_failure_checks(args, recv, pool, expected, epoch, go_q, t_q, KvTransferError):
     import torch
     out = {}
@@ -185,11 +194,7 @@ def _decode_failure_checks(args, recv, pool, expected, epoch, go_q, t_q, KvTrans
     t0 = time.monotonic()
     fut = recv.post(PREFILL_ID, epoch, [1, 2, 3])
     go_q.put(("skip", -1))
-    try:
-        fut.result(timeout=WAIT)
-        out["stalled"] = {"ok": False, "error": "no error"}
-    except KvTransferError as e:
-        out["stalled"] = {"ok": True, "seconds": time.monotonic() - t0, "error": str(e)[:300]}
+    out["stalled"] = _expect_failure(fut, t0, KvTransferError)
     go_q.put(("failed", -1))
     kind, epoch2 = t_q.get(timeout=WAIT)
     fut = recv.post(PREFILL_ID, epoch2, [10, 12, 14])
@@ -202,11 +207,7 @@ def _decode_failure_checks(args, recv, pool, expected, epoch, go_q, t_q, KvTrans
     t0 = time.monotonic()
     fut = recv.post(PREFILL_ID, epoch2, [20, 21])
     go_q.put(("die", -1))
-    try:
-        fut.result(timeout=WAIT)
-        out["peer_death"] = {"ok": False, "error": "no error"}
-    except KvTransferError as e:
-        out["peer_death"] = {"ok": True, "seconds": time.monotonic() - t0, "error": str(e)[:300]}
+    out["peer_death"] = _expect_failure(fut, t0, KvTransferError)
     kind, epoch3 = t_q.get(timeout=WAIT)   # from the restarted sender
     fut = recv.post(PREFILL_ID, epoch3, [30, 31, 33])
     go_q.put(("verify", [7, 8, 9]))
