@@ -111,12 +111,16 @@ def time_cold(fn_for_copy: Callable[[int], object], copies: int) -> float:
     return graph_time(cycle, calls=1, replays=10) / copies
 
 
-def time_ways(ways: dict[str, Callable[[int], torch.Tensor]], ref: torch.Tensor, copies: int) -> dict:
-    """``{label}_us`` for each way that matches ``ref`` on copy 0 (checked first), else
-    ``{label}_error`` (a way that fails to compile or to match is recorded, not fatal)."""
+def time_ways(ways: dict[str, Callable[[int], torch.Tensor]], ref: torch.Tensor, copies: int,
+              poison: tuple[torch.Tensor, ...] = ()) -> dict:
+    """``{label}_us`` for each way that matches ``ref`` on copy 0 (checked first, with the
+    ``poison`` buffers the ways write into filled with NaN before), else ``{label}_error`` (a way
+    that fails to compile or to match is recorded, not fatal)."""
     row: dict = {}
     for label, fn in ways.items():
         try:
+            for t in poison:
+                t.fill_(float("nan"))
             torch.testing.assert_close(fn(0), ref, rtol=2e-2, atol=2e-2)
             row[f"{label}_us"] = 1e6 * time_cold(fn, copies)
         except Exception as e:                                   # noqa: BLE001 (record, go on)

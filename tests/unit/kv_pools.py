@@ -2,12 +2,15 @@
 destination pools, and the bit-exact landing check."""
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import torch
 
 # tiny geometry: [num_blocks, layers, 2, block_size, kv_heads, head_dim]
 NUM_BLOCKS = 24
 GEOM = (3, 2, 4, 2, 8)
 POISON = 7.0
+
 
 def dtype_of(name: str) -> torch.dtype:
     return {"float32": torch.float32, "bfloat16": torch.bfloat16}[name]
@@ -30,8 +33,8 @@ def same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
     return bool(torch.equal(bits(a.contiguous()), bits(b.contiguous())))
 
 
-def check_landed(pool: torch.Tensor, src: torch.Tensor, src_ids, dst_ids,
-                  touched: set[int]) -> list[str]:
+def check_landed(pool: torch.Tensor, src: torch.Tensor, src_ids: Sequence[int], dst_ids: Sequence[int],
+                 touched: set[int]) -> list[str]:
     """Errors (empty when fine): dst blocks == src blocks bit for bit; blocks outside
     ``touched`` still poisoned."""
     errors = []

@@ -2,6 +2,8 @@
 logits, many independent draws from one distribution (CPU)."""
 from __future__ import annotations
 
+from collections.abc import Iterable
+
 import torch
 
 from pdserve.common.engine.sequence import Sequence
@@ -12,14 +14,15 @@ CPU = torch.device("cpu")
 BLOCK = 16
 
 
-def make_seq(sp: SamplingParams, prompt=(1, 2, 3), completion=()) -> Sequence:
+def make_seq(sp: SamplingParams, prompt: Iterable[int] = (1, 2, 3), completion: Iterable[int] = ()) -> Sequence:
     seq = Sequence(list(prompt), sp, BLOCK)
     for t in completion:
         seq.append_token(t)
     return seq
 
 
-def run(seqs, logits, generators=None) -> SamplerOutput:
+def run(seqs: list[Sequence], logits: torch.Tensor,
+        generators: dict[int, torch.Generator] | None = None) -> SamplerOutput:
     gens = {} if generators is None else generators
     batch = prepare_sampling(seqs, logits.shape[1], CPU, gens)
     return Sampler()(logits, batch)

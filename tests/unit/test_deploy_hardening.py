@@ -4,7 +4,7 @@ Deployment on a metric the workers export, served by the Prometheus Adapter as d
 configures it), pinned torch and license labels in the images, the license itself, and the
 split between the runtime install (`make run`) and the test install (`make test`).
 
-Rendering uses the same pinned kustomize as tests/unit/test_deploy.py.
+Rendering uses the same pinned kustomize as the other deploy tests (tests/unit/deploy_render.py).
 """
 from __future__ import annotations
 
