@@ -186,6 +186,26 @@ def _decode_config(dtype: torch.dtype, head_dim: int, device: torch.device) -> t
     return (64 if head_dim <= 128 else 32), 4, 3
 
 
+def _decode_out(q: torch.Tensor, out: torch.Tensor | None) -> torch.Tensor:
+    """``out[:B]`` checked against ``q[B, Hq, D]``, or a new contiguous tensor like ``q``."""
+    if out is None:
+        return torch.empty_like(q, memory_format=torch.contiguous_format)
+    assert out.shape[0] >= q.shape[0] and out.shape[1:] == q.shape[1:] and out.stride(-1) == 1, out.shape
+    return out[:q.shape[0]]
+
+
+def _split_workspace(workspace: torch.Tensor | None, q: torch.Tensor,
+                     num_splits: int) -> tuple[torch.Tensor, tuple[int, int, int]]:
+    """The fp32 split workspace (given, checked, or allocated) and its (batch, head, split) strides."""
+    B, Hq, D = q.shape
+    if workspace is None:
+        workspace = alloc_decode_workspace(B, Hq, D, num_splits, q.device)
+    assert (workspace.dtype == torch.float32 and workspace.shape[0] >= B
+            and workspace.shape[1] == Hq and workspace.shape[2] >= num_splits
+            and workspace.shape[3] >= D + 2 and workspace.stride(-1) == 1), workspace.shape
+    return workspace, (workspace.stride(0), workspace.stride(1), workspace.stride(2))
+
+
 def paged_attention_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                            block_tables: torch.Tensor, context_lens: torch.Tensor, scale: float,
                            *, out: torch.Tensor | None = None,
@@ -203,11 +223,7 @@ def paged_attention_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     """
     B = q.shape[0]
     Hq, Hkv, D, block_size = check_caches(q, k_cache, v_cache)
-    if out is None:
-        out = torch.empty_like(q, memory_format=torch.contiguous_format)
-    else:
-        assert out.shape[0] >= B and out.shape[1:] == q.shape[1:] and out.stride(-1) == 1, out.shape
-        out = out[:B]
+    out = _decode_out(q, out)
     if B == 0:
         return out
     if q.stride(-1) != 1:
@@ -227,17 +243,7 @@ def paged_attention_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     num_stages = num_stages or cfg_s
     block_g = max(16, triton.next_power_of_2(group))
     single = num_splits == 1
-    if single:
-        ws = out                                   # unused
-        ws_strides = (0, 0, 0)
-    else:
-        if workspace is None:
-            workspace = alloc_decode_workspace(B, Hq, D, num_splits, q.device)
-        assert (workspace.dtype == torch.float32 and workspace.shape[0] >= B
-                and workspace.shape[1] == Hq and workspace.shape[2] >= num_splits
-                and workspace.shape[3] >= D + 2 and workspace.stride(-1) == 1), workspace.shape
-        ws = workspace
-        ws_strides = (workspace.stride(0), workspace.stride(1), workspace.stride(2))
+    ws, ws_strides = (out, (0, 0, 0)) if single else _split_workspace(workspace, q, num_splits)
     qk_scale = float(scale) * LOG2E
     _decode_split_kernel[(Hkv, num_splits, B)](
         q, k_cache, v_cache, block_tables, context_lens, out, ws,
