@@ -56,43 +56,52 @@ def prefetch_rows_l2(w_ptr, row0, num_rows, K):
 @triton.jit
 def linear_kernel(a_ptr, w_ptr, c_ptr, M, N, K, stride_am, stride_wn, stride_cm,
                   BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
-                  PDL: tl.constexpr = False, PREFETCH: tl.constexpr = False):
+                  PDL: tl.constexpr = False, PREFETCH: tl.constexpr = False, PRELOAD: tl.constexpr = False):
     """``c[M, N] = a[M, K] @ w[N, K]^T`` (N % BN == 0, K % BK == 0). ``PDL``: release the next
     kernel at the start, wait for the previous one before reading ``a``; ``PREFETCH``: first
-    prefetch this program's weight rows into L2."""
+    prefetch this program's weight rows into L2; ``PRELOAD`` (K == 2 * BK): load this program's
+    whole weight slice into registers before the wait."""
     pid_n = tl.program_id(0)
     pid_m = tl.program_id(1)
-    if PDL:
-        tl.extra.cuda.gdc_launch_dependents()
-    if PREFETCH:
-        if pid_m == 0:
-            prefetch_rows_l2(w_ptr, pid_n * BN, BN, K)
-    if PDL:
-        tl.extra.cuda.gdc_wait()
     offs_m = pid_m * BM + tl.arange(0, BM)
     offs_n = pid_n * BN + tl.arange(0, BN)
     offs_k = tl.arange(0, BK)
     m_mask = offs_m < M
     a_ptrs = a_ptr + offs_m[:, None] * stride_am + offs_k[None, :]
     w_ptrs = w_ptr + offs_n[:, None].to(tl.int64) * stride_wn + offs_k[None, :]
+    if PDL:
+        tl.extra.cuda.gdc_launch_dependents()
+    if PREFETCH:
+        if pid_m == 0:
+            prefetch_rows_l2(w_ptr, pid_n * BN, BN, K)
+    if PRELOAD:
+        w0 = tl.load(w_ptrs)                    # [BN, BK]: needs nothing from the kernel before
+        w1 = tl.load(w_ptrs + BK)
+    if PDL:
+        tl.extra.cuda.gdc_wait()
     acc = tl.zeros([BM, BN], dtype=tl.float32)
-    for _ in range(0, K, BK):
-        a = tl.load(a_ptrs, mask=m_mask[:, None], other=0.0)
-        acc = tl.dot(a, tl.trans(tl.load(w_ptrs)), acc)
-        a_ptrs += BK
-        w_ptrs += BK
+    if PRELOAD:
+        acc = tl.dot(tl.load(a_ptrs, mask=m_mask[:, None], other=0.0), tl.trans(w0), acc)
+        acc = tl.dot(tl.load(a_ptrs + BK, mask=m_mask[:, None], other=0.0), tl.trans(w1), acc)
+    else:
+        for _ in range(0, K, BK):
+            a = tl.load(a_ptrs, mask=m_mask[:, None], other=0.0)
+            acc = tl.dot(a, tl.trans(tl.load(w_ptrs)), acc)
+            a_ptrs += BK
+            w_ptrs += BK
     tl.store(c_ptr + offs_m[:, None] * stride_cm + offs_n[None, :], acc.to(c_ptr.dtype.element_ty),
              mask=m_mask[:, None])
 
 
 def linear(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor, cfg: tuple[int, int, int, int, int],
-           pdl: bool = False, prefetch: bool = False) -> torch.Tensor:
+           pdl: bool = False, prefetch: bool = False, preload: bool = False) -> torch.Tensor:
     """``linear_kernel`` with tile ``cfg = (BM, BN, BK, stages, warps)``; returns ``out``."""
     bm, bn, bk, stages, warps = cfg
     (M, K), N = x.shape, w.shape[0]
+    assert not preload or K == 2 * bk, (K, bk)
     extra = {"launch_pdl": True} if pdl else {}
     linear_kernel[(N // bn, triton.cdiv(M, bm))](x, w, out, M, N, K, x.stride(0), w.stride(0), out.stride(0),
-                                                 BM=bm, BN=bn, BK=bk, PDL=pdl, PREFETCH=prefetch,
+                                                 BM=bm, BN=bn, BK=bk, PDL=pdl, PREFETCH=prefetch, PRELOAD=preload,
                                                  num_stages=stages, num_warps=warps, **extra)
     return out
 

@@ -10,7 +10,9 @@ against ``F.linear`` of the engine's RMSNorm:
 - ``cublas``: engine RMSNorm -> ``F.linear`` (the engine today);
 - ``triton``: the probe norm -> Triton GEMM, plain launches;
 - ``pdl``: both with PDL (each releases the next kernel at its start, waits before reading);
-- ``pdl_prefetch``: ``pdl`` plus the GEMM's weight prefetch before its wait.
+- ``pdl_prefetch``: ``pdl`` plus the GEMM's weight prefetch before its wait;
+- ``pdl_preload``: ``pdl`` with the GEMM loading its whole weight slice (32 rows) into registers
+  before its wait, in two tiles of K/2.
 
     python -m bench.pdl_gemm_probe --out bench/results/gemm_cold/pdl_gemm_probe_h100.json
 """
@@ -45,15 +47,17 @@ def chain(name: str, n: int, k: int, m: int, cold_bytes: int) -> dict:
     out = torch.empty(m, n, device="cuda", dtype=torch.bfloat16)
     cfg = tile(m)
 
-    def triton_pair(i: int, pdl: bool, prefetch: bool) -> torch.Tensor:
+    def triton_pair(i: int, pdl: bool, prefetch: bool = False, preload: bool = False) -> torch.Tensor:
         extra = {"launch_pdl": True} if pdl else {}
         rms_norm_kernel[(m,)](x, g, normed, k, 1e-6, BLOCK=triton.next_power_of_2(k), PDL=pdl, num_warps=4, **extra)
-        return linear(normed, ws[i], out, cfg, pdl=pdl, prefetch=prefetch)
+        tile_cfg = (cfg[0], 32, k // 2, 1, 8) if preload else cfg   # the whole slice in two register tiles
+        return linear(normed, ws[i], out, tile_cfg, pdl=pdl, prefetch=prefetch, preload=preload)
 
     ways = {"cublas": lambda i: F.linear(rms_norm(x, g, 1e-6), ws[i]),
-            "triton": lambda i: triton_pair(i, False, False),
-            "pdl": lambda i: triton_pair(i, True, False),
-            "pdl_prefetch": lambda i: triton_pair(i, True, True)}
+            "triton": lambda i: triton_pair(i, False),
+            "pdl": lambda i: triton_pair(i, True),
+            "pdl_prefetch": lambda i: triton_pair(i, True, prefetch=True),
+            "pdl_preload": lambda i: triton_pair(i, True, preload=True)}
     ref = F.linear(rms_norm(x, g, 1e-6), ws[0])
     row = {"gemm": name, "M": m, "N": n, "K": k, "copies": len(ws), "tile": list(cfg),
            **time_ways(ways, ref, len(ws), poison=(normed, out))}
