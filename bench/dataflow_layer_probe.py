@@ -35,6 +35,8 @@ from pdserve.common.ops.fused import rms_norm, silu_and_mul
 H, QKV, INTER, QDIM, EPS = 1024, 4096, 3072, 2048, 1e-6
 # projection -> (BN, BK, KT, warps); K = BK * KT; programs = N / BN
 TILES = {"o": (16, 1024, 2, 8), "gate_up": (16, 512, 2, 8), "down": (16, 1024, 3, 8), "qkv": (32, 512, 2, 8)}
+MAX_M = 64                          # the whole batch in one dot (BM = M padded to 16..64)
+COMPILED: dict = {}                 # (weight shape, BM, pdl) -> compiled kernel, for its resource report
 
 
 @triton.jit
@@ -89,8 +91,8 @@ def _dot_tiles(a_ptrs, m_mask, w0, w1, w2, w3, BK: tl.constexpr, KT: tl.constexp
 def _preload_linear_kernel(a_ptr, w_ptr, c_ptr, M, n_out,
                            BN: tl.constexpr, BK: tl.constexpr, KT: tl.constexpr, BM: tl.constexpr,
                            GATED: tl.constexpr, PDL: tl.constexpr):
-    """``c[M, n_out] = a[M, K] @ w[n_out, K]^T`` with this program's ``BN`` weight rows loaded
-    before the wait; ``GATED``: ``w`` is ``[2 * n_out, K]`` (gate rows, then up rows) and
+    """``c[M, n_out] = a[M, K] @ w[n_out, K]^T`` (``M <= BM``) with this program's ``BN`` weight
+    rows loaded before the wait; ``GATED``: ``w`` is ``[2 * n_out, K]`` (gate rows, then up rows) and
     ``c = silu(a @ gate^T) * (a @ up^T)``, each product rounded to the dtype first."""
     K = BK * KT
     offs_n = tl.program_id(0) * BN + tl.arange(0, BN)
@@ -104,17 +106,16 @@ def _preload_linear_kernel(a_ptr, w_ptr, c_ptr, M, n_out,
         u0, u1, u2, u3 = _load_tiles(w_ptrs + n_out * K, BK, KT)
     if PDL:
         tl.extra.cuda.gdc_wait()
-    for m0 in range(0, M, BM):
-        offs_m = m0 + tl.arange(0, BM)
-        m_mask = offs_m < M
-        a_ptrs = a_ptr + offs_m[:, None] * K + offs_k[None, :]
-        acc = _dot_tiles(a_ptrs, m_mask, g0, g1, g2, g3, BK, KT, tl.zeros([BM, BN], dtype=tl.float32))
-        if GATED:
-            up = _dot_tiles(a_ptrs, m_mask, u0, u1, u2, u3, BK, KT, tl.zeros([BM, BN], dtype=tl.float32))
-            gate = acc.to(c_ptr.dtype.element_ty).to(tl.float32)
-            acc = gate / (1.0 + tl.exp(-gate)) * up.to(c_ptr.dtype.element_ty).to(tl.float32)
-        tl.store(c_ptr + offs_m[:, None] * n_out + offs_n[None, :], acc.to(c_ptr.dtype.element_ty),
-                 mask=m_mask[:, None])
+    offs_m = tl.arange(0, BM)
+    m_mask = offs_m < M
+    a_ptrs = a_ptr + offs_m[:, None] * K + offs_k[None, :]
+    acc = _dot_tiles(a_ptrs, m_mask, g0, g1, g2, g3, BK, KT, tl.zeros([BM, BN], dtype=tl.float32))
+    if GATED:
+        up = _dot_tiles(a_ptrs, m_mask, u0, u1, u2, u3, BK, KT, tl.zeros([BM, BN], dtype=tl.float32))
+        gate = acc.to(c_ptr.dtype.element_ty).to(tl.float32)
+        acc = gate / (1.0 + tl.exp(-gate)) * up.to(c_ptr.dtype.element_ty).to(tl.float32)
+    tl.store(c_ptr + offs_m[:, None] * n_out + offs_n[None, :], acc.to(c_ptr.dtype.element_ty),
+             mask=m_mask[:, None])
 
 
 def _pdl_launch(pdl: bool) -> dict:
@@ -126,8 +127,11 @@ def preload_linear(a: torch.Tensor, w: torch.Tensor, out: torch.Tensor, tile: tu
     bn, bk, kt, warps = tile
     n_out = w.shape[0] // 2 if gated else w.shape[0]
     assert a.shape[1] == w.shape[1] == bk * kt and n_out % bn == 0 and a.is_contiguous()
-    _preload_linear_kernel[(n_out // bn,)](a, w, out, a.shape[0], n_out, BN=bn, BK=bk, KT=kt, BM=16,
-                                           GATED=gated, PDL=pdl, num_warps=warps, **_pdl_launch(pdl))
+    bm = max(16, triton.next_power_of_2(a.shape[0]))
+    assert bm <= MAX_M, a.shape
+    k = _preload_linear_kernel[(n_out // bn,)](a, w, out, a.shape[0], n_out, BN=bn, BK=bk, KT=kt, BM=bm,
+                                               GATED=gated, PDL=pdl, num_warps=warps, **_pdl_launch(pdl))
+    COMPILED[(w.shape, bm, pdl)] = k
     return out
 
 
@@ -182,8 +186,9 @@ def measure(m: int, layers: list[dict]) -> dict:
     bufs = {k: torch.empty(m, n, device="cuda", dtype=torch.bfloat16) for k, n in shapes.items()}
     ref_qkv, ref_res = reference(attn, res, layers[0])
     row: dict = {"M": m}
-    ways = {"engine": (engine_layer, False), "dataflow": (dataflow_layer, True),
-            "dataflow_nopdl": (dataflow_layer, False)}
+    ways = {"engine": (engine_layer, False)}
+    if m <= MAX_M:
+        ways.update({"dataflow": (dataflow_layer, True), "dataflow_nopdl": (dataflow_layer, False)})
     for name, (layer_fn, pdl) in ways.items():
         try:
             for b in bufs.values():
@@ -199,17 +204,54 @@ def measure(m: int, layers: list[dict]) -> dict:
     return row
 
 
+def projection_rows(m: int, layers: list[dict]) -> list[dict]:
+    """Each projection alone (plain launches, weights cycled over the layers): cuBLAS (with the
+    engine's SiLU-mul after gate_up) against the preloading kernel, and that kernel's resources."""
+    rows = []
+    for name, (n_out, k) in {"o": (H, QDIM), "gate_up": (INTER, H), "down": (H, INTER), "qkv": (QKV, H)}.items():
+        gated = name == "gate_up"
+        a = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+        out = torch.full((m, n_out), float("nan"), device="cuda", dtype=torch.bfloat16)
+        full = a.float() @ layers[0][name].float().t()
+        ref = F.silu(full[:, :INTER]) * full[:, INTER:] if gated else full
+        row: dict = {"M": m, "projection": name, "tile": TILES[name]}
+        ways = {"cublas": lambda lw, name=name, a=a, gated=gated: (silu_and_mul(F.linear(a, lw[name])) if gated
+                                                                   else F.linear(a, lw[name])),
+                "preload": lambda lw, name=name, a=a, out=out, gated=gated: preload_linear(
+                    a, lw[name], out, TILES[name], False, gated=gated)}
+        for way, fn in ways.items():
+            try:
+                err = rel_err(fn(layers[0]), ref)
+                assert err < 1e-2, f"{way} {name} M={m}: relative error {err}"
+                row[f"{way}_us"] = 1e6 * graph_time(lambda fn=fn: [fn(lw) for lw in layers], replays=20) / len(layers)
+            except Exception as e:                               # noqa: BLE001 (record, go on)
+                row[f"{way}_error"] = f"{type(e).__name__}: {str(e)[:300]}"
+        ck = COMPILED.get((layers[0][name].shape, max(16, triton.next_power_of_2(m)), False))
+        if ck is not None:
+            row.update(regs=getattr(ck, "n_regs", None), spills=getattr(ck, "n_spills", None),
+                       shared=getattr(getattr(ck, "metadata", None), "shared", None))
+        rows.append(row)
+    return rows
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--batches", default="1,8,16,32,64,128,256")
+    p.add_argument("--batches", default="1,8,16,32,64,256")
     p.add_argument("--layers", type=int, default=8)
     p.add_argument("--out", default="bench/results/dataflow/dataflow_layer_probe.json")
     a = p.parse_args(argv)
     torch.manual_seed(0)
     layers = make_layers(a.layers)
     floor_bytes = sum(layers[0][k].numel() * 2 for k in ("o", "gate_up", "down", "qkv"))
-    rows = [measure(int(m), layers) for m in a.batches.split(",")]
-    write_result(a.out, {"tiles": TILES, "layers": a.layers, "weight_bytes_per_layer": floor_bytes, "rows": rows})
+    batches = [int(m) for m in a.batches.split(",")]
+    proj = [r for m in batches if m <= MAX_M for r in projection_rows(m, layers)]
+    rows = [measure(m, layers) for m in batches]
+    write_result(a.out, {"tiles": TILES, "layers": a.layers, "weight_bytes_per_layer": floor_bytes, "rows": rows,
+                         "projections": proj})
+    for r in proj:
+        print(f"  {r['projection']:8s} M={r['M']:3d}: cublas {r.get('cublas_us', float('nan')):6.2f} us, preload "
+              f"{r.get('preload_us', float('nan')):6.2f} us (regs {r.get('regs')}, spills {r.get('spills')}, "
+              f"smem {r.get('shared')}) {r.get('preload_error', '')[:100]}")
     print(f"weights {floor_bytes / 1e6:.1f} MB a layer; us a layer (dense half: 4 projections, 2 norms, SiLU-mul)")
     for r in rows:
         cells = [f"{w} {r[w + '_us']:6.2f}" if w + "_us" in r else f"{w} ERROR {r.get(w + '_error', '')[:80]}"
