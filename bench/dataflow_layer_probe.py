@@ -36,7 +36,8 @@ from pdserve.common.ops.fused import rms_norm, silu_and_mul
 
 H, QKV, INTER, QDIM, EPS = 1024, 4096, 3072, 2048, 1e-6
 BN, BK = 32, 512                    # a weight tile: 32 rows x 512 columns (32 KB of bf16)
-MAX_M = 64                          # the whole batch in one dot (BM = M padded to 16..64)
+CHUNK = 16                          # rows a dot takes at once; a larger batch loops
+MAX_M = 256
 COMPILED: dict = {}                 # kernel name -> compiled kernel, for its resource report
 
 
@@ -48,7 +49,7 @@ def _pdl_launch(pdl: bool) -> dict:
 def _splitk_kernel(a_ptr, w_ptr, part_ptr, M, N, K, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
                    PDL: tl.constexpr):
     """``part[ks, :M, n-tile] = a[:M, k-tile] @ w[n-tile, k-tile]^T`` (fp32); grid (N / BN, K / BK).
-    The weight tile is loaded before the wait."""
+    The weight tile is loaded before the wait, then the batch is taken ``BM`` rows at a time."""
     offs_n = tl.program_id(0) * BN + tl.arange(0, BN)
     ks = tl.program_id(1)
     offs_k = ks * BK + tl.arange(0, BK)
@@ -57,18 +58,19 @@ def _splitk_kernel(a_ptr, w_ptr, part_ptr, M, N, K, BM: tl.constexpr, BN: tl.con
     w = tl.load(w_ptr + offs_n[:, None].to(tl.int64) * K + offs_k[None, :])
     if PDL:
         tl.extra.cuda.gdc_wait()
-    offs_m = tl.arange(0, BM)
-    m_mask = offs_m < M
-    a = tl.load(a_ptr + offs_m[:, None] * K + offs_k[None, :], mask=m_mask[:, None], other=0.0)
-    acc = tl.dot(a, tl.trans(w))
-    tl.store(part_ptr + (ks * M + offs_m[:, None]) * N + offs_n[None, :], acc, mask=m_mask[:, None])
+    for m0 in range(0, M, BM):
+        offs_m = m0 + tl.arange(0, BM)
+        m_mask = offs_m < M
+        a = tl.load(a_ptr + offs_m[:, None] * K + offs_k[None, :], mask=m_mask[:, None], other=0.0)
+        acc = tl.dot(a, tl.trans(w))
+        tl.store(part_ptr + (ks * M + offs_m[:, None]) * N + offs_n[None, :], acc, mask=m_mask[:, None])
 
 
 @triton.jit
 def _preload_linear_kernel(a_ptr, w_ptr, c_ptr, M, N, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
                            PDL: tl.constexpr):
     """``c[:M, n-tile] = a[:M] @ w[n-tile]^T`` for ``K = 2 * BK``, both weight tiles loaded before
-    the wait; grid (N / BN,)."""
+    the wait, then the batch ``BM`` rows at a time; grid (N / BN,)."""
     offs_n = tl.program_id(0) * BN + tl.arange(0, BN)
     offs_k = tl.arange(0, BK)
     w_ptrs = w_ptr + offs_n[:, None].to(tl.int64) * (2 * BK) + offs_k[None, :]
@@ -78,12 +80,14 @@ def _preload_linear_kernel(a_ptr, w_ptr, c_ptr, M, N, BM: tl.constexpr, BN: tl.c
     w1 = tl.load(w_ptrs + BK)
     if PDL:
         tl.extra.cuda.gdc_wait()
-    offs_m = tl.arange(0, BM)
-    m_mask = offs_m < M
-    a_ptrs = a_ptr + offs_m[:, None] * (2 * BK) + offs_k[None, :]
-    acc = tl.dot(tl.load(a_ptrs, mask=m_mask[:, None], other=0.0), tl.trans(w0))
-    acc = tl.dot(tl.load(a_ptrs + BK, mask=m_mask[:, None], other=0.0), tl.trans(w1), acc)
-    tl.store(c_ptr + offs_m[:, None] * N + offs_n[None, :], acc.to(c_ptr.dtype.element_ty), mask=m_mask[:, None])
+    for m0 in range(0, M, BM):
+        offs_m = m0 + tl.arange(0, BM)
+        m_mask = offs_m < M
+        a_ptrs = a_ptr + offs_m[:, None] * (2 * BK) + offs_k[None, :]
+        acc = tl.dot(tl.load(a_ptrs, mask=m_mask[:, None], other=0.0), tl.trans(w0))
+        acc = tl.dot(tl.load(a_ptrs + BK, mask=m_mask[:, None], other=0.0), tl.trans(w1), acc)
+        tl.store(c_ptr + offs_m[:, None] * N + offs_n[None, :], acc.to(c_ptr.dtype.element_ty),
+                 mask=m_mask[:, None])
 
 
 @triton.jit
@@ -132,9 +136,8 @@ def _silu_partials_kernel(part_ptr, KS, out_ptr, M, inter, BLOCK: tl.constexpr, 
 
 
 def _bm(m: int) -> int:
-    bm = max(16, triton.next_power_of_2(m))
-    assert bm <= MAX_M, m
-    return bm
+    """Rows a dot takes: the whole batch padded to 16, or ``CHUNK`` at a time beyond ``CHUNK``."""
+    return min(max(16, triton.next_power_of_2(m)), CHUNK)
 
 
 def splitk(a: torch.Tensor, w: torch.Tensor, part: torch.Tensor, pdl: bool, name: str) -> torch.Tensor:
@@ -239,21 +242,25 @@ def measure(m: int, layers: list[dict]) -> dict:
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--batches", default="1,8,16,32,64,256")
+    p.add_argument("--batches", default="1,16,32,64,128,256")
     p.add_argument("--layers", type=int, default=8)
+    p.add_argument("--chunks", default="16,32", help="rows a dot takes at once (each a set of rows)")
     p.add_argument("--out", default="bench/results/dataflow/dataflow_layer_probe.json")
     a = p.parse_args(argv)
     torch.manual_seed(0)
     layers = make_layers(a.layers)
     floor_bytes = sum(layers[0][k].numel() * 2 for k in ("o", "gate_up", "down", "qkv"))
     batches = [int(m) for m in a.batches.split(",")]
-    rows = [measure(m, layers) for m in batches]
+    global CHUNK
+    rows = []
+    for CHUNK in (int(c) for c in a.chunks.split(",")):
+        rows += [{"chunk": CHUNK, **measure(m, layers)} for m in batches]
     write_result(a.out, {"tile": [BN, BK], "layers": a.layers, "weight_bytes_per_layer": floor_bytes, "rows": rows})
     print(f"weights {floor_bytes / 1e6:.1f} MB a layer; us a layer (dense half: 4 projections, 2 norms, SiLU-mul)")
     for r in rows:
         cells = [f"{w} {r[w + '_us']:6.2f}" if w + "_us" in r else f"{w} ERROR {r.get(w + '_error', '')[:80]}"
                  for w in ("engine", "dataflow", "dataflow_nopdl")]
-        print(f"  M={r['M']:4d}: " + ", ".join(cells))
+        print(f"  chunk {r['chunk']:3d} M={r['M']:4d}: " + ", ".join(cells))
         if "resources" in r:
             print("          " + "; ".join(f"{k} {v['regs']} regs {v['spills']} spills {v['smem']} smem"
                                        for k, v in r["resources"].items()))
