@@ -54,6 +54,12 @@ def fused_ops() -> bool:
     return get_bool("FUSED_OPS", True)
 
 
+def dataflow_decode() -> bool:
+    """The small-batch decode chain (pdserve/common/models/dataflow_decode.py) where the model
+    supports it (``PDSERVE_DATAFLOW_DECODE``, default on)."""
+    return get_bool("DATAFLOW_DECODE", True)
+
+
 def kv_max_channels() -> int:
     """Most pair channels a worker keeps open (``PDSERVE_KV_MAX_CHANNELS``, default 32; 0 = no cap)."""
     return get_int("KV_MAX_CHANNELS", 32)

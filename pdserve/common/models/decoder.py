@@ -17,6 +17,7 @@ from pdserve.common.layers.attention import PagedAttention
 from pdserve.common.layers.fused_dispatch import use_fused
 from pdserve.common.layers.norm import RMSNorm
 from pdserve.common.layers.rotary import RotaryEmbedding
+from pdserve.common.models import dataflow_decode
 
 
 class SelfAttention(nn.Module):
@@ -118,6 +119,8 @@ class DecoderForCausalLM(nn.Module):
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """input_ids, positions: [T] -> hidden [T, H]."""
+        if dataflow_decode.applies(self, input_ids):
+            return dataflow_decode.forward(self, input_ids, positions)
         hidden = self.embed_tokens(input_ids)
         residual = None
         for layer in self.layers:

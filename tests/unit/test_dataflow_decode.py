@@ -1,0 +1,137 @@
+"""The small-batch decode chain: its kernels against torch, its forward against the model's usual
+forward, and where it applies. CPU: the Triton interpreter (kernels in fp32, the forward in
+fp16); on a CUDA machine the same checks run compiled, in bf16, with PDL on Hopper."""
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+triton = pytest.importorskip("triton")
+
+from pdserve.common.config import ModelConfig  # noqa: E402
+from pdserve.common.context import ForwardContext, forward_context  # noqa: E402
+from pdserve.common.loader import PRESET_DIR  # noqa: E402
+from pdserve.common.models import dataflow_decode  # noqa: E402
+from pdserve.common.models.decoder import DecoderForCausalLM  # noqa: E402
+from pdserve.common.ops import dataflow  # noqa: E402
+
+CUDA = torch.cuda.is_available()
+DEVICE = "cuda" if CUDA else "cpu"
+KERNEL_DTYPE = torch.bfloat16 if CUDA else torch.float32
+MODEL_DTYPE = torch.bfloat16 if CUDA else torch.float16
+SMALL = {"model_type": "qwen3", "hidden_size": 512, "intermediate_size": 1024, "num_hidden_layers": 2,
+         "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 128, "vocab_size": 256,
+         "rms_norm_eps": 1e-6, "rope_theta": 1e6, "max_position_embeddings": 256, "tie_word_embeddings": True}
+
+
+def _rel(out: torch.Tensor, ref: torch.Tensor) -> float:
+    return ((out.float() - ref.float()).norm() / ref.float().norm()).item()
+
+
+def _tol() -> float:
+    return 1e-2 if CUDA else 1e-5
+
+
+@pytest.mark.parametrize("m", [1, 5, 16])
+def test_splitk_partials_sum_to_the_product(m):
+    torch.manual_seed(m)
+    a = torch.randn(m, 1024, device=DEVICE, dtype=KERNEL_DTYPE)
+    w = torch.randn(64, 1024, device=DEVICE, dtype=KERNEL_DTYPE) / 32
+    part = dataflow.splitk(a, w)
+    assert part.shape == (2, m, 64) and part.dtype == torch.float32
+    assert _rel(part.sum(0), a.float() @ w.float().t()) < _tol()
+
+
+@pytest.mark.parametrize("k", [512, 1024])
+def test_preload_linear_matches_linear(k):
+    torch.manual_seed(k)
+    a = torch.randn(3, k, device=DEVICE, dtype=KERNEL_DTYPE)
+    w = torch.randn(96, k, device=DEVICE, dtype=KERNEL_DTYPE) / k ** 0.5
+    out = dataflow.preload_linear(a, w)
+    assert out.dtype == a.dtype and _rel(out, a.float() @ w.float().t()) < _tol()
+
+
+def test_add_norm_partials_and_silu_partials():
+    torch.manual_seed(3)
+    m, h, inter = 4, 96, 80
+    part = torch.randn(3, m, h, device=DEVICE)
+    res = torch.randn(m, h, device=DEVICE, dtype=KERNEL_DTYPE)
+    w = 1 + 0.1 * torch.randn(h, device=DEVICE, dtype=KERNEL_DTYPE)
+    out, res_out = dataflow.add_norm_partials(part, res, w, 1e-6)
+    x = part.sum(0).to(KERNEL_DTYPE) + res
+    assert _rel(res_out, x) < _tol()
+    xf = x.float()
+    assert _rel(out, w.float() * (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + 1e-6))) < _tol()
+    gu = torch.randn(2, m, 2 * inter, device=DEVICE)
+    act = dataflow.silu_partials(gu, KERNEL_DTYPE)
+    s = gu.sum(0)
+    assert _rel(act, F.silu(s[:, :inter]) * s[:, inter:]) < _tol()
+
+
+def test_too_many_rows_is_refused():
+    a = torch.randn(dataflow.MAX_ROWS + 1, 512, device=DEVICE, dtype=KERNEL_DTYPE)
+    with pytest.raises(AssertionError, match="rows"):
+        dataflow.splitk(a, torch.randn(32, 512, device=DEVICE, dtype=KERNEL_DTYPE))
+
+
+def test_supports_the_small_geometries_only():
+    qwen3_06b = ModelConfig.from_hf_dict(json.loads((PRESET_DIR / "qwen3-0.6b.json").read_text()))
+    qwen3_8b = ModelConfig.from_hf_dict(json.loads((PRESET_DIR / "qwen3-8b.json").read_text()))
+    assert dataflow_decode.supports(qwen3_06b, torch.bfloat16, 132)
+    assert not dataflow_decode.supports(qwen3_06b, torch.float32, 132)       # half precision only
+    assert not dataflow_decode.supports(qwen3_06b, torch.bfloat16, 8)        # gate_up's 384 tiles not resident
+    assert not dataflow_decode.supports(qwen3_8b, torch.bfloat16, 132)       # hidden 4096: QKV's K is 8 tiles
+    assert dataflow_decode.supports(ModelConfig.from_hf_dict(SMALL), torch.float16, 132)
+
+
+def _decode_batch(model: DecoderForCausalLM, lens: list[int], block: int = 16):
+    """A KV cache of random contents bound to the model, and a decode context for rows of ``lens``."""
+    cfg = model.config
+    tables = [[b * 4 + j for j in range(-(-n // block))] for b, n in enumerate(lens)]
+    width = max(len(t) for t in tables)
+    kv = torch.randn(4 * len(lens), cfg.num_hidden_layers, 2, block, cfg.num_key_value_heads, cfg.head_dim,
+                     device=DEVICE).to(MODEL_DTYPE)
+    slots = [tables[b][(n - 1) // block] * block + (n - 1) % block for b, n in enumerate(lens)]
+    ctx = ForwardContext(is_prefill=False, slot_mapping=torch.tensor(slots, dtype=torch.int32, device=DEVICE),
+                         context_lens=torch.tensor(lens, dtype=torch.int32, device=DEVICE),
+                         block_tables=torch.tensor([t + [-1] * (width - len(t)) for t in tables], dtype=torch.int32,
+                                                   device=DEVICE), max_context_len=max(lens))
+    return kv, ctx
+
+
+def _bind(model: DecoderForCausalLM, kv: torch.Tensor) -> None:
+    for i, layer in enumerate(model.layers):
+        layer.self_attn.attn.k_cache, layer.self_attn.attn.v_cache = kv[:, i, 0], kv[:, i, 1]
+
+
+@pytest.mark.parametrize("lens", [[9], [1, 7, 16, 20, 40]])
+def test_forward_matches_the_usual_forward(monkeypatch, lens):
+    torch.manual_seed(len(lens))
+    cfg = ModelConfig.from_hf_dict(SMALL)
+    model = DecoderForCausalLM(cfg, "triton" if CUDA else "torch").to(DEVICE, MODEL_DTYPE)
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.dim() == 1:
+                p.normal_(1.0, 0.1)                              # RMSNorm weights
+    kv, ctx = _decode_batch(model, lens)
+    ids = torch.randint(0, cfg.vocab_size, (len(lens),), device=DEVICE)
+    pos = ctx.context_lens.long() - 1
+    kv_ref = kv.clone()
+    _bind(model, kv_ref)
+    monkeypatch.setenv("PDSERVE_DATAFLOW_DECODE", "0")
+    with torch.inference_mode(), forward_context(ctx):
+        assert not dataflow_decode.applies(model, ids)
+        ref = model(ids, pos)
+    monkeypatch.setenv("PDSERVE_DATAFLOW_DECODE", "1")
+    _bind(model, kv)
+    with torch.inference_mode(), forward_context(ctx):
+        assert dataflow_decode.applies(model, ids) == CUDA       # the model's forward takes it on CUDA only
+        out = dataflow_decode.forward(model, ids, pos)
+    assert out.shape == ref.shape and _rel(out, ref) < 2e-2
+    slots = ctx.slot_mapping.long()
+    written, written_ref = kv[slots // 16, :, :, slots % 16], kv_ref[slots // 16, :, :, slots % 16]
+    assert _rel(written, written_ref) < 1e-2                     # the same K/V stored at the same slots
+    assert not written.isnan().any()
