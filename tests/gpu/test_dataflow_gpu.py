@@ -88,3 +88,29 @@ def test_decode_logits_match_hf_through_the_chain(monkeypatch, batch):
     assert rel_chain < 3e-2 and rel_chain < 1.5 * rel_usual + 1e-3      # no further from HF than the usual path
     if batch > 1:                                                   # random weights: near ties flip a few
         assert top1_chain >= min(0.85, top1_usual - 0.2)
+
+
+@pytest.mark.parametrize("splits", [1, 4])
+def test_decode_attention_and_qk_norm_rope_with_pdl_match_plain_launches(splits):
+    from pdserve.common.layers.rotary import RotaryEmbedding
+    from pdserve.common.ops.fused import qk_norm_rope
+    from pdserve.common.ops.paged_attention import alloc_decode_workspace, paged_attention_decode
+    torch.manual_seed(splits)
+    B, Hq, Hkv, D, nb = 5, 16, 8, 128, 40
+    k_cache = torch.randn(nb, BLOCK, Hkv, D, device="cuda", dtype=torch.bfloat16)
+    v_cache = torch.randn_like(k_cache)
+    tables = torch.randperm(nb, device="cuda")[:B * 8].view(B, 8).to(torch.int32)
+    lens = torch.tensor([1, 17, 64, 100, 128], dtype=torch.int32, device="cuda")
+    q = torch.randn(B, Hq, D, device="cuda", dtype=torch.bfloat16)
+    ws = alloc_decode_workspace(B, Hq, D, 4, "cuda")
+    plain, chained = (paged_attention_decode(q, k_cache, v_cache, tables, lens, D ** -0.5, workspace=ws,
+                                             num_splits=splits, pdl=pdl) for pdl in (False, True))
+    torch.testing.assert_close(chained, plain, rtol=0, atol=0)
+    rot = RotaryEmbedding(D, 4096, 1e6).to("cuda")
+    qkv = torch.randn(B, (Hq + 2 * Hkv) * D, device="cuda", dtype=torch.bfloat16)
+    pos = lens.long() - 1
+    w = torch.ones(D, device="cuda", dtype=torch.bfloat16)
+    outs = [qk_norm_rope(qkv, pos, rot.cos_cache, rot.sin_cache, Hq, Hkv, D, w, w, 1e-6, pdl=pdl)[:2]
+            for pdl in (False, True)]
+    for a, b in zip(*outs):
+        torch.testing.assert_close(b, a, rtol=0, atol=0)

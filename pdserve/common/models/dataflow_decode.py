@@ -14,13 +14,24 @@ usual forward.
 """
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 
 from pdserve.common import env
 from pdserve.common.config import ModelConfig
-from pdserve.common.context import get_forward_context
+from pdserve.common.context import forward_context, get_forward_context
 from pdserve.common.layers.fused_dispatch import use_fused
-from pdserve.common.ops.dataflow import BK, BN, MAX_ROWS, add_norm_partials, preload_linear, silu_partials, splitk
+from pdserve.common.ops.dataflow import (
+    BK,
+    BN,
+    MAX_ROWS,
+    add_norm_partials,
+    pdl_available,
+    preload_linear,
+    silu_partials,
+    splitk,
+)
 
 MAX_PROGRAMS_PER_SM = 4     # beyond this a projection's tiles are not all resident: the preload stops paying
 
@@ -55,7 +66,13 @@ def applies(model: torch.nn.Module, input_ids: torch.Tensor) -> bool:
 
 
 def forward(model: torch.nn.Module, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-    """input_ids, positions: [B] (decode rows) -> final hidden states [B, H] (after the final norm)."""
+    """input_ids, positions: [B] (decode rows) -> final hidden states [B, H] (after the final norm).
+    The qk-norm/RoPE and attention kernels join the chain (launched with PDL) on a GPU that has it."""
+    with forward_context(dataclasses.replace(get_forward_context(), pdl=pdl_available(input_ids.device))):
+        return _layers(model, input_ids, positions)
+
+
+def _layers(model: torch.nn.Module, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
     layers = model.layers
     residual = model.embed_tokens(input_ids)
     first = layers[0].input_layernorm

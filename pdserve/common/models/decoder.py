@@ -62,9 +62,11 @@ class SelfAttention(nn.Module):
         eps = self.q_norm.eps if self.qk_norm else 0.0
         allocated = self.attn.k_cache.numel() > 0              # else attn() raises
         kc, vc = (self.attn.k_cache, self.attn.v_cache) if allocated else (None, None)
-        slots = get_forward_context().slot_mapping if allocated else None
+        ctx = get_forward_context() if allocated else None
+        slots = ctx.slot_mapping if ctx is not None else None
         return qk_norm_rope(qkv, positions, self.rotary.cos_cache, self.rotary.sin_cache, self.num_heads,
-                            self.num_kv_heads, self.head_dim, qw, kw, eps, kc, vc, slots)
+                            self.num_kv_heads, self.head_dim, qw, kw, eps, kc, vc, slots,
+                            pdl=ctx is not None and ctx.pdl)
 
 
 class MLP(nn.Module):

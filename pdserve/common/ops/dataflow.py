@@ -33,12 +33,13 @@ MAX_ROWS = 16
 
 
 @functools.lru_cache(maxsize=8)
-def _pdl(device: torch.device) -> bool:
+def pdl_available(device: torch.device) -> bool:
+    """Programmatic dependent launch: CUDA (not the interpreter), compute capability 9.0 or newer."""
     return device.type == "cuda" and torch.cuda.get_device_capability(device)[0] >= 9
 
 
 def _launch(x: torch.Tensor) -> dict:
-    pdl = _pdl(x.device)
+    pdl = pdl_available(x.device)
     return {"PDL": pdl, "launch_pdl": True} if pdl else {"PDL": False}
 
 

@@ -70,7 +70,11 @@ def _qk_norm_rope_kernel(qkv_ptr, pos_ptr, cos_ptr, sin_ptr, qw_ptr, kw_ptr, q_o
                          stride_vc_b, stride_vc_t, stride_vc_h,
                          stride_qkv, stride_cos, eps, NUM_Q: tl.constexpr, NUM_KV: tl.constexpr,
                          HEAD_DIM: tl.constexpr, HAS_NORM: tl.constexpr, BLOCK_H: tl.constexpr,
-                         STORE_KV: tl.constexpr, CACHE_BLOCK: tl.constexpr, BLOCK_KV: tl.constexpr):
+                         STORE_KV: tl.constexpr, CACHE_BLOCK: tl.constexpr, BLOCK_KV: tl.constexpr,
+                         PDL: tl.constexpr = False):
+    if PDL:                                 # release the next kernel now; wait for qkv
+        tl.extra.cuda.gdc_launch_dependents()
+        tl.extra.cuda.gdc_wait()
     tok = tl.program_id(0)
     half: tl.constexpr = HEAD_DIM // 2
     heads = tl.arange(0, BLOCK_H)
@@ -129,12 +133,13 @@ def qk_norm_rope(qkv: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor, 
                  num_q: int, num_kv: int, head_dim: int, q_weight: torch.Tensor | None = None,
                  k_weight: torch.Tensor | None = None, eps: float = 1e-6,
                  k_cache: torch.Tensor | None = None, v_cache: torch.Tensor | None = None,
-                 slot_mapping: torch.Tensor | None = None,
+                 slot_mapping: torch.Tensor | None = None, pdl: bool = False,
                  ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """qkv: [T, (Hq+2Hkv)*D]; cos/sin: [P, D] fp32 caches -> q [T,Hq,D], k [T,Hkv,D], v [T,Hkv,D] (view).
 
     With ``k_cache``/``v_cache`` and ``slot_mapping[T]`` it also stores K and V into the paged
-    cache (negative slots skipped), as ``kv_store.store_kvcache`` would.
+    cache (negative slots skipped), as ``kv_store.store_kvcache`` would. ``pdl``: launched with
+    programmatic dependent launch (CUDA, compute capability 9.0 or newer).
     """
     T = qkv.shape[0]
     q = torch.empty(T, num_q, head_dim, dtype=qkv.dtype, device=qkv.device)
@@ -157,6 +162,7 @@ def qk_norm_rope(qkv: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor, 
                                NUM_Q=num_q, NUM_KV=num_kv, HEAD_DIM=head_dim, HAS_NORM=has_norm,
                                BLOCK_H=triton.next_power_of_2(num_q + num_kv), STORE_KV=store,
                                CACHE_BLOCK=kc.shape[1] if store else 1,
-                               BLOCK_KV=triton.next_power_of_2(num_kv), num_warps=4)
+                               BLOCK_KV=triton.next_power_of_2(num_kv), num_warps=4,
+                               **({"PDL": True, "launch_pdl": True} if pdl else {}))
     v = qkv[:, (num_q + num_kv) * head_dim:].view(T, num_kv, head_dim)
     return q, k, v

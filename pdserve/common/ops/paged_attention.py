@@ -41,8 +41,11 @@ def _decode_split_kernel(
     stride_wb, stride_wh, stride_ws,
     GROUP: tl.constexpr, BLOCK_G: tl.constexpr, HEAD_DIM: tl.constexpr,
     BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr,
-    SINGLE_SPLIT: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    SINGLE_SPLIT: tl.constexpr, DOT_PRECISION: tl.constexpr, PDL: tl.constexpr = False,
 ):
+    if PDL:                                 # release the next kernel now; wait for q and the cache
+        tl.extra.cuda.gdc_launch_dependents()
+        tl.extra.cuda.gdc_wait()
     kvh = tl.program_id(0)                  # fastest: a sequence's KV heads start together
     split = tl.program_id(1)
     b = tl.program_id(2)
@@ -106,8 +109,11 @@ def _decode_reduce_kernel(
     ws_ptr, out_ptr, num_splits,
     stride_wb, stride_wh, stride_ws,
     stride_ob, stride_oh,
-    HEAD_DIM: tl.constexpr, BLOCK_S: tl.constexpr,
+    HEAD_DIM: tl.constexpr, BLOCK_S: tl.constexpr, PDL: tl.constexpr = False,
 ):
+    if PDL:
+        tl.extra.cuda.gdc_launch_dependents()
+        tl.extra.cuda.gdc_wait()
     b = tl.program_id(0).to(tl.int64)
     h = tl.program_id(1)
     offs_s = tl.arange(0, BLOCK_S)
@@ -186,6 +192,10 @@ def _decode_config(dtype: torch.dtype, head_dim: int, device: torch.device) -> t
     return (64 if head_dim <= 128 else 32), 4, 3
 
 
+def _pdl_args(pdl: bool) -> dict:
+    return {"PDL": True, "launch_pdl": True} if pdl else {}
+
+
 def _decode_out(q: torch.Tensor, out: torch.Tensor | None) -> torch.Tensor:
     """``out[:B]`` checked against ``q[B, Hq, D]``, or a new contiguous tensor like ``q``."""
     if out is None:
@@ -213,13 +223,15 @@ def paged_attention_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
                            num_splits: int | None = None,
                            max_context_len: int | None = None,
                            block_n: int | None = None, num_warps: int | None = None,
-                           num_stages: int | None = None) -> torch.Tensor:
+                           num_stages: int | None = None, pdl: bool = False) -> torch.Tensor:
     """Decode attention: ``q[B, Hq, D]``, one query per sequence at position ``context_lens-1``.
 
     ``out``: optional ``[>=B, Hq, D]`` (``out[:B]`` is returned); ``workspace``: from
     ``alloc_decode_workspace``; ``num_splits``: default ``decode_num_splits`` on
     ``max_context_len`` (default ``block_tables.shape[1] * block_size``). With all three given
-    nothing is allocated or synchronized (CUDA-graph capture safe).
+    nothing is allocated or synchronized (CUDA-graph capture safe). ``pdl``: launch both kernels
+    with programmatic dependent launch (each releases the next kernel at its start and waits for
+    the previous one before reading; CUDA, compute capability 9.0 or newer).
     """
     B = q.shape[0]
     Hq, Hkv, D, block_size = check_caches(q, k_cache, v_cache)
@@ -256,7 +268,7 @@ def paged_attention_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
         *ws_strides,
         GROUP=group, BLOCK_G=block_g, HEAD_DIM=D, BLOCK_SIZE=block_size, BLOCK_N=block_n,
         SINGLE_SPLIT=single, DOT_PRECISION=dot_precision(q.dtype),
-        num_warps=num_warps, num_stages=num_stages,
+        num_warps=num_warps, num_stages=num_stages, **_pdl_args(pdl),
     )
     if not single:
         _decode_reduce_kernel[(B, Hq)](
@@ -264,6 +276,6 @@ def paged_attention_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
             *ws_strides,
             out.stride(0), out.stride(1),
             HEAD_DIM=D, BLOCK_S=max(2, triton.next_power_of_2(num_splits)),
-            num_warps=4 if D >= 128 else 2,
+            num_warps=4 if D >= 128 else 2, **_pdl_args(pdl),
         )
     return out

@@ -32,4 +32,4 @@ class TritonBackend(AttentionBackend):
         ctx = get_forward_context()
         return self._decode(q, k_cache, v_cache, block_tables, context_lens, scale, out=out,
                             workspace=ctx.decode_workspace, num_splits=ctx.decode_num_splits,
-                            max_context_len=ctx.max_context_len)
+                            max_context_len=ctx.max_context_len, pdl=ctx.pdl)
