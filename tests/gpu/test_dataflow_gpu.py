@@ -90,17 +90,17 @@ def test_decode_logits_match_hf_through_the_chain(monkeypatch, batch):
         assert top1_chain >= min(0.85, top1_usual - 0.2)
 
 
-@pytest.mark.parametrize("splits", [1, 4])
-def test_decode_attention_and_qk_norm_rope_with_pdl_match_plain_launches(splits):
+@pytest.mark.parametrize("B,splits", [(5, 1), (5, 4), (64, 4)])       # (64, 4): more than 3 programs an SM
+def test_decode_attention_and_qk_norm_rope_with_pdl_match_plain_launches(B, splits):
     from pdserve.common.layers.rotary import RotaryEmbedding
     from pdserve.common.ops.fused import qk_norm_rope
     from pdserve.common.ops.paged_attention import alloc_decode_workspace, paged_attention_decode
-    torch.manual_seed(splits)
-    B, Hq, Hkv, D, nb = 5, 16, 8, 128, 40
+    torch.manual_seed(B + splits)
+    Hq, Hkv, D, nb = 16, 8, 128, 8 * B
     k_cache = torch.randn(nb, BLOCK, Hkv, D, device="cuda", dtype=torch.bfloat16)
     v_cache = torch.randn_like(k_cache)
     tables = torch.randperm(nb, device="cuda")[:B * 8].view(B, 8).to(torch.int32)
-    lens = torch.tensor([1, 17, 64, 100, 128], dtype=torch.int32, device="cuda")
+    lens = torch.randint(1, 8 * BLOCK + 1, (B,), dtype=torch.int32, device="cuda")
     q = torch.randn(B, Hq, D, device="cuda", dtype=torch.bfloat16)
     ws = alloc_decode_workspace(B, Hq, D, 4, "cuda")
     plain, chained = (paged_attention_decode(q, k_cache, v_cache, tables, lens, D ** -0.5, workspace=ws,

@@ -25,6 +25,11 @@ LOG2E = 1.4426950408889634
 DECODE_MAX_SPLITS = 32          # upper bound of the split heuristic
 _MIN_TOKENS_PER_SPLIT = 128     # do not split a context finer than this
 _WS_PAD = 16                    # workspace row = D accumulators + m + l, padded to 16 floats
+# With PDL, a decode grid of at most this many programs per SM releases the next kernel at its
+# start (its programs preload while attention runs); a larger one at each program's end, so that
+# they do not take the places of its later waves (bench/NOTES.md run 35: 3 per SM wins at batch
+# <= 4, releasing at the start loses at batch 8-16 with 512 programs).
+_EARLY_RELEASE_PER_SM = 3
 
 
 # Per-batch integers are not specialised: no recompile when one becomes 1 or a multiple of 16.
@@ -42,9 +47,11 @@ def _decode_split_kernel(
     GROUP: tl.constexpr, BLOCK_G: tl.constexpr, HEAD_DIM: tl.constexpr,
     BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr,
     SINGLE_SPLIT: tl.constexpr, DOT_PRECISION: tl.constexpr, PDL: tl.constexpr = False,
+    RELEASE_EARLY: tl.constexpr = False,
 ):
-    if PDL:                                 # release the next kernel now; wait for q and the cache
-        tl.extra.cuda.gdc_launch_dependents()
+    if PDL:                                 # wait for q and the cache; release the next kernel now
+        if RELEASE_EARLY:                   # (one wave) or once this program is done (more waves)
+            tl.extra.cuda.gdc_launch_dependents()
         tl.extra.cuda.gdc_wait()
     kvh = tl.program_id(0)                  # fastest: a sequence's KV heads start together
     split = tl.program_id(1)
@@ -102,6 +109,8 @@ def _decode_split_kernel(
         tl.store(w_row[:, None] + offs_d[None, :], acc, mask=g_mask[:, None])
         tl.store(w_row + HEAD_DIM, m_i, mask=g_mask)
         tl.store(w_row + HEAD_DIM + 1, l_i, mask=g_mask)
+    if PDL and not RELEASE_EARLY:
+        tl.extra.cuda.gdc_launch_dependents()
 
 
 @triton.jit(do_not_specialize=["num_splits"])
@@ -269,6 +278,7 @@ def paged_attention_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
         GROUP=group, BLOCK_G=block_g, HEAD_DIM=D, BLOCK_SIZE=block_size, BLOCK_N=block_n,
         SINGLE_SPLIT=single, DOT_PRECISION=dot_precision(q.dtype),
         num_warps=num_warps, num_stages=num_stages, **_pdl_args(pdl),
+        **({"RELEASE_EARLY": Hkv * num_splits * B <= _EARLY_RELEASE_PER_SM * _sm_count(q.device)} if pdl else {}),
     )
     if not single:
         _decode_reduce_kernel[(B, Hq)](
