@@ -138,8 +138,9 @@ def main(argv: list[str] | None = None) -> int:
                          "rows": rows})
     print(f"weights {floor_bytes / 1e6:.1f} MB a layer; us a layer (dense half: 4 projections, 2 norms, SiLU-mul)")
     for r in rows:
-        cells = [f"{w} {r[w + '_us']:6.2f}" if w + "_us" in r else f"{w} ERROR {r.get(w + '_error', '')[:80]}"
-                 for w in ("engine", "dataflow", "dataflow_nopdl")]
+        cells = [f"{w} {r[w + '_us']:6.2f}" if w + "_us" in r
+                 else f"{w} ERROR {r[w + '_error'][:80]}" if w + "_error" in r
+                 else f"{w} n/a (> {dataflow.MAX_ROWS} rows)" for w in ("engine", "dataflow", "dataflow_nopdl")]
         print(f"  M={r['M']:4d}: " + ", ".join(cells))
     return 0
 

@@ -8,9 +8,10 @@ It computes what ``DecoderForCausalLM.forward`` computes, rounding at the same p
 output in the model dtype before its residual add or activation); only the GEMMs' summation
 order differs.
 
-Taken for a decode forward (no prompt rows) of at most ``MAX_ROWS`` rows on CUDA when the model
-``supports`` it and ``PDSERVE_DATAFLOW_DECODE`` is on (default). Otherwise the model runs its
-usual forward.
+Taken for a decode forward (no prompt rows) of at most ``MAX_ROWS`` rows on a GPU with
+programmatic dependent launch (compute capability 9.0 or newer: without it the chain is no faster
+than the usual path, bench/NOTES.md run 33) when the model ``supports`` it and
+``PDSERVE_DATAFLOW_DECODE`` is on (default). Otherwise the model runs its usual forward.
 """
 from __future__ import annotations
 
@@ -53,8 +54,10 @@ def supports(cfg: ModelConfig, dtype: torch.dtype, num_sms: int) -> bool:
 
 
 def applies(model: torch.nn.Module, input_ids: torch.Tensor) -> bool:
-    """This forward takes the chain: CUDA, fused kernels on, a pure decode batch of <= MAX_ROWS."""
+    """This forward takes the chain: CUDA with PDL, fused kernels on, a pure decode batch of <= MAX_ROWS."""
     if not input_ids.is_cuda or input_ids.shape[0] > MAX_ROWS or not env.dataflow_decode():
+        return False
+    if not pdl_available(input_ids.device):
         return False
     if not use_fused(input_ids) or get_forward_context().is_prefill:
         return False
@@ -67,7 +70,8 @@ def applies(model: torch.nn.Module, input_ids: torch.Tensor) -> bool:
 
 def forward(model: torch.nn.Module, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
     """input_ids, positions: [B] (decode rows) -> final hidden states [B, H] (after the final norm).
-    The qk-norm/RoPE and attention kernels join the chain (launched with PDL) on a GPU that has it."""
+    The qk-norm/RoPE and attention kernels join the chain (launched with PDL) on a GPU that has it;
+    elsewhere (the interpreter, tests) every kernel runs with plain launches."""
     with forward_context(dataclasses.replace(get_forward_context(), pdl=pdl_available(input_ids.device))):
         return _layers(model, input_ids, positions)
 
