@@ -6,9 +6,10 @@ config (lab probe for issue 20).
    own reduction and a Triton grid-stride kernel over several tile / warp / grid configs, each
    checked against a float64 sum first.
 2. ``paged_attention_decode`` on uniform and W-nano-like ragged batches, with the cache in the
-   engine's token-major layout ``[num_blocks, block_size, Hkv, D]`` (a head's 256-byte rows
-   2 KiB apart) and in a head-major layout ``[num_blocks, Hkv, block_size, D]`` (a head's block
-   contiguous; the same kernel through strides), over (BLOCK_N, warps, stages) configs. Every
+   engine's per-layer view's token-major layout ``[num_blocks, block_size, Hkv, D]`` (a head's
+   256-byte rows 2 KiB apart) and in a head-major layout ``[num_blocks, Hkv, block_size, D]`` (a
+   head's block contiguous; the same kernel through strides), over (BLOCK_N, warps, stages)
+   configs. K and V are two tensors here; in the engine's pool a block's K and V lie together. Every
    output is poisoned with NaN, then checked against the torch reference on fresh random inputs.
    Bandwidth counts the KV bytes the batch must read; CUDA-graph timing (median replay).
 
@@ -50,6 +51,7 @@ def read_rows(n_bytes: int) -> list[dict]:
     sms = torch.cuda.get_device_properties(0).multi_processor_count
     x = torch.randn(n_bytes // 2, dtype=torch.bfloat16, device="cuda")
     n = x.numel()
+    assert n < 2 ** 31, "the read kernel's offsets are 32-bit: at most 4 GiB"
     ref = x.double().sum().item()
     scale = x.double().abs().sum().item()
     rows = [{"way": "torch.sum", "GBps": n_bytes / graph_time(lambda: x.sum(dtype=torch.float32), replays=20) / 1e9}]

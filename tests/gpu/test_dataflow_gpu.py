@@ -13,6 +13,7 @@ from pdserve.common.context import ForwardContext, forward_context
 from pdserve.common.loader import PRESET_DIR
 from pdserve.common.models import dataflow_decode
 from pdserve.common.models.decoder import DecoderForCausalLM
+from pdserve.common.ops.pdl import pdl_available
 
 pytestmark = pytest.mark.gpu
 BLOCK = 16
@@ -76,9 +77,18 @@ def test_decode_logits_match_hf_through_the_chain(monkeypatch, batch):
                              context_lens=torch.tensor([n + 1 for n in lens], dtype=torch.int32, device="cuda"),
                              block_tables=torch.tensor(tables, dtype=torch.int32, device="cuda"),
                              max_context_len=max(lens) + 1)
+        positions = torch.tensor(lens, device="cuda")
         with torch.inference_mode(), forward_context(ctx):
-            assert dataflow_decode.applies(ours, nxt) == (flag == "1")
-            logits = ours.compute_logits(ours(nxt, torch.tensor(lens, device="cuda"))).float()
+            assert dataflow_decode.applies(ours, nxt) == (flag == "1" and pdl_available(nxt.device))
+            hidden = ours(nxt, positions)
+            if flag == "1":                       # the same forward captured and replayed in a graph
+                graph = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(graph):
+                    replayed = ours(nxt, positions)
+                graph.replay()
+                torch.cuda.synchronize()
+                assert torch.equal(replayed, hidden)
+            logits = ours.compute_logits(hidden).float()
         rel = ((logits - ref).norm() / ref.norm()).item()
         top1 = (logits.argmax(-1) == ref.argmax(-1)).float().mean().item()
         results[flag] = (rel, top1)
@@ -91,26 +101,41 @@ def test_decode_logits_match_hf_through_the_chain(monkeypatch, batch):
 
 
 @pytest.mark.parametrize("B,splits", [(5, 1), (5, 4), (64, 4)])       # (64, 4): more than 3 programs an SM
-def test_decode_attention_and_qk_norm_rope_with_pdl_match_plain_launches(B, splits):
+def test_qk_norm_rope_then_attention_with_pdl_in_a_graph_match_plain_launches(B, splits):
+    """The two kernels back to back (K/V stored by the first, read by the second), PDL-launched
+    inside a CUDA graph and replayed, against plain launches: the same output and cache."""
     from pdserve.common.layers.rotary import RotaryEmbedding
     from pdserve.common.ops.fused import qk_norm_rope
     from pdserve.common.ops.paged_attention import alloc_decode_workspace, paged_attention_decode
+    from pdserve.common.ops.pdl import pdl_available
+    if not pdl_available(torch.device("cuda")):
+        pytest.skip("no programmatic dependent launch on this GPU")
     torch.manual_seed(B + splits)
     Hq, Hkv, D, nb = 16, 8, 128, 8 * B
-    k_cache = torch.randn(nb, BLOCK, Hkv, D, device="cuda", dtype=torch.bfloat16)
-    v_cache = torch.randn_like(k_cache)
+    kv = torch.randn(2, nb, BLOCK, Hkv, D, device="cuda", dtype=torch.bfloat16)
     tables = torch.randperm(nb, device="cuda")[:B * 8].view(B, 8).to(torch.int32)
     lens = torch.randint(1, 8 * BLOCK + 1, (B,), dtype=torch.int32, device="cuda")
-    q = torch.randn(B, Hq, D, device="cuda", dtype=torch.bfloat16)
-    ws = alloc_decode_workspace(B, Hq, D, 4, "cuda")
-    plain, chained = (paged_attention_decode(q, k_cache, v_cache, tables, lens, D ** -0.5, workspace=ws,
-                                             num_splits=splits, pdl=pdl) for pdl in (False, True))
-    torch.testing.assert_close(chained, plain, rtol=0, atol=0)
+    pos = lens.long() - 1
+    slots = (tables.gather(1, (pos // BLOCK)[:, None]).squeeze(1) * BLOCK + pos % BLOCK).to(torch.int32)
     rot = RotaryEmbedding(D, 4096, 1e6).to("cuda")
     qkv = torch.randn(B, (Hq + 2 * Hkv) * D, device="cuda", dtype=torch.bfloat16)
-    pos = lens.long() - 1
-    w = torch.ones(D, device="cuda", dtype=torch.bfloat16)
-    outs = [qk_norm_rope(qkv, pos, rot.cos_cache, rot.sin_cache, Hq, Hkv, D, w, w, 1e-6, pdl=pdl)[:2]
-            for pdl in (False, True)]
-    for a, b in zip(*outs):
-        torch.testing.assert_close(b, a, rtol=0, atol=0)
+    qw, kw = (1 + 0.1 * torch.randn(D, device="cuda", dtype=torch.bfloat16) for _ in range(2))
+    ws = alloc_decode_workspace(B, Hq, D, 4, "cuda")
+
+    def step(cache: torch.Tensor, out: torch.Tensor, pdl: bool) -> None:
+        q, _, _ = qk_norm_rope(qkv, pos, rot.cos_cache, rot.sin_cache, Hq, Hkv, D, qw, kw, 1e-6,
+                               cache[0], cache[1], slots, pdl=pdl)
+        paged_attention_decode(q, cache[0], cache[1], tables, lens, D ** -0.5, out=out, workspace=ws,
+                               num_splits=splits, pdl=pdl)
+    plain_kv, plain = kv.clone(), torch.empty(B, Hq, D, device="cuda", dtype=torch.bfloat16)
+    step(plain_kv, plain, False)
+    chained_kv, chained = kv.clone(), torch.full_like(plain, float("nan"))
+    step(chained_kv, chained, True)                                      # compile, and eager
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        step(chained_kv, chained, True)
+    for _ in range(3):
+        chained.fill_(float("nan"))
+        graph.replay()
+        torch.cuda.synchronize()
+        assert torch.equal(chained, plain) and torch.equal(chained_kv, plain_kv)

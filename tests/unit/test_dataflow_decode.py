@@ -17,6 +17,7 @@ from pdserve.common.loader import PRESET_DIR  # noqa: E402
 from pdserve.common.models import dataflow_decode  # noqa: E402
 from pdserve.common.models.decoder import DecoderForCausalLM  # noqa: E402
 from pdserve.common.ops import dataflow  # noqa: E402
+from pdserve.common.ops.pdl import pdl_available  # noqa: E402
 
 CUDA = torch.cuda.is_available()
 DEVICE = "cuda" if CUDA else "cpu"
@@ -54,6 +55,21 @@ def test_preload_linear_matches_linear(k):
     assert out.dtype == a.dtype and _rel(out, a.float() @ w.float().t()) < _tol()
 
 
+def test_one_partial_rounds_as_the_fused_kernels_do():
+    """With one partial holding the GEMM output, the partial-summing kernels are the fused
+    add+RMSNorm and SiLU-mul, bit for bit."""
+    from pdserve.common.ops.fused import rms_norm, silu_and_mul
+    torch.manual_seed(4)
+    x = torch.randn(5, 96, device=DEVICE, dtype=KERNEL_DTYPE)
+    res = torch.randn(5, 96, device=DEVICE, dtype=KERNEL_DTYPE)
+    w = 1 + 0.1 * torch.randn(96, device=DEVICE, dtype=KERNEL_DTYPE)
+    out, res_out = dataflow.add_norm_partials(x.float()[None], res, w, 1e-6)
+    ref_out, ref_res = rms_norm(x, w, 1e-6, res)
+    assert torch.equal(out, ref_out) and torch.equal(res_out, ref_res)
+    gu = torch.randn(5, 160, device=DEVICE, dtype=KERNEL_DTYPE)
+    assert torch.equal(dataflow.silu_partials(gu.float()[None], KERNEL_DTYPE), silu_and_mul(gu))
+
+
 def test_add_norm_partials_and_silu_partials():
     torch.manual_seed(3)
     m, h, inter = 4, 96, 80
@@ -77,6 +93,17 @@ def test_too_many_rows_is_refused():
         dataflow.splitk(a, torch.randn(32, 512, device=DEVICE, dtype=KERNEL_DTYPE))
 
 
+def test_takes_chain_rule():
+    assert dataflow_decode.takes_chain(1, False, True, True, True)
+    assert dataflow_decode.takes_chain(dataflow.MAX_ROWS, False, True, True, True)
+    assert not dataflow_decode.takes_chain(0, False, True, True, True)                    # empty batch
+    assert not dataflow_decode.takes_chain(dataflow.MAX_ROWS + 1, False, True, True, True)
+    assert not dataflow_decode.takes_chain(4, True, True, True, True)                     # prefill / mixed step
+    assert not dataflow_decode.takes_chain(4, False, False, True, True)                   # no PDL
+    assert not dataflow_decode.takes_chain(4, False, True, False, True)                   # switched off
+    assert not dataflow_decode.takes_chain(4, False, True, True, False)                   # geometry
+
+
 def test_supports_the_small_geometries_only():
     qwen3_06b = ModelConfig.from_hf_dict(json.loads((PRESET_DIR / "qwen3-0.6b.json").read_text()))
     qwen3_8b = ModelConfig.from_hf_dict(json.loads((PRESET_DIR / "qwen3-8b.json").read_text()))
@@ -85,6 +112,8 @@ def test_supports_the_small_geometries_only():
     assert not dataflow_decode.supports(qwen3_06b, torch.bfloat16, 8)        # gate_up's 384 tiles not resident
     assert not dataflow_decode.supports(qwen3_8b, torch.bfloat16, 132)       # hidden 4096: QKV's K is 8 tiles
     assert dataflow_decode.supports(ModelConfig.from_hf_dict(SMALL), torch.float16, 132)
+    for bias in ("attention_bias", "mlp_bias"):                              # e.g. Qwen2's qkv bias
+        assert not dataflow_decode.supports(ModelConfig.from_hf_dict({**SMALL, bias: True}), torch.float16, 132)
 
 
 def _decode_batch(model: DecoderForCausalLM, lens: list[int], block: int = 16):
@@ -123,15 +152,15 @@ def test_forward_matches_the_usual_forward(monkeypatch, lens):
     _bind(model, kv_ref)
     monkeypatch.setenv("PDSERVE_DATAFLOW_DECODE", "0")
     with torch.inference_mode(), forward_context(ctx):
-        assert not dataflow_decode.applies(model, ids)
+        assert not CUDA or not dataflow_decode.applies(model, ids)
         ref = model(ids, pos)
     monkeypatch.setenv("PDSERVE_DATAFLOW_DECODE", "1")
     _bind(model, kv)
     with torch.inference_mode(), forward_context(ctx):
-        # the model's forward takes it on a GPU with programmatic dependent launch only
-        assert dataflow_decode.applies(model, ids) == dataflow.pdl_available(ids.device)
+        if CUDA:            # the model's forward takes it on a GPU with programmatic dependent launch
+            assert dataflow_decode.applies(model, ids) == pdl_available(ids.device)
         out = dataflow_decode.forward(model, ids, pos)
-    assert out.shape == ref.shape and _rel(out, ref) < 2e-2
+    assert out.shape == ref.shape and _rel(out, ref) < 5e-3
     slots = ctx.slot_mapping.long()
     written, written_ref = kv[slots // 16, :, :, slots % 16], kv_ref[slots // 16, :, :, slots % 16]
     assert _rel(written, written_ref) < 1e-2                     # the same K/V stored at the same slots

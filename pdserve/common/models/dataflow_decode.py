@@ -8,67 +8,68 @@ It computes what ``DecoderForCausalLM.forward`` computes, rounding at the same p
 output in the model dtype before its residual add or activation); only the GEMMs' summation
 order differs.
 
-Taken for a decode forward (no prompt rows) of at most ``MAX_ROWS`` rows on a GPU with
-programmatic dependent launch (compute capability 9.0 or newer: without it the chain is no faster
-than the usual path, bench/NOTES.md run 33) when the model ``supports`` it and
+Taken (``takes_chain``) for a decode forward (no prompt rows) of 1 to ``MAX_ROWS`` rows on a GPU
+with programmatic dependent launch (pdserve/common/ops/pdl.py; with the same kernels launched
+plainly the chain is no faster than the usual path, measured on an H100 with PDL switched off:
+bench/NOTES.md run 33), when the model ``supports`` it, the fused kernels are on and
 ``PDSERVE_DATAFLOW_DECODE`` is on (default). Otherwise the model runs its usual forward.
+Import it only where Triton is importable (the decoder does so on CUDA with the fused kernels on).
 """
 from __future__ import annotations
 
 import dataclasses
+import functools
+from typing import TYPE_CHECKING, cast
 
 import torch
 
 from pdserve.common import env
 from pdserve.common.config import ModelConfig
 from pdserve.common.context import forward_context, get_forward_context
-from pdserve.common.layers.fused_dispatch import use_fused
-from pdserve.common.ops.dataflow import (
-    BK,
-    BN,
-    MAX_ROWS,
-    add_norm_partials,
-    pdl_available,
-    preload_linear,
-    silu_partials,
-    splitk,
-)
+from pdserve.common.ops.dataflow import BK, BN, MAX_ROWS, add_norm_partials, preload_linear, silu_partials, splitk
+from pdserve.common.ops.pdl import pdl_available
+
+if TYPE_CHECKING:
+    from pdserve.common.models.decoder import DecoderForCausalLM, DecoderLayer
 
 MAX_PROGRAMS_PER_SM = 4     # beyond this a projection's tiles are not all resident: the preload stops paying
 
 
+@functools.lru_cache(maxsize=16)
 def supports(cfg: ModelConfig, dtype: torch.dtype, num_sms: int) -> bool:
     """Whether the chain's tiling fits this geometry: no biases, half-precision weights, every K a
-    multiple of the tile (QKV's K one or two tiles), every projection's tiles resident at once."""
+    multiple of the tile (QKV's K one or two tiles), every projection's programs resident at once."""
     q = cfg.num_attention_heads * cfg.head_dim
     qkv = q + 2 * cfg.num_key_value_heads * cfg.head_dim
     if dtype not in (torch.bfloat16, torch.float16) or cfg.attention_bias or cfg.o_bias or cfg.mlp_bias:
         return False
     if cfg.hidden_size not in (BK, 2 * BK) or q % BK or cfg.intermediate_size % BK:
         return False
-    tiles = {"o": (cfg.hidden_size, q), "gate_up": (2 * cfg.intermediate_size, cfg.hidden_size),
-             "down": (cfg.hidden_size, cfg.intermediate_size)}
     if any(n % BN for n in (qkv, cfg.hidden_size, cfg.intermediate_size)):
         return False
-    return all((n // BN) * (k // BK) <= MAX_PROGRAMS_PER_SM * num_sms for n, k in tiles.values())
+    programs = {"qkv": qkv // BN, "o": cfg.hidden_size // BN * (q // BK),
+                "gate_up": 2 * cfg.intermediate_size // BN * (cfg.hidden_size // BK),
+                "down": cfg.hidden_size // BN * (cfg.intermediate_size // BK)}
+    return all(p <= MAX_PROGRAMS_PER_SM * num_sms for p in programs.values())
 
 
-def applies(model: torch.nn.Module, input_ids: torch.Tensor) -> bool:
-    """This forward takes the chain: CUDA with PDL, fused kernels on, a pure decode batch of <= MAX_ROWS."""
-    if not input_ids.is_cuda or input_ids.shape[0] > MAX_ROWS or not env.dataflow_decode():
+def takes_chain(rows: int, is_prefill: bool, pdl: bool, enabled: bool, supported: bool) -> bool:
+    """The rule, on plain values: a pure decode batch of 1..MAX_ROWS rows, PDL, switched on, a
+    supported model."""
+    return 1 <= rows <= MAX_ROWS and not is_prefill and pdl and enabled and supported
+
+
+def applies(model: DecoderForCausalLM, input_ids: torch.Tensor) -> bool:
+    """``takes_chain`` for this forward (the caller checked CUDA and the fused kernels)."""
+    rows = input_ids.shape[0]
+    if not 1 <= rows <= MAX_ROWS:                                  # cheap checks first
         return False
-    if not pdl_available(input_ids.device):
-        return False
-    if not use_fused(input_ids) or get_forward_context().is_prefill:
-        return False
-    ok = getattr(model, "_dataflow_ok", None)
-    if ok is None:
-        sms = torch.cuda.get_device_properties(input_ids.device).multi_processor_count
-        ok = model._dataflow_ok = supports(model.config, model.embed_tokens.weight.dtype, sms)
-    return ok
+    sms = torch.cuda.get_device_properties(input_ids.device).multi_processor_count
+    return takes_chain(rows, get_forward_context().is_prefill, pdl_available(input_ids.device),
+                       env.dataflow_decode(), supports(model.config, model.embed_tokens.weight.dtype, sms))
 
 
-def forward(model: torch.nn.Module, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+def forward(model: DecoderForCausalLM, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
     """input_ids, positions: [B] (decode rows) -> final hidden states [B, H] (after the final norm).
     The qk-norm/RoPE and attention kernels join the chain (launched with PDL) on a GPU that has it;
     elsewhere (the interpreter, tests) every kernel runs with plain launches."""
@@ -76,14 +77,13 @@ def forward(model: torch.nn.Module, input_ids: torch.Tensor, positions: torch.Te
         return _layers(model, input_ids, positions)
 
 
-def _layers(model: torch.nn.Module, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-    layers = model.layers
+def _layers(model: DecoderForCausalLM, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+    layers = cast("list[DecoderLayer]", list(model.layers))
     residual = model.embed_tokens(input_ids)
-    first = layers[0].input_layernorm
-    x = first(residual)
+    x = layers[0].input_layernorm(residual)
     for i, layer in enumerate(layers):
         attn = layer.self_attn
-        q, k, v = attn._fused_qk_norm_rope(preload_linear(x, attn.qkv_proj.weight), positions)
+        q, k, v = attn.fused_qk_norm_rope(preload_linear(x, attn.qkv_proj.weight), positions)
         o = attn.attn(q, k, v, kv_stored=True).reshape(-1, attn.q_size)
         post = layer.post_attention_layernorm
         x, residual = add_norm_partials(splitk(o, attn.o_proj.weight), residual, post.weight, post.eps)

@@ -17,7 +17,6 @@ from pdserve.common.layers.attention import PagedAttention
 from pdserve.common.layers.fused_dispatch import use_fused
 from pdserve.common.layers.norm import RMSNorm
 from pdserve.common.layers.rotary import RotaryEmbedding
-from pdserve.common.models import dataflow_decode
 
 
 class SelfAttention(nn.Module):
@@ -41,7 +40,7 @@ class SelfAttention(nn.Module):
         """positions: [T]; hidden: [T, H] -> [T, H]."""
         qkv = self.qkv_proj(hidden)
         if use_fused(qkv):
-            q, k, v = self._fused_qk_norm_rope(qkv, positions)      # K/V already in the cache
+            q, k, v = self.fused_qk_norm_rope(qkv, positions)       # K/V already in the cache
             return self.o_proj(self.attn(q, k, v, kv_stored=True).reshape(-1, self.q_size))
         q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q = q.view(-1, self.num_heads, self.head_dim)
@@ -55,7 +54,10 @@ class SelfAttention(nn.Module):
         return self.o_proj(out.reshape(-1, self.q_size))
 
 
-    def _fused_qk_norm_rope(self, qkv: torch.Tensor, positions: torch.Tensor):
+    def fused_qk_norm_rope(self, qkv: torch.Tensor, positions: torch.Tensor
+                           ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """qkv: [T, (Hq + 2 Hkv) D] -> q, k, v through the fused qk-norm/RoPE kernel, K and V
+        stored into the cache at the context's slots (when allocated)."""
         from pdserve.common.ops.fused import qk_norm_rope
         qw = self.q_norm.weight if self.qk_norm else None
         kw = self.k_norm.weight if self.qk_norm else None
@@ -121,8 +123,10 @@ class DecoderForCausalLM(nn.Module):
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """input_ids, positions: [T] -> hidden [T, H]."""
-        if dataflow_decode.applies(self, input_ids):
-            return dataflow_decode.forward(self, input_ids, positions)
+        if input_ids.is_cuda and use_fused(input_ids):
+            from pdserve.common.models import dataflow_decode  # imports Triton
+            if dataflow_decode.applies(self, input_ids):
+                return dataflow_decode.forward(self, input_ids, positions)
         hidden = self.embed_tokens(input_ids)
         residual = None
         for layer in self.layers:

@@ -15,37 +15,31 @@ Rules:
   fp32 partial sums ``part[K / BK, M, N]``; the next kernel adds them up as it reads them
   (``add_norm_partials``, ``silu_partials``), rounding to the activation dtype first, where the
   unfused path rounds its GEMM output.
-- ``preload_linear`` (K = BK or 2 * BK) writes the activation dtype directly (QKV, read by the
-  qk-norm/RoPE kernel).
+- ``preload_linear`` (K = BK or K = 2 * BK) writes the activation dtype directly (QKV, read by
+  the qk-norm/RoPE kernel).
 - Weights are contiguous ``[N, K]``; activations contiguous ``[M, K]``; N % BN == 0, K % BK == 0.
-- Without a Hopper-class GPU (or under the interpreter) the same kernels run without PDL.
+- Without PDL (pdserve/common/ops/pdl.py; or under the interpreter) the same kernels run with
+  plain launches.
 """
 from __future__ import annotations
-
-import functools
 
 import torch
 import triton
 import triton.language as tl
 
+from pdserve.common.ops.pdl import launch_args, pdl_available
+
 BN, BK = 32, 512          # a weight tile: 32 rows x 512 columns
 MAX_ROWS = 16
 
 
-@functools.lru_cache(maxsize=8)
-def pdl_available(device: torch.device) -> bool:
-    """Programmatic dependent launch: CUDA (not the interpreter), compute capability 9.0 or newer."""
-    return device.type == "cuda" and torch.cuda.get_device_capability(device)[0] >= 9
-
-
 def _launch(x: torch.Tensor) -> dict:
-    pdl = pdl_available(x.device)
-    return {"PDL": pdl, "launch_pdl": True} if pdl else {"PDL": False}
+    return launch_args(pdl_available(x.device))
 
 
 @triton.jit
 def _splitk_kernel(a_ptr, w_ptr, part_ptr, M, N, K, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
-                   PDL: tl.constexpr):
+                   PDL: tl.constexpr = False):
     offs_n = tl.program_id(0) * BN + tl.arange(0, BN)
     ks = tl.program_id(1)
     offs_k = ks * BK + tl.arange(0, BK)
@@ -63,7 +57,7 @@ def _splitk_kernel(a_ptr, w_ptr, part_ptr, M, N, K, BM: tl.constexpr, BN: tl.con
 
 @triton.jit
 def _preload_linear_kernel(a_ptr, w_ptr, c_ptr, M, N, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
-                           KT: tl.constexpr, PDL: tl.constexpr):
+                           KT: tl.constexpr, PDL: tl.constexpr = False):
     offs_n = tl.program_id(0) * BN + tl.arange(0, BN)
     offs_k = tl.arange(0, BK)
     w_ptrs = w_ptr + offs_n[:, None].to(tl.int64) * (KT * BK) + offs_k[None, :]
@@ -86,7 +80,7 @@ def _preload_linear_kernel(a_ptr, w_ptr, c_ptr, M, N, BM: tl.constexpr, BN: tl.c
 
 @triton.jit
 def _add_norm_partials_kernel(part_ptr, KS, res_ptr, w_ptr, out_ptr, res_out_ptr, M, n_cols, eps,
-                              BLOCK: tl.constexpr, PDL: tl.constexpr):
+                              BLOCK: tl.constexpr, PDL: tl.constexpr = False):
     row = tl.program_id(0)
     cols = tl.arange(0, BLOCK)
     mask = cols < n_cols
@@ -107,7 +101,7 @@ def _add_norm_partials_kernel(part_ptr, KS, res_ptr, w_ptr, out_ptr, res_out_ptr
 
 
 @triton.jit
-def _silu_partials_kernel(part_ptr, KS, out_ptr, M, inter, BLOCK: tl.constexpr, PDL: tl.constexpr):
+def _silu_partials_kernel(part_ptr, KS, out_ptr, M, inter, BLOCK: tl.constexpr, PDL: tl.constexpr = False):
     row = tl.program_id(0)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = cols < inter
@@ -142,7 +136,7 @@ def splitk(a: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
 
 
 def preload_linear(a: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-    """a: [M, K] with K in (BK, 2 * BK), w: [N, K] -> ``a @ w.T`` in a's dtype: [M, N]."""
+    """a: [M, K] with K = BK or K = 2 * BK, w: [N, K] -> ``a @ w.T`` in a's dtype: [M, N]."""
     (m, k), n = a.shape, w.shape[0]
     assert a.is_contiguous() and w.is_contiguous() and w.shape[1] == k and k in (BK, 2 * BK) and n % BN == 0
     out = torch.empty(m, n, dtype=a.dtype, device=a.device)

@@ -9,6 +9,8 @@ import torch
 import triton
 import triton.language as tl
 
+from pdserve.common.ops.pdl import launch_args, pdl_available
+
 
 @triton.jit
 def _rms_norm_kernel(x_ptr, res_ptr, w_ptr, out_ptr, res_out_ptr, n_cols, eps,
@@ -139,7 +141,7 @@ def qk_norm_rope(qkv: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor, 
 
     With ``k_cache``/``v_cache`` and ``slot_mapping[T]`` it also stores K and V into the paged
     cache (negative slots skipped), as ``kv_store.store_kvcache`` would. ``pdl``: launched with
-    programmatic dependent launch (CUDA, compute capability 9.0 or newer).
+    programmatic dependent launch where ``pdl.pdl_available`` (pdserve/common/ops/pdl.py).
     """
     T = qkv.shape[0]
     q = torch.empty(T, num_q, head_dim, dtype=qkv.dtype, device=qkv.device)
@@ -163,6 +165,6 @@ def qk_norm_rope(qkv: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor, 
                                BLOCK_H=triton.next_power_of_2(num_q + num_kv), STORE_KV=store,
                                CACHE_BLOCK=kc.shape[1] if store else 1,
                                BLOCK_KV=triton.next_power_of_2(num_kv), num_warps=4,
-                               **({"PDL": True, "launch_pdl": True} if pdl else {}))
+                               **launch_args(pdl and pdl_available(qkv.device)))
     v = qkv[:, (num_q + num_kv) * head_dim:].view(T, num_kv, head_dim)
     return q, k, v

@@ -14,6 +14,8 @@ import torch
 import triton
 import triton.language as tl
 
+from pdserve.common.ops.pdl import launch_args, pdl_available
+
 __all__ = [
     "paged_attention_decode",
     "alloc_decode_workspace",
@@ -201,10 +203,6 @@ def _decode_config(dtype: torch.dtype, head_dim: int, device: torch.device) -> t
     return (64 if head_dim <= 128 else 32), 4, 3
 
 
-def _pdl_args(pdl: bool) -> dict:
-    return {"PDL": True, "launch_pdl": True} if pdl else {}
-
-
 def _decode_out(q: torch.Tensor, out: torch.Tensor | None) -> torch.Tensor:
     """``out[:B]`` checked against ``q[B, Hq, D]``, or a new contiguous tensor like ``q``."""
     if out is None:
@@ -239,9 +237,12 @@ def paged_attention_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     ``alloc_decode_workspace``; ``num_splits``: default ``decode_num_splits`` on
     ``max_context_len`` (default ``block_tables.shape[1] * block_size``). With all three given
     nothing is allocated or synchronized (CUDA-graph capture safe). ``pdl``: launch both kernels
-    with programmatic dependent launch (each releases the next kernel at its start and waits for
-    the previous one before reading; CUDA, compute capability 9.0 or newer).
+    with programmatic dependent launch where ``pdl.pdl_available`` (each waits for the previous
+    kernel before reading; the reduce kernel, and the split kernel when its grid has at most
+    ``_EARLY_RELEASE_PER_SM`` programs an SM, release the next kernel at their start, a larger
+    split grid at each program's end).
     """
+    pdl = pdl and pdl_available(q.device)
     B = q.shape[0]
     Hq, Hkv, D, block_size = check_caches(q, k_cache, v_cache)
     out = _decode_out(q, out)
@@ -277,7 +278,7 @@ def paged_attention_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
         *ws_strides,
         GROUP=group, BLOCK_G=block_g, HEAD_DIM=D, BLOCK_SIZE=block_size, BLOCK_N=block_n,
         SINGLE_SPLIT=single, DOT_PRECISION=dot_precision(q.dtype),
-        num_warps=num_warps, num_stages=num_stages, **_pdl_args(pdl),
+        num_warps=num_warps, num_stages=num_stages, **launch_args(pdl),
         **({"RELEASE_EARLY": Hkv * num_splits * B <= _EARLY_RELEASE_PER_SM * _sm_count(q.device)} if pdl else {}),
     )
     if not single:
@@ -286,6 +287,6 @@ def paged_attention_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
             *ws_strides,
             out.stride(0), out.stride(1),
             HEAD_DIM=D, BLOCK_S=max(2, triton.next_power_of_2(num_splits)),
-            num_warps=4 if D >= 128 else 2, **_pdl_args(pdl),
+            num_warps=4 if D >= 128 else 2, **launch_args(pdl),
         )
     return out
