@@ -3,36 +3,17 @@ logits (bf16, the same weights) through the chain and through the usual forward,
 with HF's logits for the same position."""
 from __future__ import annotations
 
-import json
-
 import pytest
 import torch
 
-from pdserve.common.config import ModelConfig
 from pdserve.common.context import ForwardContext, forward_context
-from pdserve.common.loader import PRESET_DIR
 from pdserve.common.models import dataflow_decode
 from pdserve.common.models.decoder import DecoderForCausalLM
 from pdserve.common.ops.pdl import pdl_available
+from tests.gpu.qwen3_06b import hf_and_ours
 
 pytestmark = pytest.mark.gpu
 BLOCK = 16
-
-
-def _models():
-    import transformers as tf
-    cfg_dict = json.loads((PRESET_DIR / "qwen3-0.6b.json").read_text())
-    torch.manual_seed(0)
-    with torch.device("cuda"):
-        hf = tf.AutoModelForCausalLM.from_config(tf.AutoConfig.for_model(**cfg_dict), dtype=torch.bfloat16,
-                                                 attn_implementation="sdpa").eval()
-    cfg = ModelConfig.from_hf_dict(cfg_dict, "qwen3-0.6b")
-    torch.set_default_dtype(torch.bfloat16)
-    with torch.device("cuda"):
-        ours = DecoderForCausalLM(cfg, "triton")
-    torch.set_default_dtype(torch.float32)
-    ours.load_weights(hf.state_dict().items())
-    return hf, ours
 
 
 def _prefill(ours: DecoderForCausalLM, prompts: list[torch.Tensor]) -> tuple[torch.Tensor, list[list[int]]]:
@@ -61,7 +42,7 @@ def _prefill(ours: DecoderForCausalLM, prompts: list[torch.Tensor]) -> tuple[tor
 
 @pytest.mark.parametrize("batch", [1, 8, 16])
 def test_decode_logits_match_hf_through_the_chain(monkeypatch, batch):
-    hf, ours = _models()
+    hf, ours = hf_and_ours()
     gen = torch.Generator().manual_seed(batch)
     lens = [int(n) for n in torch.randint(5, 300, (batch,), generator=gen)]
     prompts = [torch.randint(0, 150000, (n,), generator=gen).cuda() for n in lens]

@@ -2,17 +2,14 @@
 (Qwen3-0.6B geometry), through the Triton backend with CUDA-graph decode."""
 from __future__ import annotations
 
-import json
 import random
 
 import pytest
 import torch
 
-from pdserve.common.config import ModelConfig
 from pdserve.common.context import forward_context
 from pdserve.common.engine import LLM, SamplingParams
-from pdserve.common.loader import PRESET_DIR
-from pdserve.common.models.decoder import DecoderForCausalLM
+from tests.gpu.qwen3_06b import hf_and_ours
 from tests.unit.hf_models import hf_greedy, make_tiny_checkpoint
 
 pytestmark = pytest.mark.gpu
@@ -35,18 +32,8 @@ def test_tiny_fp32_greedy_matches_hf_on_gpu(tmp_path, kind, eager, budget):
 
 
 def test_qwen3_06b_bf16_prefill_logits_match_hf():
-    import transformers as tf
-    cfg_dict = json.loads((PRESET_DIR / "qwen3-0.6b.json").read_text())
-    torch.manual_seed(0)
-    hf_cfg = tf.AutoConfig.for_model(**cfg_dict)
-    with torch.device("cuda"):
-        hf = tf.AutoModelForCausalLM.from_config(hf_cfg, dtype=torch.bfloat16, attn_implementation="sdpa").eval()
-    ours_cfg = ModelConfig.from_hf_dict(cfg_dict, "qwen3-0.6b")
-    torch.set_default_dtype(torch.bfloat16)
-    with torch.device("cuda"):
-        ours = DecoderForCausalLM(ours_cfg, "triton")
-    torch.set_default_dtype(torch.float32)
-    ours.load_weights(hf.state_dict().items())
+    hf, ours = hf_and_ours()
+    ours_cfg = ours.config
     lengths = [37, 300, 129]
     prompts = [torch.randint(0, 150000, (n,), device="cuda") for n in lengths]
     bs, L, Hkv, D = 16, ours_cfg.num_hidden_layers, ours_cfg.num_key_value_heads, ours_cfg.head_dim
