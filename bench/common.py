@@ -11,13 +11,14 @@ from pathlib import Path
 
 import torch
 
+from pdserve.common import env
+
 logger = logging.getLogger(__name__)
 RESULTS_DIR = Path(__file__).parent / "results"
 
 
 def git_commit() -> str:
     """HEAD, or ``PDSERVE_GIT_COMMIT`` where the tree has no .git (the device machines)."""
-    from pdserve.common import env
     if env.get("GIT_COMMIT"):
         return env.get("GIT_COMMIT")
     try:
@@ -38,7 +39,9 @@ def write_result(path: str | Path, result: dict) -> Path:
     path.parent.mkdir(parents=True, exist_ok=True)
     record = {"device": device_name(), "date": datetime.datetime.now(datetime.timezone.utc).isoformat(),
               "command": " ".join([Path(sys.executable).name, *sys.argv]), "commit": git_commit(),
-              "torch": torch.__version__, **result}
+              "torch": torch.__version__,
+              # the settings this run had from the environment (e.g. PDSERVE_DATAFLOW_DECODE)
+              "env": env.snapshot(), **result}
     path.write_text(json.dumps(record, indent=2))
     logger.info("wrote %s", path)
     return path

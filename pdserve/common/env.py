@@ -54,6 +54,11 @@ def fused_ops() -> bool:
     return get_bool("FUSED_OPS", True)
 
 
+def snapshot() -> dict[str, str]:
+    """Every ``PDSERVE_*`` variable set now (benchmark records say which settings they ran)."""
+    return {k: v for k, v in sorted(os.environ.items()) if k.startswith(PREFIX)}
+
+
 def dataflow_decode() -> bool:
     """The small-batch decode chain (pdserve/common/models/dataflow_decode.py) where the model
     supports it (``PDSERVE_DATAFLOW_DECODE``, default on)."""

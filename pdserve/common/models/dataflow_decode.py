@@ -27,6 +27,7 @@ from pdserve.common import env
 from pdserve.common.config import ModelConfig
 from pdserve.common.context import forward_context, get_forward_context
 from pdserve.common.ops.dataflow import BK, BN, MAX_ROWS, add_norm_partials, preload_linear, silu_partials, splitk
+from pdserve.common.ops.paged_attention import sm_count
 from pdserve.common.ops.pdl import pdl_available
 
 if TYPE_CHECKING:
@@ -64,7 +65,7 @@ def applies(model: DecoderForCausalLM, input_ids: torch.Tensor) -> bool:
     rows = input_ids.shape[0]
     if not 1 <= rows <= MAX_ROWS:                                  # cheap checks first
         return False
-    sms = torch.cuda.get_device_properties(input_ids.device).multi_processor_count
+    sms = sm_count(input_ids.device)
     return takes_chain(rows, get_forward_context().is_prefill, pdl_available(input_ids.device),
                        env.dataflow_decode(), supports(model.config, model.embed_tokens.weight.dtype, sms))
 

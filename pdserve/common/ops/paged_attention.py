@@ -146,7 +146,8 @@ def _decode_reduce_kernel(
 _SM_COUNT: dict[int, int] = {}
 
 
-def _sm_count(device: torch.device) -> int:
+def sm_count(device: torch.device) -> int:
+    """Multiprocessors of ``device`` (cached; 8 on the CPU, for the interpreter)."""
     if device.type != "cuda":
         return 8                                   # interpreter on the CPU: any small number
     idx = device.index if device.index is not None else torch.cuda.current_device()
@@ -189,7 +190,7 @@ def decode_num_splits(batch: int, num_kv_heads: int, max_context_len: int,
     """
     device = torch.device(device)
     programs = max(1, batch * num_kv_heads)
-    by_occupancy = (4 * _sm_count(device) + programs // 2) // programs
+    by_occupancy = (4 * sm_count(device) + programs // 2) // programs
     by_length = max(1, max_context_len // _MIN_TOKENS_PER_SPLIT)
     return int(max(1, min(by_occupancy, by_length, max_splits)))
 
@@ -279,7 +280,7 @@ def paged_attention_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
         GROUP=group, BLOCK_G=block_g, HEAD_DIM=D, BLOCK_SIZE=block_size, BLOCK_N=block_n,
         SINGLE_SPLIT=single, DOT_PRECISION=dot_precision(q.dtype),
         num_warps=num_warps, num_stages=num_stages, **launch_args(pdl),
-        **({"RELEASE_EARLY": Hkv * num_splits * B <= _EARLY_RELEASE_PER_SM * _sm_count(q.device)} if pdl else {}),
+        **({"RELEASE_EARLY": Hkv * num_splits * B <= _EARLY_RELEASE_PER_SM * sm_count(q.device)} if pdl else {}),
     )
     if not single:
         _decode_reduce_kernel[(B, Hq)](
