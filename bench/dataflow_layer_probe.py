@@ -9,12 +9,14 @@ before it waits for its input (the module docstring has the rules).
 
 Ways, each timed over 8 layers whose weights (252 MB) overflow the L2, in one CUDA graph:
 - ``engine``: ``F.linear`` (cuBLAS) and the engine's fused RMSNorm and SiLU-mul kernels;
-- ``dataflow``: the chain; ``dataflow_nopdl``: the same kernels launched without PDL;
-- ``wide`` (up to 64 rows): the chain with every GEMM split over K, QKV included (lab only).
+- ``dataflow``: the chain (QKV left as its split-K partials, which the product's qk-norm/RoPE
+  kernel adds up); ``dataflow_nopdl``: the same kernels launched without PDL. Both run up to 64
+  rows, past the product's ``dataflow.MAX_ROWS``, to show where the chain stops paying.
 
 Each way's QKV and residual are checked against a float32 torch reference on fresh random inputs,
 outputs poisoned with NaN first. (Versions of this probe at 3d8e689 and dbd67ae also tried the
-batch in chunks of 16 or 32 rows a dot, up to M = 256: bench/NOTES.md run 33.)
+batch in chunks of 16 or 32 rows a dot, up to M = 256: bench/NOTES.md run 33; at a5f64ec a "wide"
+way split QKV over K when the product still computed it whole: run 38.)
 
     python -m bench.dataflow_layer_probe --out bench/results/dataflow/dataflow_layer_probe_h100.json
 """
@@ -70,15 +72,6 @@ def _pdl(on: bool):
         dataflow.pdl_available = saved
 
 
-def dataflow_layer(attn, res, lw, bufs, pdl: bool) -> tuple[torch.Tensor, torch.Tensor]:
-    del bufs
-    with _pdl(pdl):
-        x, r = dataflow.add_norm_partials(dataflow.splitk(attn, lw["o"]), res, lw["g1"], EPS)
-        act = dataflow.silu_partials(dataflow.splitk(x, lw["gate_up"]), x.dtype)
-        x, r = dataflow.add_norm_partials(dataflow.splitk(act, lw["down"]), r, lw["g2"], EPS)
-        return dataflow.preload_linear(x, lw["qkv"]), r
-
-
 @contextmanager
 def _rows(n: int):
     """The chain's kernels taking up to ``n`` rows in one dot (a lab question: the product stops
@@ -91,10 +84,8 @@ def _rows(n: int):
         dataflow.MAX_ROWS = saved
 
 
-def wide_layer(attn, res, lw, bufs, pdl: bool) -> tuple[torch.Tensor, torch.Tensor]:
-    """The chain for up to 64 rows, QKV split over K as well (its two partials left for the
-    qk-norm/RoPE kernel to add, as the norms do; summed here outside the timed region only for
-    the check): does the chain pay beyond 16 rows once no kernel holds two weight tiles?"""
+def dataflow_layer(attn, res, lw, bufs, pdl: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """The chain's dense half; QKV returned as its partials [2, M, 4096]."""
     del bufs
     with _pdl(pdl), _rows(64):
         x, r = dataflow.add_norm_partials(dataflow.splitk(attn, lw["o"]), res, lw["g1"], EPS)
@@ -131,16 +122,14 @@ def measure(m: int, layers: list[dict]) -> dict:
     ref_qkv, ref_res = reference(attn, res, layers[0])
     row: dict = {"M": m}
     ways = {"engine": (engine_layer, False)}
-    if m <= dataflow.MAX_ROWS:
-        ways.update({"dataflow": (dataflow_layer, True), "dataflow_nopdl": (dataflow_layer, False)})
     if m <= 64:
-        ways["wide"] = (wide_layer, True)
+        ways.update({"dataflow": (dataflow_layer, True), "dataflow_nopdl": (dataflow_layer, False)})
     bufs = None                                   # every way allocates its outputs (NaN-filled below)
     for name, (layer_fn, pdl) in ways.items():
         try:
             with _nan_outputs():
                 qkv, r = layer_fn(attn, res, layers[0], bufs, pdl)
-            qkv = qkv.sum(0) if qkv.dim() == 3 else qkv           # the wide way's QKV partials
+            qkv = qkv.sum(0) if qkv.dim() == 3 else qkv           # the chain's QKV partials
             errs = (rel_err(qkv, ref_qkv), rel_err(r, ref_res))
             assert max(errs) < 1e-2, f"{name} M={m}: relative errors {errs}"
             secs = graph_time(lambda fn=layer_fn, p=pdl: [fn(attn, res, lw, bufs, p) for lw in layers], replays=20)
@@ -153,7 +142,7 @@ def measure(m: int, layers: list[dict]) -> dict:
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--batches", default="1,4,8,16,32,64")
+    p.add_argument("--batches", default="1,8,16,24,32,48,64")
     p.add_argument("--layers", type=int, default=8)
     p.add_argument("--out", default="bench/results/dataflow/dataflow_layer_probe.json")
     a = p.parse_args(argv)
@@ -168,7 +157,7 @@ def main(argv: list[str] | None = None) -> int:
     for r in rows:
         cells = [f"{w} {r[w + '_us']:6.2f}" if w + "_us" in r
                  else f"{w} ERROR {r[w + '_error'][:80]}" if w + "_error" in r
-                 else f"{w} n/a (> {dataflow.MAX_ROWS} rows)" for w in ("engine", "dataflow", "dataflow_nopdl", "wide")]
+                 else f"{w} n/a (> 64 rows)" for w in ("engine", "dataflow", "dataflow_nopdl")]
         print(f"  M={r['M']:4d}: " + ", ".join(cells))
     return 0
 

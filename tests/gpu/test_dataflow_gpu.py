@@ -40,7 +40,7 @@ def _prefill(ours: DecoderForCausalLM, prompts: list[torch.Tensor]) -> tuple[tor
     return kv, tables
 
 
-@pytest.mark.parametrize("batch", [1, 8, 16])
+@pytest.mark.parametrize("batch", [1, 8, 16, 32])
 def test_decode_logits_match_hf_through_the_chain(monkeypatch, batch):
     hf, ours = hf_and_ours()
     gen = torch.Generator().manual_seed(batch)

@@ -1,7 +1,7 @@
 """The small-batch decode forward: the decoder's dense layers as one chain of weight-preloading,
 PDL-launched kernels (pdserve/common/ops/dataflow.py), attention unchanged.
 
-Per layer: ``qkv = preload_linear(x)`` -> qk-norm/RoPE/KV store -> paged attention ->
+Per layer: ``qkv`` partials -> qk-norm/RoPE/KV store (adding them up) -> paged attention ->
 ``o_proj`` partials -> add + post-attention RMSNorm -> ``gate_up`` partials -> SiLU-mul ->
 ``down`` partials -> add + the next layer's input RMSNorm (the final norm after the last layer).
 It computes what ``DecoderForCausalLM.forward`` computes, rounding at the same points (each GEMM
@@ -26,7 +26,7 @@ import torch
 from pdserve.common import env
 from pdserve.common.config import ModelConfig
 from pdserve.common.context import forward_context, get_forward_context
-from pdserve.common.ops.dataflow import BK, BN, MAX_ROWS, add_norm_partials, preload_linear, silu_partials, splitk
+from pdserve.common.ops.dataflow import BK, BN, MAX_ROWS, add_norm_partials, silu_partials, splitk
 from pdserve.common.ops.paged_attention import sm_count
 from pdserve.common.ops.pdl import pdl_available
 
@@ -39,16 +39,16 @@ MAX_PROGRAMS_PER_SM = 4     # beyond this a projection's tiles are not all resid
 @functools.lru_cache(maxsize=16)
 def supports(cfg: ModelConfig, dtype: torch.dtype, num_sms: int) -> bool:
     """Whether the chain's tiling fits this geometry: no biases, half-precision weights, every K a
-    multiple of the tile (QKV's K one or two tiles), every projection's programs resident at once."""
+    multiple of the tile, every projection's programs resident at once."""
     q = cfg.num_attention_heads * cfg.head_dim
     qkv = q + 2 * cfg.num_key_value_heads * cfg.head_dim
     if dtype not in (torch.bfloat16, torch.float16) or cfg.attention_bias or cfg.o_bias or cfg.mlp_bias:
         return False
-    if cfg.hidden_size not in (BK, 2 * BK) or q % BK or cfg.intermediate_size % BK:
+    if cfg.hidden_size % BK or q % BK or cfg.intermediate_size % BK:
         return False
     if any(n % BN for n in (qkv, cfg.hidden_size, cfg.intermediate_size)):
         return False
-    programs = {"qkv": qkv // BN, "o": cfg.hidden_size // BN * (q // BK),
+    programs = {"qkv": qkv // BN * (cfg.hidden_size // BK), "o": cfg.hidden_size // BN * (q // BK),
                 "gate_up": 2 * cfg.intermediate_size // BN * (cfg.hidden_size // BK),
                 "down": cfg.hidden_size // BN * (cfg.intermediate_size // BK)}
     return all(p <= MAX_PROGRAMS_PER_SM * num_sms for p in programs.values())
@@ -84,7 +84,7 @@ def _layers(model: DecoderForCausalLM, input_ids: torch.Tensor, positions: torch
     x = layers[0].input_layernorm(residual)
     for i, layer in enumerate(layers):
         attn = layer.self_attn
-        q, k, v = attn.fused_qk_norm_rope(preload_linear(x, attn.qkv_proj.weight), positions)
+        q, k, v = attn.fused_qk_norm_rope(splitk(x, attn.qkv_proj.weight), positions)
         o = attn.attn(q, k, v, kv_stored=True).reshape(-1, attn.q_size)
         post = layer.post_attention_layernorm
         x, residual = add_norm_partials(splitk(o, attn.o_proj.weight), residual, post.weight, post.eps)

@@ -56,8 +56,9 @@ class SelfAttention(nn.Module):
 
     def fused_qk_norm_rope(self, qkv: torch.Tensor, positions: torch.Tensor
                            ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """qkv: [T, (Hq + 2 Hkv) D] -> q, k, v through the fused qk-norm/RoPE kernel, K and V
-        stored into the cache at the context's slots (when allocated)."""
+        """qkv: [T, (Hq + 2 Hkv) D], or its fp32 split-K partials [S, T, (Hq + 2 Hkv) D] (the
+        small-batch chain) -> q, k, v through the fused qk-norm/RoPE kernel, K and V stored into
+        the cache at the context's slots (when allocated)."""
         from pdserve.common.ops.fused import qk_norm_rope
         qw = self.q_norm.weight if self.qk_norm else None
         kw = self.k_norm.weight if self.qk_norm else None
@@ -68,7 +69,8 @@ class SelfAttention(nn.Module):
         slots = ctx.slot_mapping if ctx is not None else None
         return qk_norm_rope(qkv, positions, self.rotary.cos_cache, self.rotary.sin_cache, self.num_heads,
                             self.num_kv_heads, self.head_dim, qw, kw, eps, kc, vc, slots,
-                            pdl=ctx is not None and ctx.pdl)
+                            pdl=ctx is not None and ctx.pdl,
+                            dtype=self.qkv_proj.weight.dtype if qkv.dim() == 3 else None)
 
 
 class MLP(nn.Module):

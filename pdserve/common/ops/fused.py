@@ -1,7 +1,8 @@
 """Fused elementwise Triton kernels for the decoder layer, each with its torch reference:
 ``rms_norm`` (optionally fused residual add), ``silu_and_mul`` and ``qk_norm_rope`` (split
-QKV, per-head RMSNorm, rotary; v stays a view of ``qkv``). Numerics follow the checkpoints'
-reference (fp32 statistics, dtype rounding before the weight). No host syncs; CUDA-graph safe.
+QKV, per-head RMSNorm, rotary; v stays a view of ``qkv``; QKV may also come as split-K partial
+sums). Numerics follow the checkpoints' reference (fp32 statistics, dtype rounding before the
+weight). No host syncs; CUDA-graph safe.
 """
 from __future__ import annotations
 
@@ -67,12 +68,25 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
 
 
 @triton.jit
+def _load_qkv(ptrs, mask, part_stride, PARTS: tl.constexpr, dtype: tl.constexpr):
+    """A slice of a token's QKV row: as stored (``PARTS == 0``), or the sum of ``PARTS`` fp32
+    split-K partials ``part_stride`` elements apart, rounded to ``dtype`` as a GEMM rounds its output."""
+    if PARTS == 0:
+        return tl.load(ptrs, mask=mask, other=0.0)
+    acc = tl.load(ptrs, mask=mask, other=0.0)
+    for s in tl.static_range(1, PARTS):
+        acc += tl.load(ptrs + s * part_stride, mask=mask, other=0.0)
+    return acc.to(dtype)
+
+
+@triton.jit
 def _qk_norm_rope_kernel(qkv_ptr, pos_ptr, cos_ptr, sin_ptr, qw_ptr, kw_ptr, q_out_ptr, k_out_ptr,
                          slot_ptr, kc_ptr, vc_ptr, stride_kc_b, stride_kc_t, stride_kc_h,
                          stride_vc_b, stride_vc_t, stride_vc_h,
                          stride_qkv, stride_cos, eps, NUM_Q: tl.constexpr, NUM_KV: tl.constexpr,
                          HEAD_DIM: tl.constexpr, HAS_NORM: tl.constexpr, BLOCK_H: tl.constexpr,
                          STORE_KV: tl.constexpr, CACHE_BLOCK: tl.constexpr, BLOCK_KV: tl.constexpr,
+                         v_out_ptr, part_stride, PARTS: tl.constexpr = 0, LOAD_V: tl.constexpr = False,
                          PDL: tl.constexpr = False):
     if PDL:                                 # release the next kernel now; wait for qkv
         tl.extra.cuda.gdc_launch_dependents()
@@ -87,9 +101,9 @@ def _qk_norm_rope_kernel(qkv_ptr, pos_ptr, cos_ptr, sin_ptr, qw_ptr, kw_ptr, q_o
     cos = tl.load(cos_ptr + pos * stride_cos + dims)                     # [half] fp32
     sin = tl.load(sin_ptr + pos * stride_cos + dims)
     base = qkv_ptr + tok * stride_qkv + heads[:, None] * HEAD_DIM + dims[None, :]
-    x1 = tl.load(base, mask=hmask[:, None], other=0.0)
-    x2 = tl.load(base + half, mask=hmask[:, None], other=0.0)
-    dtype = x1.dtype
+    dtype = q_out_ptr.dtype.element_ty
+    x1 = _load_qkv(base, hmask[:, None], part_stride, PARTS, dtype)
+    x2 = _load_qkv(base + half, hmask[:, None], part_stride, PARTS, dtype)
     if HAS_NORM:
         f1 = x1.to(tl.float32)
         f2 = x2.to(tl.float32)
@@ -113,39 +127,54 @@ def _qk_norm_rope_kernel(qkv_ptr, pos_ptr, cos_ptr, sin_ptr, qw_ptr, kw_ptr, q_o
     k_base = k_out_ptr + tok * NUM_KV * HEAD_DIM + k_heads[:, None] * HEAD_DIM + dims[None, :]
     tl.store(k_base, o1, mask=k_mask)
     tl.store(k_base + half, o2, mask=k_mask)
-    if STORE_KV:
-        # the token's K (as just computed) and V into the paged cache; slot < 0: padding
-        slot = tl.load(slot_ptr + tok).to(tl.int64)
-        blk = slot // CACHE_BLOCK
-        off = slot % CACHE_BLOCK
-        kc = kc_ptr + blk * stride_kc_b + off * stride_kc_t + k_heads[:, None] * stride_kc_h + dims[None, :]
-        kc_mask = k_mask & ((heads * 0 + slot) >= 0)[:, None]
-        tl.store(kc, o1.to(kc_ptr.dtype.element_ty), mask=kc_mask)
-        tl.store(kc + half, o2.to(kc_ptr.dtype.element_ty), mask=kc_mask)
+    if LOAD_V:                              # STORE_KV or PARTS > 0
         kv_heads = tl.arange(0, BLOCK_KV)
         full = tl.arange(0, HEAD_DIM)
-        v_mask = ((kv_heads < NUM_KV) & ((kv_heads * 0 + slot) >= 0))[:, None]
-        v = tl.load(qkv_ptr + tok * stride_qkv + (NUM_Q + NUM_KV) * HEAD_DIM
-                    + kv_heads[:, None] * HEAD_DIM + full[None, :], mask=v_mask, other=0.0)
-        tl.store(vc_ptr + blk * stride_vc_b + off * stride_vc_t + kv_heads[:, None] * stride_vc_h
-                 + full[None, :], v.to(vc_ptr.dtype.element_ty), mask=v_mask)
-
+        kv_mask = (kv_heads < NUM_KV)[:, None]
+        v = _load_qkv(qkv_ptr + tok * stride_qkv + (NUM_Q + NUM_KV) * HEAD_DIM + kv_heads[:, None] * HEAD_DIM
+                      + full[None, :], kv_mask, part_stride, PARTS, dtype)
+        if PARTS > 0:                       # v is no view of a stored qkv: write it out
+            tl.store(v_out_ptr + tok * NUM_KV * HEAD_DIM + kv_heads[:, None] * HEAD_DIM + full[None, :], v,
+                     mask=kv_mask)
+        if STORE_KV:
+            # the token's K (as just computed) and V into the paged cache; slot < 0: padding
+            slot = tl.load(slot_ptr + tok).to(tl.int64)
+            blk = slot // CACHE_BLOCK
+            off = slot % CACHE_BLOCK
+            kc = kc_ptr + blk * stride_kc_b + off * stride_kc_t + k_heads[:, None] * stride_kc_h + dims[None, :]
+            kc_mask = k_mask & ((heads * 0 + slot) >= 0)[:, None]
+            tl.store(kc, o1.to(kc_ptr.dtype.element_ty), mask=kc_mask)
+            tl.store(kc + half, o2.to(kc_ptr.dtype.element_ty), mask=kc_mask)
+            v_mask = kv_mask & ((kv_heads * 0 + slot) >= 0)[:, None]
+            tl.store(vc_ptr + blk * stride_vc_b + off * stride_vc_t + kv_heads[:, None] * stride_vc_h
+                     + full[None, :], v.to(vc_ptr.dtype.element_ty), mask=v_mask)
 
 def qk_norm_rope(qkv: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                  num_q: int, num_kv: int, head_dim: int, q_weight: torch.Tensor | None = None,
                  k_weight: torch.Tensor | None = None, eps: float = 1e-6,
                  k_cache: torch.Tensor | None = None, v_cache: torch.Tensor | None = None,
-                 slot_mapping: torch.Tensor | None = None, pdl: bool = False,
+                 slot_mapping: torch.Tensor | None = None, pdl: bool = False, dtype: torch.dtype | None = None,
                  ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """qkv: [T, (Hq+2Hkv)*D]; cos/sin: [P, D] fp32 caches -> q [T,Hq,D], k [T,Hkv,D], v [T,Hkv,D] (view).
 
+    ``qkv`` may also be the fp32 split-K partial sums of the QKV projection, [S, T, (Hq+2Hkv)*D]
+    (pdserve/common/ops/dataflow.py): they are added up and rounded to ``dtype`` (the model's),
+    where the unsplit projection rounds its output, and v is then a new tensor.
     With ``k_cache``/``v_cache`` and ``slot_mapping[T]`` it also stores K and V into the paged
     cache (negative slots skipped), as ``kv_store.store_kvcache`` would. ``pdl``: launched with
     programmatic dependent launch where ``pdl.pdl_available`` (pdserve/common/ops/pdl.py).
     """
-    T = qkv.shape[0]
-    q = torch.empty(T, num_q, head_dim, dtype=qkv.dtype, device=qkv.device)
-    k = torch.empty(T, num_kv, head_dim, dtype=qkv.dtype, device=qkv.device)
+    parts = qkv.shape[0] if qkv.dim() == 3 else 0
+    if parts:
+        assert qkv.dtype == torch.float32 and qkv.is_contiguous() and dtype is not None, (qkv.dtype, dtype)
+    else:
+        assert dtype in (None, qkv.dtype), (qkv.dtype, dtype)
+    dtype = dtype or qkv.dtype
+    T = qkv.shape[-2]
+    q = torch.empty(T, num_q, head_dim, dtype=dtype, device=qkv.device)
+    k = torch.empty(T, num_kv, head_dim, dtype=dtype, device=qkv.device)
+    v = (torch.empty(T, num_kv, head_dim, dtype=dtype, device=qkv.device) if parts
+         else qkv[:, (num_q + num_kv) * head_dim:].view(T, num_kv, head_dim))
     has_norm = q_weight is not None
     qw = q_weight if has_norm else cos
     kw = k_weight if has_norm else cos
@@ -160,11 +189,12 @@ def qk_norm_rope(qkv: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor, 
     kc_strides = (kc.stride(0), kc.stride(1), kc.stride(2)) if store else (0, 0, 0)
     vc_strides = (vc.stride(0), vc.stride(1), vc.stride(2)) if store else (0, 0, 0)
     _qk_norm_rope_kernel[(T,)](qkv, positions, cos, sin, qw, kw, q, k, slots, kc, vc,
-                               *kc_strides, *vc_strides, qkv.stride(0), cos.stride(0), eps,
+                               *kc_strides, *vc_strides, qkv.stride(-2), cos.stride(0), eps,
                                NUM_Q=num_q, NUM_KV=num_kv, HEAD_DIM=head_dim, HAS_NORM=has_norm,
                                BLOCK_H=triton.next_power_of_2(num_q + num_kv), STORE_KV=store,
                                CACHE_BLOCK=kc.shape[1] if store else 1,
-                               BLOCK_KV=triton.next_power_of_2(num_kv), num_warps=4,
+                               BLOCK_KV=triton.next_power_of_2(num_kv), v_out_ptr=v,
+                               part_stride=qkv.stride(0) if parts else 0, PARTS=parts,
+                               LOAD_V=store or parts > 0, num_warps=4,
                                **launch_args(pdl and pdl_available(qkv.device)))
-    v = qkv[:, (num_q + num_kv) * head_dim:].view(T, num_kv, head_dim)
     return q, k, v
