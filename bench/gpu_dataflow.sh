@@ -4,7 +4,7 @@
 # off (PDSERVE_DATAFLOW_DECODE=0) and on. Results under $OUT.
 set -uo pipefail
 export PYTHONPATH=$PWD PYTHONUNBUFFERED=1
-python3 -m pytest -q -x tests/gpu tests/unit/test_fused_ops.py tests/unit/test_dataflow_decode.py tests/unit/test_ops.py \
+python3 -m pytest -q -s -x tests/gpu tests/unit/test_fused_ops.py tests/unit/test_dataflow_decode.py tests/unit/test_ops.py \
   tests/unit/test_sampler.py tests/unit/test_sampler_seeds.py -p no:cacheprovider 2>&1 | tee "$OUT/gpu_tests.log" | tail -4
 python3 -m bench.dataflow_check --out "$OUT/dataflow_check.json" 2>&1 | tail -2
 python3 -m bench.dataflow_layer_probe --out "$OUT/layer_probe.json" 2>&1 | tail -8
