@@ -9,8 +9,8 @@ before it waits for its input (the module docstring has the rules).
 
 Ways, each timed over 8 layers whose weights (252 MB) overflow the L2, in one CUDA graph:
 - ``engine``: ``F.linear`` (cuBLAS) and the engine's fused RMSNorm and SiLU-mul kernels;
-- ``dataflow``: the chain (QKV left as its split-K partials, which the product's qk-norm/RoPE
-  kernel adds up); ``dataflow_nopdl``: the same kernels launched without PDL. Both run up to 64
+- ``dataflow``: the chain (beyond 16 rows QKV left as its split-K partials, which the product's
+  qk-norm/RoPE kernel adds up); ``dataflow_nopdl``: the same kernels launched without PDL. Both run up to 64
   rows, past the product's ``dataflow.MAX_ROWS``, to show where the chain stops paying.
 
 Each way's QKV and residual are checked against a float32 torch reference on fresh random inputs,
@@ -29,6 +29,7 @@ import torch
 import torch.nn.functional as F
 
 from bench.common import graph_time, write_result
+from pdserve.common.models.dataflow_decode import qkv_preloads
 from pdserve.common.ops import dataflow
 from pdserve.common.ops.fused import rms_norm, silu_and_mul
 
@@ -85,13 +86,15 @@ def _rows(n: int):
 
 
 def dataflow_layer(attn, res, lw, bufs, pdl: bool) -> tuple[torch.Tensor, torch.Tensor]:
-    """The chain's dense half; QKV returned as its partials [2, M, 4096]."""
+    """The chain's dense half; QKV as the product computes it (``qkv_preloads``), beyond 16 rows
+    as its split-K partials [2, M, 4096]."""
     del bufs
+    qkv_proj = dataflow.preload_linear if qkv_preloads(attn.shape[0], H) else dataflow.splitk
     with _pdl(pdl), _rows(64):
         x, r = dataflow.add_norm_partials(dataflow.splitk(attn, lw["o"]), res, lw["g1"], EPS)
         act = dataflow.silu_partials(dataflow.splitk(x, lw["gate_up"]), x.dtype)
         x, r = dataflow.add_norm_partials(dataflow.splitk(act, lw["down"]), r, lw["g2"], EPS)
-        return dataflow.splitk(x, lw["qkv"]), r
+        return qkv_proj(x, lw["qkv"]), r
 
 
 def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:

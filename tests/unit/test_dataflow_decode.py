@@ -46,6 +46,21 @@ def test_splitk_partials_sum_to_the_product(m):
     assert _rel(part.sum(0), a.float() @ w.float().t()) < _tol()
 
 
+@pytest.mark.parametrize("k", [512, 1024])
+def test_preload_linear_matches_linear(k):
+    torch.manual_seed(k)
+    a = torch.randn(3, k, device=DEVICE, dtype=KERNEL_DTYPE)
+    w = torch.randn(96, k, device=DEVICE, dtype=KERNEL_DTYPE) / k ** 0.5
+    out = dataflow.preload_linear(a, w)
+    assert out.dtype == a.dtype and _rel(out, a.float() @ w.float().t()) < _tol()
+
+
+def test_qkv_preloads_rule():
+    assert dataflow_decode.qkv_preloads(1, 1024) and dataflow_decode.qkv_preloads(dataflow.PRELOAD_ROWS, 512)
+    assert not dataflow_decode.qkv_preloads(dataflow.PRELOAD_ROWS + 1, 1024)     # 17-32 rows: split over K
+    assert not dataflow_decode.qkv_preloads(4, 1536)                             # K of three tiles: split
+
+
 def test_one_partial_rounds_as_the_fused_kernels_do():
     """With one partial holding the GEMM output, the partial-summing kernels are the fused
     add+RMSNorm and SiLU-mul, bit for bit."""
@@ -129,9 +144,11 @@ def _bind(model: DecoderForCausalLM, kv: torch.Tensor) -> None:
 
 
 @pytest.mark.parametrize("lens", [[9], [1, 7, 16, 20, 40], [1 + 2 * i for i in range(dataflow.MAX_ROWS)]])
-def test_forward_matches_the_usual_forward(monkeypatch, lens):
+@pytest.mark.parametrize("hidden", [512, 1536])
+def test_forward_matches_the_usual_forward(monkeypatch, lens, hidden):
+    """hidden 512: QKV preloaded at <= 16 rows; 1536 (three K tiles) and 32 rows: QKV split over K."""
     torch.manual_seed(len(lens))
-    cfg = ModelConfig.from_hf_dict(SMALL)
+    cfg = ModelConfig.from_hf_dict({**SMALL, "hidden_size": hidden})
     model = DecoderForCausalLM(cfg, "triton" if CUDA else "torch").to(DEVICE, MODEL_DTYPE)
     with torch.no_grad():
         for p in model.parameters():

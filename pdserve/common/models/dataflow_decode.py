@@ -1,7 +1,8 @@
 """The small-batch decode forward: the decoder's dense layers as one chain of weight-preloading,
 PDL-launched kernels (pdserve/common/ops/dataflow.py), attention unchanged.
 
-Per layer: ``qkv`` partials -> qk-norm/RoPE/KV store (adding them up) -> paged attention ->
+Per layer: ``qkv`` (``preload_linear`` at <= 16 rows where hidden is one or two tiles, else split-K
+partials, ``qkv_preloads``) -> qk-norm/RoPE/KV store (adding partials up) -> paged attention ->
 ``o_proj`` partials -> add + post-attention RMSNorm -> ``gate_up`` partials -> SiLU-mul ->
 ``down`` partials -> add + the next layer's input RMSNorm (the final norm after the last layer).
 It computes what ``DecoderForCausalLM.forward`` computes, rounding at the same points (each GEMM
@@ -26,7 +27,16 @@ import torch
 from pdserve.common import env
 from pdserve.common.config import ModelConfig
 from pdserve.common.context import forward_context, get_forward_context
-from pdserve.common.ops.dataflow import BK, BN, MAX_ROWS, add_norm_partials, silu_partials, splitk
+from pdserve.common.ops.dataflow import (
+    BK,
+    BN,
+    MAX_ROWS,
+    PRELOAD_ROWS,
+    add_norm_partials,
+    preload_linear,
+    silu_partials,
+    splitk,
+)
 from pdserve.common.ops.paged_attention import sm_count
 from pdserve.common.ops.pdl import pdl_available
 
@@ -60,6 +70,12 @@ def takes_chain(rows: int, is_prefill: bool, pdl: bool, enabled: bool, supported
     return 1 <= rows <= MAX_ROWS and not is_prefill and pdl and enabled and supported
 
 
+def qkv_preloads(rows: int, hidden: int) -> bool:
+    """QKV through ``preload_linear`` (each program holds its whole K: 0.01-0.06 ms a step faster at
+    <= 16 rows on the Qwen3-0.6B geometry, bench/NOTES.md run 39), else split over K."""
+    return rows <= PRELOAD_ROWS and hidden in (BK, 2 * BK)
+
+
 def applies(model: DecoderForCausalLM, input_ids: torch.Tensor) -> bool:
     """``takes_chain`` for this forward (the caller checked CUDA and the fused kernels)."""
     rows = input_ids.shape[0]
@@ -82,9 +98,10 @@ def _layers(model: DecoderForCausalLM, input_ids: torch.Tensor, positions: torch
     layers = cast("list[DecoderLayer]", list(model.layers))
     residual = model.embed_tokens(input_ids)
     x = layers[0].input_layernorm(residual)
+    qkv_proj = preload_linear if qkv_preloads(input_ids.shape[0], model.config.hidden_size) else splitk
     for i, layer in enumerate(layers):
         attn = layer.self_attn
-        q, k, v = attn.fused_qk_norm_rope(splitk(x, attn.qkv_proj.weight), positions)
+        q, k, v = attn.fused_qk_norm_rope(qkv_proj(x, attn.qkv_proj.weight), positions)
         o = attn.attn(q, k, v, kv_stored=True).reshape(-1, attn.q_size)
         post = layer.post_attention_layernorm
         x, residual = add_norm_partials(splitk(o, attn.o_proj.weight), residual, post.weight, post.eps)
