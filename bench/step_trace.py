@@ -3,7 +3,8 @@ grouped by batch size, with the host's time per step, against each step's bytes-
 
 Every ``ModelRunner.launch`` (prefill and decode) is bracketed by two CUDA timing events; after
 the run, ``busy`` = start→end of a step on the GPU and ``gap`` = end of one step → start of the
-next (the GPU waiting for the host). The floor of a decode step is (weights + the batch's KV
+next (the GPU waiting for the host). Triton compiles inside the timed run are listed with their
+time (a kernel variant the start-up warm-up did not meet). The floor of a decode step is (weights + the batch's KV
 bytes) / the copy bandwidth measured in the same run.
 
     python -m bench.step_trace --out bench/results/step_trace_h100.json
@@ -78,6 +79,26 @@ def time_host_calls(llm: LLM) -> dict[str, list[float]]:
                 sink.setdefault(_name, []).append(time.perf_counter() - t0)
         setattr(obj, name, timed)
     return sink
+
+
+def track_compiles() -> list[dict]:
+    """Triton compiles from now on (a kernel variant first met inside the timed run costs the host
+    a compile or a disk-cache load): kernel, its specialization and seconds, in the order they
+    happened, through Triton's JIT hooks (``triton.knobs.runtime``)."""
+    from triton import knobs
+    compiles: list[dict] = []
+    started: dict = {}
+
+    def before(*, key, repr, **_kw) -> bool:
+        started[str(key)] = time.perf_counter()
+        return False                                   # True would skip the compile
+
+    def after(*, key, repr, **_kw) -> bool:
+        t0 = started.pop(str(key), None)
+        compiles.append({"kernel": repr[:400], "s": None if t0 is None else round(time.perf_counter() - t0, 4)})
+        return False
+    knobs.runtime.jit_cache_hook, knobs.runtime.jit_post_compile_hook = before, after
+    return compiles
 
 
 def allocator_counts() -> dict[str, int]:
@@ -211,6 +232,7 @@ def main(argv: list[str] | None = None) -> int:
     work = w_nano()
     torch.cuda.synchronize()
     counts_before = allocator_counts()
+    compiles = track_compiles()
     start = time.perf_counter()
     llm.generate(work.prompts, work.params, use_tqdm=False)
     torch.cuda.synchronize()
@@ -220,12 +242,15 @@ def main(argv: list[str] | None = None) -> int:
     kv_bytes = llm.engine.model_runner.block_bytes // llm.engine.config.block_size
     result = {"copy_bandwidth_GBps": bandwidth / 1e9, "config": vars(args), "wall_s": elapsed,
               "output_tok_s": work.num_output_tokens / elapsed,
-              "allocator_events_during_run": counts,
+              "allocator_events_during_run": counts, "triton_compiles_during_run": list(compiles),
               "host_calls_ms": {k: {"calls": len(v), "mean": 1e3 * sum(v) / len(v), "max": 1e3 * max(v),
                                     "first10": [round(1e3 * x, 3) for x in v[:10]]}
                                 for k, v in host_calls.items()},
               **summarize(records, weight_bytes, kv_bytes, bandwidth)}
     print("allocator events during the run:", counts)
+    print(f"Triton compiles during the run: {len(compiles)}, {sum(c['s'] or 0 for c in compiles):.3f} s")
+    for c in compiles[:20]:
+        print(f"  {c['s']} s {c['kernel'][:200]}")
     for k, v in result["host_calls_ms"].items():
         print(f"host {k:>16s}: {v['calls']:5d} calls, mean {v['mean']:.3f} ms, max {v['max']:.3f} ms, "
               f"first {v['first10']}")
