@@ -25,9 +25,10 @@ logger = logging.getLogger(__name__)
 BUCKETS = (1, 8, 16, 32, 64, 128, 192, 256, 512)
 
 
-def instrument(llm: LLM) -> list[list]:
+def instrument(llm: LLM, prefill_profiler=None) -> list[list]:
     """Wrap ``launch`` (and the logits, and the engine step); returns the list it appends
-    [is_prefill, batch, kv_tokens, start, end, logits_event, host_launch_s, host_step_s] to."""
+    [is_prefill, batch, kv_tokens, start, end, logits_event, host_launch_s, host_step_s] to.
+    ``prefill_profiler`` (a ``cProfile.Profile``): enabled around each prefill step's launch."""
     engine = llm.engine
     mr = engine.model_runner
     original, original_logits, original_step = mr.launch, mr.model.compute_logits, engine.step
@@ -45,7 +46,11 @@ def instrument(llm: LLM) -> list[list]:
             s.num_tokens - s.num_cached_tokens for s in seqs)
         t0 = time.perf_counter()
         start.record()
+        if is_prefill and prefill_profiler is not None:
+            prefill_profiler.enable()
         out = original(seqs, is_prefill, *args, **kwargs)
+        if is_prefill and prefill_profiler is not None:
+            prefill_profiler.disable()
         end.record()
         records.append([is_prefill, len(seqs), kv_tokens, start, end, logits_at[0], time.perf_counter() - t0, 0.0])
         return out
@@ -220,6 +225,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--profile-decode", default="", help="batch:context of an eager decode step to profile")
     p.add_argument("--host-calls", action="store_true",
                    help="also time the host pieces of each step (prepare, forward launch, sampler)")
+    p.add_argument("--cprofile-prefill-steps", action="store_true",
+                   help="also cProfile the host inside W-nano's own prefill launches (as they run, overlapped)")
     p.add_argument("--out", default="bench/results/step_trace.json")
     args = p.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
@@ -227,7 +234,9 @@ def main(argv: list[str] | None = None) -> int:
     llm = LLM(args.model, block_size=args.block_size, max_num_seqs=512, max_model_len=4096,
               max_num_batched_tokens=16384)
     llm.generate([[1, 2, 3, 4] * 8] * 4, SamplingParams(max_tokens=32, ignore_eos=True), use_tqdm=False)
-    records = instrument(llm)
+    import cProfile
+    in_run_profiler = cProfile.Profile() if args.cprofile_prefill_steps else None
+    records = instrument(llm, in_run_profiler)
     host_calls = time_host_calls(llm) if args.host_calls else {}
     work = w_nano()
     torch.cuda.synchronize()
@@ -254,6 +263,13 @@ def main(argv: list[str] | None = None) -> int:
     for k, v in result["host_calls_ms"].items():
         print(f"host {k:>16s}: {v['calls']:5d} calls, mean {v['mean']:.3f} ms, max {v['max']:.3f} ms, "
               f"first {v['first10']}")
+    if in_run_profiler is not None:
+        import io
+        import pstats
+        text = io.StringIO()
+        pstats.Stats(in_run_profiler, stream=text).sort_stats("tottime").print_stats(35)
+        result["prefill_steps_in_run_cprofile"] = text.getvalue()
+        print(result["prefill_steps_in_run_cprofile"])
     del llm.engine.model_runner.launch        # the profiles below run without the trace's wrapper
     if args.profile_prefill:
         result["prefill_profile"] = profile_prefill(llm)
