@@ -268,6 +268,7 @@ def main(argv: list[str] | None = None) -> int:
         import pstats
         text = io.StringIO()
         pstats.Stats(in_run_profiler, stream=text).sort_stats("tottime").print_stats(35)
+        pstats.Stats(in_run_profiler, stream=text).sort_stats("cumulative").print_stats(30)
         result["prefill_steps_in_run_cprofile"] = text.getvalue()
         print(result["prefill_steps_in_run_cprofile"])
     del llm.engine.model_runner.launch        # the profiles below run without the trace's wrapper
