@@ -12,6 +12,7 @@ bytes) / the copy bandwidth measured in the same run.
 from __future__ import annotations
 
 import argparse
+import gc
 import logging
 import time
 
@@ -104,6 +105,27 @@ def track_compiles() -> list[dict]:
         return False
     knobs.runtime.jit_cache_hook, knobs.runtime.jit_post_compile_hook = before, after
     return compiles
+
+
+def track_gc() -> dict:
+    """Python garbage-collector pauses from now on: count and seconds per generation (the pauses
+    stop the host wherever they strike, a step's launches included)."""
+    stats: dict = {"by_generation": {}, "pauses_over_1ms": 0, "callback": None}
+    started: list[float] = [0.0]
+
+    def callback(phase: str, info: dict) -> None:
+        if phase == "start":
+            started[0] = time.perf_counter()
+            return
+        dt = time.perf_counter() - started[0]
+        g = stats["by_generation"].setdefault(str(info["generation"]), {"count": 0, "s": 0.0, "max_s": 0.0})
+        g["count"] += 1
+        g["s"] += dt
+        g["max_s"] = max(g["max_s"], dt)
+        stats["pauses_over_1ms"] += dt > 1e-3
+    gc.callbacks.append(callback)
+    stats["callback"] = callback                       # removed with gc.callbacks.remove after the run
+    return stats
 
 
 def allocator_counts() -> dict[str, int]:
@@ -242,21 +264,25 @@ def main(argv: list[str] | None = None) -> int:
     torch.cuda.synchronize()
     counts_before = allocator_counts()
     compiles = track_compiles()
+    gc_stats = track_gc()
     start = time.perf_counter()
     llm.generate(work.prompts, work.params, use_tqdm=False)
     torch.cuda.synchronize()
     elapsed = time.perf_counter() - start
     counts = {k: v - counts_before.get(k, 0) for k, v in allocator_counts().items()}
+    gc.callbacks.remove(gc_stats.pop("callback"))
     weight_bytes = sum(p.numel() * p.element_size() for p in llm.engine.model_runner.model.parameters())
     kv_bytes = llm.engine.model_runner.block_bytes // llm.engine.config.block_size
     result = {"copy_bandwidth_GBps": bandwidth / 1e9, "config": vars(args), "wall_s": elapsed,
               "output_tok_s": work.num_output_tokens / elapsed,
               "allocator_events_during_run": counts, "triton_compiles_during_run": list(compiles),
+              "gc_during_run": gc_stats,
               "host_calls_ms": {k: {"calls": len(v), "mean": 1e3 * sum(v) / len(v), "max": 1e3 * max(v),
                                     "first10": [round(1e3 * x, 3) for x in v[:10]]}
                                 for k, v in host_calls.items()},
               **summarize(records, weight_bytes, kv_bytes, bandwidth)}
     print("allocator events during the run:", counts)
+    print("Python GC during the run:", gc_stats)
     print(f"Triton compiles during the run: {len(compiles)}, {sum(c['s'] or 0 for c in compiles):.3f} s")
     for c in compiles[:20]:
         print(f"  {c['s']} s {c['kernel'][:200]}")

@@ -14,6 +14,7 @@ import torch
 
 from pdserve.common.config import EngineConfig, ModelConfig, parse_dtype
 from pdserve.common.context import ForwardContext, forward_context
+from pdserve.common.engine.prefill_batch import block_table_array, prefill_batch
 from pdserve.common.engine.sequence import Sequence
 from pdserve.common.layers.attention_backends import resolve_backend_name
 from pdserve.common.layers.sampler import Sampler, SamplingBatch, prepare_sampling
@@ -155,48 +156,30 @@ class ModelRunner:
         t = torch.tensor(data, dtype=dtype, pin_memory=self.device.type == "cuda")
         return t.to(self.device, non_blocking=True)
 
-    def _block_tables(self, seqs: list[Sequence]) -> torch.Tensor:
-        width = max(len(s.block_table) for s in seqs)
-        table = np.full((len(seqs), width), -1, dtype=np.int32)
-        for i, s in enumerate(seqs):
-            table[i, :len(s.block_table)] = s.block_table
-        t = torch.from_numpy(table)
+    def _array_to_device(self, array: np.ndarray) -> torch.Tensor:
+        t = torch.from_numpy(array)
         if self.device.type == "cuda":
             t = t.pin_memory()
         return t.to(self.device, non_blocking=True)
 
-    def _slots(self, seq: Sequence, start: int, end: int) -> list[int]:
-        bs = self.block_size
-        return [seq.block_table[p // bs] * bs + p % bs for p in range(start, end)]
+    def _block_tables(self, seqs: list[Sequence]) -> torch.Tensor:
+        return self._array_to_device(block_table_array(seqs))
 
     def prepare_prefill(self, seqs: list[Sequence]) -> tuple[torch.Tensor, torch.Tensor, ForwardContext]:
         """A step computing tokens ``[num_cached_tokens, +num_scheduled_tokens)`` of each sequence;
         leading one-token rows (decode rows) go through decode attention."""
         nd = _num_decode_rows(seqs)
-        input_ids: list[int] = []
-        positions: list[int] = []
-        slots: list[int] = []
-        cu_q: list[int] = [0]
-        context_lens: list[int] = []
-        for i, seq in enumerate(seqs):
-            start = seq.num_cached_tokens
-            end = start + seq.num_scheduled_tokens
-            input_ids.extend(seq.token_ids[start:end])
-            positions.extend(range(start, end))
-            slots.extend(self._slots(seq, start, end))
-            if i >= nd:
-                cu_q.append(cu_q[-1] + end - start)
-            context_lens.append(end)
+        batch = prefill_batch(seqs, self.block_size, nd)
         ctx = ForwardContext(
-            is_prefill=True, slot_mapping=self._to_device(slots, torch.int32),
-            context_lens=self._to_device(context_lens, torch.int32),
-            block_tables=self._block_tables(seqs), cu_seqlens_q=self._to_device(cu_q, torch.int32),
-            max_seqlen_q=max((b - a for a, b in zip(cu_q, cu_q[1:])), default=0),
-            num_decode_tokens=nd, max_context_len=max(context_lens[:nd], default=None))
+            is_prefill=True, slot_mapping=self._array_to_device(batch.slot_mapping),
+            context_lens=self._array_to_device(batch.context_lens),
+            block_tables=self._array_to_device(batch.block_tables),
+            cu_seqlens_q=self._array_to_device(batch.cu_seqlens_q), max_seqlen_q=batch.max_seqlen_q,
+            num_decode_tokens=nd, max_context_len=int(batch.context_lens[:nd].max()) if nd else None)
         if 0 < nd < len(seqs):
-            ctx.chunk_context_lens = self._to_device(context_lens[nd:], torch.int32)
-            ctx.chunk_block_tables = self._block_tables(seqs[nd:])
-        return self._to_device(input_ids, torch.int64), self._to_device(positions, torch.int64), ctx
+            ctx.chunk_context_lens = self._array_to_device(batch.context_lens[nd:])
+            ctx.chunk_block_tables = self._array_to_device(batch.block_tables[nd:])
+        return self._array_to_device(batch.input_ids), self._array_to_device(batch.positions), ctx
 
     def prepare_decode(self, seqs: list[Sequence]) -> tuple[torch.Tensor, torch.Tensor, ForwardContext]:
         bs = self.block_size
