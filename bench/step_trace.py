@@ -4,16 +4,20 @@ grouped by batch size, with the host's time per step, against each step's bytes-
 Every ``ModelRunner.launch`` (prefill and decode) is bracketed by two CUDA timing events; after
 the run, ``busy`` = start→end of a step on the GPU and ``gap`` = end of one step → start of the
 next (the GPU waiting for the host). Triton compiles inside the timed run are listed with their
-time (a kernel variant the start-up warm-up did not meet). The floor of a decode step is (weights + the batch's KV
-bytes) / the copy bandwidth measured in the same run.
+time (a kernel variant the start-up warm-up did not meet), and so are Python GC pauses;
+``--cprofile-prefill-steps`` profiles the host inside the run's own prefill launches. The floor
+of a decode step is (weights + the batch's KV bytes) / the copy bandwidth measured in the same run.
 
     python -m bench.step_trace --out bench/results/step_trace_h100.json
 """
 from __future__ import annotations
 
 import argparse
+import cProfile
 import gc
+import io
 import logging
+import pstats
 import time
 
 import torch
@@ -26,7 +30,7 @@ logger = logging.getLogger(__name__)
 BUCKETS = (1, 8, 16, 32, 64, 128, 192, 256, 512)
 
 
-def instrument(llm: LLM, prefill_profiler=None) -> list[list]:
+def instrument(llm: LLM, prefill_profiler: cProfile.Profile | None = None) -> list[list]:
     """Wrap ``launch`` (and the logits, and the engine step); returns the list it appends
     [is_prefill, batch, kv_tokens, start, end, logits_event, host_launch_s, host_step_s] to.
     ``prefill_profiler`` (a ``cProfile.Profile``): enabled around each prefill step's launch."""
@@ -47,11 +51,14 @@ def instrument(llm: LLM, prefill_profiler=None) -> list[list]:
             s.num_tokens - s.num_cached_tokens for s in seqs)
         t0 = time.perf_counter()
         start.record()
-        if is_prefill and prefill_profiler is not None:
+        profiled = is_prefill and prefill_profiler is not None
+        if profiled:
             prefill_profiler.enable()
-        out = original(seqs, is_prefill, *args, **kwargs)
-        if is_prefill and prefill_profiler is not None:
-            prefill_profiler.disable()
+        try:
+            out = original(seqs, is_prefill, *args, **kwargs)
+        finally:
+            if profiled:
+                prefill_profiler.disable()
         end.record()
         records.append([is_prefill, len(seqs), kv_tokens, start, end, logits_at[0], time.perf_counter() - t0, 0.0])
         return out
@@ -95,16 +102,22 @@ def track_compiles() -> list[dict]:
     compiles: list[dict] = []
     started: dict = {}
 
-    def before(*, key, repr, **_kw) -> bool:
+    def before(*, key, **_kw) -> bool:
         started[str(key)] = time.perf_counter()
         return False                                   # True would skip the compile
 
-    def after(*, key, repr, **_kw) -> bool:
+    def after(*, key, **kw) -> bool:
         t0 = started.pop(str(key), None)
-        compiles.append({"kernel": repr[:400], "s": None if t0 is None else round(time.perf_counter() - t0, 4)})
+        compiles.append({"kernel": kw["repr"][:400], "s": None if t0 is None else round(time.perf_counter() - t0, 4)})
         return False
+    assert knobs.runtime.jit_cache_hook is None and knobs.runtime.jit_post_compile_hook is None, "hooks in use"
     knobs.runtime.jit_cache_hook, knobs.runtime.jit_post_compile_hook = before, after
     return compiles
+
+
+def untrack_compiles() -> None:
+    from triton import knobs
+    knobs.runtime.jit_cache_hook = knobs.runtime.jit_post_compile_hook = None
 
 
 def track_gc() -> dict:
@@ -202,9 +215,6 @@ def profile_prefill(llm: LLM, rows: int = 20) -> str:
 
 def cprofile_prefill(llm: LLM, rows: int = 30) -> str:
     """cProfile (host, Python) of one W-nano-sized prefill batch, by own time."""
-    import cProfile
-    import io
-    import pstats
     prompts = _prefill_batch(2)
     params = SamplingParams(temperature=0.6, max_tokens=1, ignore_eos=True)
     prof = cProfile.Profile()
@@ -256,7 +266,6 @@ def main(argv: list[str] | None = None) -> int:
     llm = LLM(args.model, block_size=args.block_size, max_num_seqs=512, max_model_len=4096,
               max_num_batched_tokens=16384)
     llm.generate([[1, 2, 3, 4] * 8] * 4, SamplingParams(max_tokens=32, ignore_eos=True), use_tqdm=False)
-    import cProfile
     in_run_profiler = cProfile.Profile() if args.cprofile_prefill_steps else None
     records = instrument(llm, in_run_profiler)
     host_calls = time_host_calls(llm) if args.host_calls else {}
@@ -271,6 +280,7 @@ def main(argv: list[str] | None = None) -> int:
     elapsed = time.perf_counter() - start
     counts = {k: v - counts_before.get(k, 0) for k, v in allocator_counts().items()}
     gc.callbacks.remove(gc_stats.pop("callback"))
+    untrack_compiles()
     weight_bytes = sum(p.numel() * p.element_size() for p in llm.engine.model_runner.model.parameters())
     kv_bytes = llm.engine.model_runner.block_bytes // llm.engine.config.block_size
     result = {"copy_bandwidth_GBps": bandwidth / 1e9, "config": vars(args), "wall_s": elapsed,
@@ -290,8 +300,6 @@ def main(argv: list[str] | None = None) -> int:
         print(f"host {k:>16s}: {v['calls']:5d} calls, mean {v['mean']:.3f} ms, max {v['max']:.3f} ms, "
               f"first {v['first10']}")
     if in_run_profiler is not None:
-        import io
-        import pstats
         text = io.StringIO()
         pstats.Stats(in_run_profiler, stream=text).sort_stats("tottime").print_stats(35)
         pstats.Stats(in_run_profiler, stream=text).sort_stats("cumulative").print_stats(30)

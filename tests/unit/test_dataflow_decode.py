@@ -55,6 +55,12 @@ def test_preload_linear_matches_linear(k):
     assert out.dtype == a.dtype and _rel(out, a.float() @ w.float().t()) < _tol()
 
 
+def test_preload_linear_refuses_more_than_preload_rows():
+    a = torch.randn(dataflow.PRELOAD_ROWS + 1, 512, device=DEVICE, dtype=KERNEL_DTYPE)
+    with pytest.raises(AssertionError):
+        dataflow.preload_linear(a, torch.randn(32, 512, device=DEVICE, dtype=KERNEL_DTYPE))
+
+
 def test_qkv_preloads_rule():
     assert dataflow_decode.qkv_preloads(1, 1024) and dataflow_decode.qkv_preloads(dataflow.PRELOAD_ROWS, 512)
     assert not dataflow_decode.qkv_preloads(dataflow.PRELOAD_ROWS + 1, 1024)     # 17-32 rows: split over K

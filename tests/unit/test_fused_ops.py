@@ -92,13 +92,15 @@ def test_qk_norm_rope_stores_kv_like_store_kvcache(dtype):
     torch.testing.assert_close(pools[0], pools[1], rtol=0, atol=0, equal_nan=True)
 
 
-@pytest.mark.parametrize("parts", [1, 2])
-def test_qk_norm_rope_adds_split_k_partials(parts):
+@pytest.mark.parametrize("parts", [1, 2, 3])
+@pytest.mark.parametrize("heads", [(4, 2), (6, 3)])
+@pytest.mark.parametrize("store", [True, False])
+def test_qk_norm_rope_adds_split_k_partials(parts, heads, store):
     """QKV given as fp32 split-K partials: the kernel adds them up and rounds to the model dtype,
     then computes exactly what it computes from the rounded sum (v written out, the cache too)."""
     torch.manual_seed(5)
     dtype = torch.bfloat16 if DEVICE == "cuda" else torch.float16
-    hq, hkv, d, T, bs = 4, 2, 32, 5, 4
+    (hq, hkv), d, T, bs = heads, 32, 5, 4
     rot = RotaryEmbedding(d, 64, 10000.0).to(DEVICE)
     part = torch.randn(parts, T, (hq + 2 * hkv) * d, device=DEVICE)
     pos = torch.tensor([0, 3, 7, 12, 40], device=DEVICE)
@@ -106,14 +108,15 @@ def test_qk_norm_rope_adds_split_k_partials(parts):
     kw = 1 + 0.1 * torch.randn(d, device=DEVICE, dtype=dtype)
     slots = torch.tensor([5, -1, 0, 23, 9], dtype=torch.int32, device=DEVICE)
     pools = [torch.full((6, 2, bs, hkv, d), float("nan"), device=DEVICE, dtype=dtype) for _ in range(2)]
-    out = qk_norm_rope(part, pos, rot.cos_cache, rot.sin_cache, hq, hkv, d, qw, kw, 1e-6,
-                       pools[0][:, 0], pools[0][:, 1], slots, dtype=dtype)
+    caches = [(p[:, 0], p[:, 1], slots) if store else (None, None, None) for p in pools]
+    out = qk_norm_rope(part, pos, rot.cos_cache, rot.sin_cache, hq, hkv, d, qw, kw, 1e-6, *caches[0], dtype=dtype)
     ref = qk_norm_rope(part.sum(0).to(dtype), pos, rot.cos_cache, rot.sin_cache, hq, hkv, d, qw, kw, 1e-6,
-                       pools[1][:, 0], pools[1][:, 1], slots)
+                       *caches[1])
     for got, want in zip(out, ref):
         assert got.dtype == dtype and got.shape == want.shape
         torch.testing.assert_close(got, want, rtol=0, atol=0)
     torch.testing.assert_close(pools[0], pools[1], rtol=0, atol=0, equal_nan=True)
+    assert store or pools[0].isnan().all()                                   # no cache given: untouched
     with pytest.raises(AssertionError):
         qk_norm_rope(part, pos, rot.cos_cache, rot.sin_cache, hq, hkv, d, qw, kw, 1e-6)     # no dtype given
 

@@ -60,8 +60,14 @@ def test_random_steps_match_the_per_token_definition(seed):
         blocks = rng.sample(range(10_000), -(-n // bs))
         seqs.append(_seq([rng.randrange(150_000) for _ in range(n)], blocks, cached, scheduled, bs))
     got = prefill_batch(seqs, bs, nd)
-    for name, want in _per_token(seqs, bs, nd).items():
-        assert getattr(got, name).tolist() == want, name
+    want = _per_token(seqs, bs, nd)
+    for name, values in want.items():
+        assert getattr(got, name).tolist() == values, name
+    width = max(len(s.block_table) for s in seqs)
+    assert got.block_tables.tolist() == [s.block_table + [-1] * (width - len(s.block_table)) for s in seqs]
+    assert got.max_seqlen_q == max(s.num_scheduled_tokens for s in seqs[nd:])
+    assert [a.dtype for a in (got.input_ids, got.positions, got.slot_mapping, got.context_lens, got.cu_seqlens_q,
+                              got.block_tables)] == [np.int64, np.int64, np.int32, np.int32, np.int32, np.int32]
 
 
 def test_no_prompt_rows():
@@ -69,3 +75,14 @@ def test_no_prompt_rows():
     seqs = [_seq([1, 2, 3], [0], cached=2, scheduled=1, block_size=4) for _ in range(3)]
     b = prefill_batch(seqs, 4, num_decode=3)
     assert b.cu_seqlens_q.tolist() == [0] and b.max_seqlen_q == 0 and b.input_ids.tolist() == [3, 3, 3]
+
+
+def test_too_few_blocks_and_empty_steps_are_refused():
+    """A sequence whose table is too short for its positions (another sequence's longer table pads
+    the array with -1) raises instead of producing negative slots; so does an empty step."""
+    short = _seq(list(range(8)), [5], cached=0, scheduled=8, block_size=4)
+    long = _seq(list(range(8)), [1, 2], cached=0, scheduled=8, block_size=4)
+    with pytest.raises(RuntimeError, match="blocks"):
+        prefill_batch([long, short], 4, num_decode=0)
+    with pytest.raises(ValueError, match="at least one"):
+        prefill_batch([], 4, num_decode=0)

@@ -177,6 +177,7 @@ class ModelRunner:
             cu_seqlens_q=self._array_to_device(batch.cu_seqlens_q), max_seqlen_q=batch.max_seqlen_q,
             num_decode_tokens=nd, max_context_len=int(batch.context_lens[:nd].max()) if nd else None)
         if 0 < nd < len(seqs):
+            # tensors of their own, not views: a view at an unaligned address is another Triton variant
             ctx.chunk_context_lens = self._array_to_device(batch.context_lens[nd:])
             ctx.chunk_block_tables = self._array_to_device(batch.block_tables[nd:])
         return self._array_to_device(batch.input_ids), self._array_to_device(batch.positions), ctx

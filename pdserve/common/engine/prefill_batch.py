@@ -24,6 +24,8 @@ from pdserve.common.engine.sequence import Sequence
 
 @dataclass(frozen=True)
 class PrefillBatch:
+    """The host arrays of one step (the module docstring has the rules)."""
+
     input_ids: np.ndarray       # [T] int64
     positions: np.ndarray       # [T] int64
     slot_mapping: np.ndarray    # [T] int32
@@ -37,7 +39,9 @@ class PrefillBatch:
 
 
 def block_table_array(seqs: list[Sequence]) -> np.ndarray:
-    """[B, max blocks] int32, -1 padded."""
+    """[B, max blocks] int32, -1 padded (B >= 1)."""
+    if not seqs:
+        raise ValueError("a step needs at least one sequence")
     width = max(len(s.block_table) for s in seqs)
     table = np.full((len(seqs), width), -1, dtype=np.int32)
     for i, s in enumerate(seqs):
@@ -59,7 +63,12 @@ def prefill_batch(seqs: list[Sequence], block_size: int, num_decode: int) -> Pre
     first_row = np.cumsum(counts) - counts                          # [B]
     positions = np.arange(total, dtype=np.int64) - first_row[owner] + starts[owner]
     tables = block_table_array(seqs)
-    slots = tables[owner, positions // block_size].astype(np.int64) * block_size + positions % block_size
+    blocks = tables[owner, positions // block_size]                 # [T]; -1: past a sequence's table
+    if total and blocks.min() < 0:
+        bad = seqs[int(owner[int(np.argmin(blocks))])]
+        raise RuntimeError(f"{bad!r}: positions up to {bad.num_cached_tokens + bad.num_scheduled_tokens} "
+                           f"need more than its {len(bad.block_table)} blocks of {block_size}")
+    slots = blocks.astype(np.int64) * block_size + positions % block_size
     cu_q = np.zeros(n - num_decode + 1, dtype=np.int32)
     cu_q[1:] = np.cumsum(counts[num_decode:])
     return PrefillBatch(input_ids=input_ids, positions=positions, slot_mapping=slots.astype(np.int32),

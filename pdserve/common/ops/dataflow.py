@@ -7,8 +7,8 @@ and releases the next kernel at its start, and a GEMM program first loads its we
 (``BN x BK`` = 32 x 512, 32 KB) into registers, which needs nothing from earlier kernels, then
 waits (``gdc_wait``) for its input. The weight reads of a projection then overlap the kernels
 before it (bench/NOTES.md run 33: the dense half of a Qwen3-0.6B layer 32-33 -> 22-24 us at
-M <= 16; run 38: 26-28 us against 34 at M = 24-32, even at 48, slower beyond: every N tile
-re-reads the activations).
+M <= 16; run 38: 26-28 us against 34 at M = 24-32, break-even at 48, slower beyond: every N
+tile re-reads the activations).
 
 Rules:
 - ``M <= MAX_ROWS`` rows: one ``tl.dot`` takes the whole batch (padded to 16 or 32).

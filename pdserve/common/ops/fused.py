@@ -1,7 +1,7 @@
 """Fused elementwise Triton kernels for the decoder layer, each with its torch reference:
 ``rms_norm`` (optionally fused residual add), ``silu_and_mul`` and ``qk_norm_rope`` (split
-QKV, per-head RMSNorm, rotary; v stays a view of ``qkv``; QKV may also come as split-K partial
-sums). Numerics follow the checkpoints' reference (fp32 statistics, dtype rounding before the
+QKV, per-head RMSNorm, rotary; v a view of ``qkv``, or a new tensor when QKV comes as split-K
+partial sums). Numerics follow the checkpoints' reference (fp32 statistics, dtype rounding before the
 weight). No host syncs; CUDA-graph safe.
 """
 from __future__ import annotations
@@ -149,13 +149,14 @@ def _qk_norm_rope_kernel(qkv_ptr, pos_ptr, cos_ptr, sin_ptr, qw_ptr, kw_ptr, q_o
             tl.store(vc_ptr + blk * stride_vc_b + off * stride_vc_t + kv_heads[:, None] * stride_vc_h
                      + full[None, :], v.to(vc_ptr.dtype.element_ty), mask=v_mask)
 
+
 def qk_norm_rope(qkv: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                  num_q: int, num_kv: int, head_dim: int, q_weight: torch.Tensor | None = None,
                  k_weight: torch.Tensor | None = None, eps: float = 1e-6,
                  k_cache: torch.Tensor | None = None, v_cache: torch.Tensor | None = None,
                  slot_mapping: torch.Tensor | None = None, pdl: bool = False, dtype: torch.dtype | None = None,
                  ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """qkv: [T, (Hq+2Hkv)*D]; cos/sin: [P, D] fp32 caches -> q [T,Hq,D], k [T,Hkv,D], v [T,Hkv,D] (view).
+    """qkv: [T, (Hq+2Hkv)*D]; cos/sin: [P, D] fp32 caches -> q [T,Hq,D], k [T,Hkv,D], v [T,Hkv,D] (a view).
 
     ``qkv`` may also be the fp32 split-K partial sums of the QKV projection, [S, T, (Hq+2Hkv)*D]
     (pdserve/common/ops/dataflow.py): they are added up and rounded to ``dtype`` (the model's),
