@@ -30,10 +30,18 @@ logger = logging.getLogger(__name__)
 BUCKETS = (1, 8, 16, 32, 64, 128, 192, 256, 512)
 
 
-def instrument(llm: LLM, prefill_profiler: cProfile.Profile | None = None) -> list[list]:
+def _pinned_allocs() -> tuple[int, float]:
+    """(pinned host blocks created so far, microseconds spent creating them)."""
+    h = torch.cuda.host_memory_stats()
+    return int(h.get("num_host_alloc", 0)), float(h.get("host_alloc_time.total", 0.0))
+
+
+def instrument(llm: LLM, prefill_profiler: cProfile.Profile | None = None,
+               prefill_pinned: list | None = None) -> list[list]:
     """Wrap ``launch`` (and the logits, and the engine step); returns the list it appends
     [is_prefill, batch, kv_tokens, start, end, logits_event, host_launch_s, host_step_s] to.
-    ``prefill_profiler`` (a ``cProfile.Profile``): enabled around each prefill step's launch."""
+    ``prefill_profiler`` (a ``cProfile.Profile``): enabled around each prefill step's launch;
+    ``prefill_pinned``: gets, per prefill launch, the pinned host blocks it created and their time."""
     engine = llm.engine
     mr = engine.model_runner
     original, original_logits, original_step = mr.launch, mr.model.compute_logits, engine.step
@@ -52,6 +60,7 @@ def instrument(llm: LLM, prefill_profiler: cProfile.Profile | None = None) -> li
         t0 = time.perf_counter()
         start.record()
         profiled = is_prefill and prefill_profiler is not None
+        pinned_before = _pinned_allocs() if is_prefill and prefill_pinned is not None else None
         if profiled:
             prefill_profiler.enable()
         try:
@@ -60,6 +69,10 @@ def instrument(llm: LLM, prefill_profiler: cProfile.Profile | None = None) -> li
             if profiled:
                 prefill_profiler.disable()
         end.record()
+        if pinned_before is not None:
+            count, us = _pinned_allocs()
+            prefill_pinned.append({"blocks": count - pinned_before[0], "alloc_ms": (us - pinned_before[1]) / 1e3,
+                                   "host_launch_ms": 1e3 * (time.perf_counter() - t0)})
         records.append([is_prefill, len(seqs), kv_tokens, start, end, logits_at[0], time.perf_counter() - t0, 0.0])
         return out
 
@@ -151,6 +164,7 @@ def allocator_counts() -> dict[str, int]:
     if host is not None:
         h = host()
         out.update({f"host_{k}": int(h.get(k, 0)) for k in ("num_host_alloc", "num_host_free")})
+        out["host_alloc_time_us"] = int(h.get("host_alloc_time.total", 0))
     return out
 
 
@@ -267,7 +281,8 @@ def main(argv: list[str] | None = None) -> int:
               max_num_batched_tokens=16384)
     llm.generate([[1, 2, 3, 4] * 8] * 4, SamplingParams(max_tokens=32, ignore_eos=True), use_tqdm=False)
     in_run_profiler = cProfile.Profile() if args.cprofile_prefill_steps else None
-    records = instrument(llm, in_run_profiler)
+    prefill_pinned: list[dict] = []
+    records = instrument(llm, in_run_profiler, prefill_pinned)
     host_calls = time_host_calls(llm) if args.host_calls else {}
     work = w_nano()
     torch.cuda.synchronize()
@@ -286,13 +301,14 @@ def main(argv: list[str] | None = None) -> int:
     result = {"copy_bandwidth_GBps": bandwidth / 1e9, "config": vars(args), "wall_s": elapsed,
               "output_tok_s": work.num_output_tokens / elapsed,
               "allocator_events_during_run": counts, "triton_compiles_during_run": list(compiles),
-              "gc_during_run": gc_stats,
+              "gc_during_run": gc_stats, "prefill_pinned_allocs": prefill_pinned,
               "host_calls_ms": {k: {"calls": len(v), "mean": 1e3 * sum(v) / len(v), "max": 1e3 * max(v),
                                     "first10": [round(1e3 * x, 3) for x in v[:10]]}
                                 for k, v in host_calls.items()},
               **summarize(records, weight_bytes, kv_bytes, bandwidth)}
     print("allocator events during the run:", counts)
     print("Python GC during the run:", gc_stats)
+    print("pinned host blocks created in each prefill launch:", prefill_pinned)
     print(f"Triton compiles during the run: {len(compiles)}, {sum(c['s'] or 0 for c in compiles):.3f} s")
     for c in compiles[:20]:
         print(f"  {c['s']} s {c['kernel'][:200]}")
