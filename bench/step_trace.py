@@ -93,7 +93,7 @@ def time_host_calls(llm: LLM) -> dict[str, list[float]]:
     mr = llm.engine.model_runner
     sink: dict[str, list[float]] = {}
     targets = [(mr, "prepare_prefill"), (mr, "prepare_decode"), (mr, "_sampling_batch"),
-               (mr.model, "forward"), (mr, "sampler")]
+               (mr.model, "forward"), (mr, "sampler"), (mr, "_forward_prefill"), (mr.model, "compute_logits")]
     for obj, name in targets:
         original = getattr(obj, name)
 
