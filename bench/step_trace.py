@@ -92,8 +92,10 @@ def time_host_calls(llm: LLM) -> dict[str, list[float]]:
     KV-store hook) with wall-clock timers; returns name -> list of seconds, one per call."""
     mr = llm.engine.model_runner
     sink: dict[str, list[float]] = {}
+    from pdserve.common.engine import model_runner
     targets = [(mr, "prepare_prefill"), (mr, "prepare_decode"), (mr, "_sampling_batch"),
-               (mr.model, "forward"), (mr, "sampler"), (mr, "_forward_prefill"), (mr.model, "compute_logits")]
+               (mr.model, "forward"), (mr, "sampler"), (mr, "_forward_prefill"), (mr.model, "compute_logits"),
+               (model_runner, "LaunchedStep")]
     for obj, name in targets:
         original = getattr(obj, name)
 
