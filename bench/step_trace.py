@@ -30,6 +30,49 @@ logger = logging.getLogger(__name__)
 BUCKETS = (1, 8, 16, 32, 64, 128, 192, 256, 512)
 
 
+class PrefillKernelTimeline:
+    """torch.profiler (CUDA activity only) from the start of the run to the first decode-only
+    launch, i.e. over the prefill phase: the union of kernel intervals against their span says
+    how long the GPU sat idle between kernels there. Stopping the profiler flushes it once, at
+    the switch to decode (the run's wall time includes that)."""
+
+    def __init__(self) -> None:
+        from torch.profiler import ProfilerActivity, profile
+        self.prof = profile(activities=[ProfilerActivity.CUDA])
+        self.running = False
+
+    def start(self) -> None:
+        self.prof.start()
+        self.running = True
+
+    def on_launch(self, is_prefill: bool) -> None:
+        if self.running and not is_prefill:
+            torch.cuda.synchronize()
+            self.prof.stop()
+            self.running = False
+
+    def summary(self) -> dict:
+        kernels = [e for e in self.prof.events() if e.device_type.name == "CUDA"]
+        spans = sorted((e.time_range.start, e.time_range.end) for e in kernels)
+        if not spans:
+            return {}
+        busy, cur_start, cur_end = 0.0, spans[0][0], spans[0][1]
+        for a, b in spans[1:]:
+            if a > cur_end:
+                busy += cur_end - cur_start
+                cur_start, cur_end = a, b
+            else:
+                cur_end = max(cur_end, b)
+        busy += cur_end - cur_start
+        span = spans[-1][1] - spans[0][0]
+        by_name: dict[str, float] = {}
+        for e in kernels:
+            by_name[e.name[:60]] = by_name.get(e.name[:60], 0.0) + (e.time_range.end - e.time_range.start)
+        top = sorted(by_name.items(), key=lambda kv: -kv[1])[:12]
+        return {"span_ms": span / 1e3, "kernel_busy_ms": busy / 1e3, "idle_ms": (span - busy) / 1e3,
+                "kernels": len(kernels), "top_kernels_ms": {k: round(v / 1e3, 3) for k, v in top}}
+
+
 def _pinned_allocs() -> tuple[int, float]:
     """(pinned host blocks created so far, microseconds spent creating them)."""
     h = torch.cuda.host_memory_stats()
@@ -37,7 +80,7 @@ def _pinned_allocs() -> tuple[int, float]:
 
 
 def instrument(llm: LLM, prefill_profiler: cProfile.Profile | None = None,
-               prefill_pinned: list | None = None) -> list[list]:
+               prefill_pinned: list | None = None, timeline: PrefillKernelTimeline | None = None) -> list[list]:
     """Wrap ``launch`` (and the logits, and the engine step); returns the list it appends
     [is_prefill, batch, kv_tokens, start, end, logits_event, host_launch_s, host_step_s] to.
     ``prefill_profiler`` (a ``cProfile.Profile``): enabled around each prefill step's launch;
@@ -54,6 +97,8 @@ def instrument(llm: LLM, prefill_profiler: cProfile.Profile | None = None,
         return original_logits(hidden)
 
     def launch(seqs, is_prefill, *args, **kwargs):
+        if timeline is not None:
+            timeline.on_launch(is_prefill)
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         kv_tokens = sum(s.num_tokens for s in seqs) if not is_prefill else sum(
             s.num_tokens - s.num_cached_tokens for s in seqs)
@@ -275,6 +320,8 @@ def main(argv: list[str] | None = None) -> int:
                    help="also time the host pieces of each step (prepare, forward launch, sampler)")
     p.add_argument("--cprofile-prefill-steps", action="store_true",
                    help="also cProfile the host inside W-nano's own prefill launches (as they run, overlapped)")
+    p.add_argument("--prefill-timeline", action="store_true",
+                   help="also profile the GPU's kernels over the prefill phase (idle between kernels)")
     p.add_argument("--out", default="bench/results/step_trace.json")
     args = p.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
@@ -284,7 +331,8 @@ def main(argv: list[str] | None = None) -> int:
     llm.generate([[1, 2, 3, 4] * 8] * 4, SamplingParams(max_tokens=32, ignore_eos=True), use_tqdm=False)
     in_run_profiler = cProfile.Profile() if args.cprofile_prefill_steps else None
     prefill_pinned: list[dict] = []
-    records = instrument(llm, in_run_profiler, prefill_pinned)
+    timeline = PrefillKernelTimeline() if args.prefill_timeline else None
+    records = instrument(llm, in_run_profiler, prefill_pinned, timeline)
     host_calls = time_host_calls(llm) if args.host_calls else {}
     work = w_nano()
     torch.cuda.synchronize()
@@ -292,6 +340,8 @@ def main(argv: list[str] | None = None) -> int:
     compiles = track_compiles()
     gc_stats = track_gc()
     start = time.perf_counter()
+    if timeline is not None:
+        timeline.start()
     llm.generate(work.prompts, work.params, use_tqdm=False)
     torch.cuda.synchronize()
     elapsed = time.perf_counter() - start
@@ -304,6 +354,7 @@ def main(argv: list[str] | None = None) -> int:
               "output_tok_s": work.num_output_tokens / elapsed,
               "allocator_events_during_run": counts, "triton_compiles_during_run": list(compiles),
               "gc_during_run": gc_stats, "prefill_pinned_allocs": prefill_pinned,
+              "prefill_kernel_timeline": timeline.summary() if timeline is not None else None,
               "host_calls_ms": {k: {"calls": len(v), "mean": 1e3 * sum(v) / len(v), "max": 1e3 * max(v),
                                     "first10": [round(1e3 * x, 3) for x in v[:10]]}
                                 for k, v in host_calls.items()},
@@ -311,6 +362,8 @@ def main(argv: list[str] | None = None) -> int:
     print("allocator events during the run:", counts)
     print("Python GC during the run:", gc_stats)
     print("pinned host blocks created in each prefill launch:", prefill_pinned)
+    if timeline is not None:
+        print("prefill phase kernel timeline:", result["prefill_kernel_timeline"])
     print(f"Triton compiles during the run: {len(compiles)}, {sum(c['s'] or 0 for c in compiles):.3f} s")
     for c in compiles[:20]:
         print(f"  {c['s']} s {c['kernel'][:200]}")
