@@ -1,0 +1,170 @@
+"""Lab probe (issue 20): a Hopper GEMM written in Gluon that fetches its weight tiles into shared
+memory by TMA *before* it waits (programmatic dependent launch) for the kernel that writes its
+input, against cuBLAS, at the 64-256 decode rows where the Triton register-tile chain loses.
+
+Triton's ``tl`` cannot issue a load into shared memory ahead of ``gdc_wait`` (bench/NOTES.md runs
+29-30, 33: its loads before the wait land in registers, and whole weight slices do not fit
+there beyond 16 rows). Gluon gives the TMA copies and mbarriers explicitly: each program starts
+the first ``STAGES`` weight tiles of its N slice, releases the next kernel, waits for the
+previous one, then streams its activation tiles and the rest of the weight through a ring of
+``STAGES`` buffers into warp-group MMAs.
+
+Timed as (RMSNorm, GEMM) pairs over weights cycled beyond L2, as bench/pdl_gemm_probe.py does,
+every way checked against ``F.linear`` of the engine's RMSNorm on fresh random inputs first
+(outputs poisoned with NaN):
+
+- ``cublas``: engine RMSNorm -> ``F.linear`` (the engine today);
+- ``gluon``: the probe norm -> the Gluon GEMM, plain launches;
+- ``gluon_pdl``: both with PDL, the GEMM's first weight tiles in flight before its wait.
+
+    python -m bench.gluon_gemm_probe --out bench/results/gemm_cold/gluon_gemm_probe_h100.json
+"""
+from __future__ import annotations
+
+import argparse
+
+import torch
+import torch.nn.functional as F
+import triton
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.hopper import (
+    fence_async_shared,
+    mbarrier,
+    tma,
+    warpgroup_mma,
+    warpgroup_mma_wait,
+)
+from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+
+from bench.cold_weights import describe, rms_norm_kernel, time_ways, weight_copies
+from bench.common import write_result
+from bench.gemm_shapes import gemm_shapes
+from pdserve.common.ops.fused import rms_norm
+
+
+@gluon.jit
+def _griddep(ASM: gl.constexpr):
+    gl.inline_asm_elementwise(ASM, "=r", [], dtype=gl.int32, is_pure=False, pack=1)
+
+
+@gluon.jit
+def prefetch_gemm_kernel(a_desc, w_desc, c_desc, K, STAGES: gl.constexpr, PDL: gl.constexpr,
+                         num_warps: gl.constexpr):
+    """c[M, N] = a[M, K] @ w[N, K]^T, one (BM, BN) tile a program; K % BK == 0, K / BK >= STAGES."""
+    BM: gl.constexpr = c_desc.block_type.shape[0]
+    BN: gl.constexpr = c_desc.block_type.shape[1]
+    BK: gl.constexpr = a_desc.block_type.shape[1]
+    off_n = gl.program_id(0) * BN
+    off_m = gl.program_id(1) * BM
+    a_bufs = gl.allocate_shared_memory(a_desc.dtype, [STAGES, BM, BK], a_desc.layout)
+    w_bufs = gl.allocate_shared_memory(w_desc.dtype, [STAGES, BN, BK], w_desc.layout)
+    w_bar = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    a_bar = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    for s in gl.static_range(STAGES):
+        mbarrier.init(w_bar.index(s), count=1)
+        mbarrier.init(a_bar.index(s), count=1)
+    for s in gl.static_range(STAGES):                 # the weight needs nothing from the kernel before
+        mbarrier.expect(w_bar.index(s), w_desc.block_type.nbytes)
+        tma.async_copy_global_to_shared(w_desc, [off_n, s * BK], w_bar.index(s), w_bufs.index(s))
+    if PDL:
+        _griddep("griddepcontrol.launch_dependents; mov.u32 $0, 0;")
+        _griddep("griddepcontrol.wait; mov.u32 $0, 0;")
+    for s in gl.static_range(STAGES):
+        mbarrier.expect(a_bar.index(s), a_desc.block_type.nbytes)
+        tma.async_copy_global_to_shared(a_desc, [off_m, s * BK], a_bar.index(s), a_bufs.index(s))
+    mma_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1],
+                                                         instr_shape=[16, BN, 16])
+    acc = gl.zeros((BM, BN), dtype=gl.float32, layout=mma_layout)
+    n_k = K // BK
+    for i in range(n_k):
+        s = i % STAGES
+        phase = (i // STAGES) & 1
+        mbarrier.wait(w_bar.index(s), phase)
+        mbarrier.wait(a_bar.index(s), phase)
+        acc = warpgroup_mma(a_bufs.index(s), w_bufs.index(s).permute((1, 0)), acc, is_async=True)
+        acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc, ))
+        nxt = i + STAGES
+        if nxt < n_k:                                 # refill the stage just consumed
+            mbarrier.expect(w_bar.index(s), w_desc.block_type.nbytes)
+            tma.async_copy_global_to_shared(w_desc, [off_n, nxt * BK], w_bar.index(s), w_bufs.index(s))
+            mbarrier.expect(a_bar.index(s), a_desc.block_type.nbytes)
+            tma.async_copy_global_to_shared(a_desc, [off_m, nxt * BK], a_bar.index(s), a_bufs.index(s))
+    for s in gl.static_range(STAGES):
+        mbarrier.invalidate(w_bar.index(s))
+        mbarrier.invalidate(a_bar.index(s))
+    c_smem = gl.allocate_shared_memory(c_desc.dtype, [BM, BN], c_desc.layout)
+    c_smem.store(acc.to(c_desc.dtype))
+    fence_async_shared()
+    tma.async_copy_shared_to_global(c_desc, [off_m, off_n], c_smem)
+    tma.store_wait(0)
+
+
+def _desc(t: torch.Tensor, block: list[int]) -> TensorDescriptor:
+    layout = gl.NVMMASharedLayout.get_default_for(block, gl.bfloat16)
+    return TensorDescriptor(t, list(t.shape), list(t.stride()), block, layout)
+
+
+class GluonLinear:
+    """``out = x @ w.T`` through ``prefetch_gemm_kernel`` for fixed buffers (descriptors built once)."""
+
+    def __init__(self, x: torch.Tensor, ws: list[torch.Tensor], out: torch.Tensor, bm: int, bn: int, bk: int,
+                 stages: int) -> None:
+        self.a = _desc(x, [bm, bk])
+        self.ws = [_desc(w, [bn, bk]) for w in ws]
+        self.c = _desc(out, [bm, bn])
+        self.grid = (ws[0].shape[0] // bn, triton.cdiv(x.shape[0], bm))
+        self.k, self.stages, self.out = x.shape[1], stages, out
+
+    def __call__(self, i: int, pdl: bool) -> torch.Tensor:
+        extra = {"launch_pdl": True} if pdl else {}
+        prefetch_gemm_kernel[self.grid](self.a, self.ws[i], self.c, self.k, STAGES=self.stages, PDL=pdl, num_warps=4,
+                                        **extra)
+        return self.out
+
+
+def pair(name: str, n: int, k: int, m: int, cfg: tuple[int, int, int], cold_bytes: int) -> dict:
+    ws = weight_copies(n, k, cold_bytes)
+    x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+    g = torch.randn(k, device="cuda", dtype=torch.bfloat16)
+    normed = torch.empty_like(x)
+    out = torch.empty(m, n, device="cuda", dtype=torch.bfloat16)
+    bm = 64 if m <= 64 else 128
+    lin = GluonLinear(normed, ws, out, bm, *cfg)
+
+    def gluon_pair(i: int, pdl: bool) -> torch.Tensor:
+        rms_norm_kernel[(m,)](x, g, normed, k, 1e-6, BLOCK=triton.next_power_of_2(k), PDL=pdl, num_warps=4,
+                              **({"launch_pdl": True} if pdl else {}))
+        return lin(i, pdl)
+
+    ways = {"cublas": lambda i: F.linear(rms_norm(x, g, 1e-6), ws[i]),
+            "gluon": lambda i: gluon_pair(i, False),
+            "gluon_pdl": lambda i: gluon_pair(i, True)}
+    ref = F.linear(rms_norm(x, g, 1e-6), ws[0])
+    row = {"gemm": name, "M": m, "N": n, "K": k, "BM": bm, "BN": cfg[0], "BK": cfg[1], "stages": cfg[2],
+           "copies": len(ws), **time_ways(ways, ref, len(ws), poison=(normed, out))}
+    print(f"{name:8s} M={m:4d} BN={cfg[0]:3d} BK={cfg[1]:3d} S={cfg[2]}: " + describe(row, list(ways)))
+    return row
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", default="qwen3-0.6b")
+    p.add_argument("--batches", default="64,128,256")
+    p.add_argument("--configs", default="64:64:4,128:64:4,32:128:3", help="BN:BK:STAGES, comma-separated")
+    p.add_argument("--cold-mb", type=int, default=128)
+    p.add_argument("--out", default="bench/results/gluon_gemm_probe.json")
+    args = p.parse_args(argv)
+    shapes = gemm_shapes(args.model)
+    configs = [tuple(int(v) for v in c.split(":")) for c in args.configs.split(",")]
+    rows = [pair(name, *shapes[name], int(m), cfg, args.cold_mb << 20)
+            for name in ("qkv", "gate_up") for m in args.batches.split(",") for cfg in configs]
+    errors = [{k: v for k, v in r.items() if k.endswith("_error")} for r in rows]
+    if any(errors):
+        print("errors:", next(e for e in errors if e))
+    write_result(args.out, {"model": args.model, "rows": rows})
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
