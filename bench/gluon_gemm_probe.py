@@ -78,18 +78,18 @@ def prefetch_gemm_kernel(a_desc, w_desc, c_desc, K, STAGES: gl.constexpr, PDL: g
     acc = gl.zeros((BM, BN), dtype=gl.float32, layout=mma_layout)
     n_k = K // BK
     for i in range(n_k):
-        s = i % STAGES
+        slot = i % STAGES
         phase = (i // STAGES) & 1
-        mbarrier.wait(w_bar.index(s), phase)
-        mbarrier.wait(a_bar.index(s), phase)
-        acc = warpgroup_mma(a_bufs.index(s), w_bufs.index(s).permute((1, 0)), acc, is_async=True)
+        mbarrier.wait(w_bar.index(slot), phase)
+        mbarrier.wait(a_bar.index(slot), phase)
+        acc = warpgroup_mma(a_bufs.index(slot), w_bufs.index(slot).permute((1, 0)), acc, is_async=True)
         acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc, ))
         nxt = i + STAGES
         if nxt < n_k:                                 # refill the stage just consumed
-            mbarrier.expect(w_bar.index(s), w_desc.block_type.nbytes)
-            tma.async_copy_global_to_shared(w_desc, [off_n, nxt * BK], w_bar.index(s), w_bufs.index(s))
-            mbarrier.expect(a_bar.index(s), a_desc.block_type.nbytes)
-            tma.async_copy_global_to_shared(a_desc, [off_m, nxt * BK], a_bar.index(s), a_bufs.index(s))
+            mbarrier.expect(w_bar.index(slot), w_desc.block_type.nbytes)
+            tma.async_copy_global_to_shared(w_desc, [off_n, nxt * BK], w_bar.index(slot), w_bufs.index(slot))
+            mbarrier.expect(a_bar.index(slot), a_desc.block_type.nbytes)
+            tma.async_copy_global_to_shared(a_desc, [off_m, nxt * BK], a_bar.index(slot), a_bufs.index(slot))
     for s in gl.static_range(STAGES):
         mbarrier.invalidate(w_bar.index(s))
         mbarrier.invalidate(a_bar.index(s))
