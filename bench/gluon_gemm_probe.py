@@ -109,28 +109,29 @@ class GluonLinear:
     """``out = x @ w.T`` through ``prefetch_gemm_kernel`` for fixed buffers (descriptors built once)."""
 
     def __init__(self, x: torch.Tensor, ws: list[torch.Tensor], out: torch.Tensor, bm: int, bn: int, bk: int,
-                 stages: int) -> None:
+                 stages: int, warps: int = 4) -> None:
         self.a = _desc(x, [bm, bk])
         self.ws = [_desc(w, [bn, bk]) for w in ws]
         self.c = _desc(out, [bm, bn])
         self.grid = (ws[0].shape[0] // bn, triton.cdiv(x.shape[0], bm))
-        self.k, self.stages, self.out = x.shape[1], stages, out
+        self.k, self.stages, self.out, self.warps = x.shape[1], stages, out, warps
 
     def __call__(self, i: int, pdl: bool) -> torch.Tensor:
         extra = {"launch_pdl": True} if pdl else {}
-        prefetch_gemm_kernel[self.grid](self.a, self.ws[i], self.c, self.k, STAGES=self.stages, PDL=pdl, num_warps=4,
-                                        **extra)
+        prefetch_gemm_kernel[self.grid](self.a, self.ws[i], self.c, self.k, STAGES=self.stages, PDL=pdl,
+                                        num_warps=self.warps, **extra)
         return self.out
 
 
-def pair(name: str, n: int, k: int, m: int, cfg: tuple[int, int, int], cold_bytes: int) -> dict:
+def pair(name: str, n: int, k: int, m: int, cfg: tuple[int, ...], cold_bytes: int) -> dict:
+    """cfg: (BM, BN, BK, STAGES, warps); BM 0 = 64 up to 64 rows, else 128."""
     ws = weight_copies(n, k, cold_bytes)
     x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
     g = torch.randn(k, device="cuda", dtype=torch.bfloat16)
     normed = torch.empty_like(x)
     out = torch.empty(m, n, device="cuda", dtype=torch.bfloat16)
-    bm = 64 if m <= 64 else 128
-    lin = GluonLinear(normed, ws, out, bm, *cfg)
+    bm = cfg[0] or (64 if m <= 64 else 128)
+    lin = GluonLinear(normed, ws, out, bm, *cfg[1:])
 
     def gluon_pair(i: int, pdl: bool) -> torch.Tensor:
         rms_norm_kernel[(m,)](x, g, normed, k, 1e-6, BLOCK=triton.next_power_of_2(k), PDL=pdl, num_warps=4,
@@ -141,9 +142,10 @@ def pair(name: str, n: int, k: int, m: int, cfg: tuple[int, int, int], cold_byte
             "gluon": lambda i: gluon_pair(i, False),
             "gluon_pdl": lambda i: gluon_pair(i, True)}
     ref = F.linear(rms_norm(x, g, 1e-6), ws[0])
-    row = {"gemm": name, "M": m, "N": n, "K": k, "BM": bm, "BN": cfg[0], "BK": cfg[1], "stages": cfg[2],
+    row = {"gemm": name, "M": m, "N": n, "K": k, "BM": bm, "BN": cfg[1], "BK": cfg[2], "stages": cfg[3], "warps": cfg[4],
            "copies": len(ws), **time_ways(ways, ref, len(ws), poison=(normed, out))}
-    print(f"{name:8s} M={m:4d} BN={cfg[0]:3d} BK={cfg[1]:3d} S={cfg[2]}: " + describe(row, list(ways)))
+    print(f"{name:8s} M={m:4d} BM={bm:3d} BN={cfg[1]:3d} BK={cfg[2]:3d} S={cfg[3]} W={cfg[4]}: "
+          + describe(row, list(ways)))
     return row
 
 
@@ -151,7 +153,8 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", default="qwen3-0.6b")
     p.add_argument("--batches", default="64,128,256")
-    p.add_argument("--configs", default="64:64:4,128:64:4,32:128:3", help="BN:BK:STAGES, comma-separated")
+    p.add_argument("--configs", default="0:32:128:3:4,0:32:64:6:4,0:64:128:3:4",
+                   help="BM:BN:BK:STAGES:WARPS, comma-separated (BM 0: 64 up to 64 rows, else 128)")
     p.add_argument("--cold-mb", type=int, default=128)
     p.add_argument("--out", default="bench/results/gluon_gemm_probe.json")
     args = p.parse_args(argv)
