@@ -142,7 +142,8 @@ def pair(name: str, n: int, k: int, m: int, cfg: tuple[int, ...], cold_bytes: in
             "gluon": lambda i: gluon_pair(i, False),
             "gluon_pdl": lambda i: gluon_pair(i, True)}
     ref = F.linear(rms_norm(x, g, 1e-6), ws[0])
-    row = {"gemm": name, "M": m, "N": n, "K": k, "BM": bm, "BN": cfg[1], "BK": cfg[2], "stages": cfg[3], "warps": cfg[4],
+    row = {"gemm": name, "M": m, "N": n, "K": k, "BM": bm, "BN": cfg[1], "BK": cfg[2], "stages": cfg[3],
+           "warps": cfg[4],
            "copies": len(ws), **time_ways(ways, ref, len(ws), poison=(normed, out))}
     print(f"{name:8s} M={m:4d} BM={bm:3d} BN={cfg[1]:3d} BK={cfg[2]:3d} S={cfg[3]} W={cfg[4]}: "
           + describe(row, list(ways)))
