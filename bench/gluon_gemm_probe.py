@@ -50,8 +50,9 @@ def _griddep(ASM: gl.constexpr):
 
 @gluon.jit
 def prefetch_gemm_kernel(a_desc, w_desc, c_desc, K, STAGES: gl.constexpr, PDL: gl.constexpr,
-                         num_warps: gl.constexpr):
-    """c[M, N] = a[M, K] @ w[N, K]^T, one (BM, BN) tile a program; K % BK == 0, K / BK >= STAGES."""
+                         OVERLAP: gl.constexpr, num_warps: gl.constexpr):
+    """c[M, N] = a[M, K] @ w[N, K]^T, one (BM, BN) tile a program; K % BK == 0, K / BK >= STAGES.
+    ``OVERLAP``: one warp-group MMA stays in flight while the slot of the one before refills."""
     BM: gl.constexpr = c_desc.block_type.shape[0]
     BN: gl.constexpr = c_desc.block_type.shape[1]
     BK: gl.constexpr = a_desc.block_type.shape[1]
@@ -83,13 +84,20 @@ def prefetch_gemm_kernel(a_desc, w_desc, c_desc, K, STAGES: gl.constexpr, PDL: g
         mbarrier.wait(w_bar.index(slot), phase)
         mbarrier.wait(a_bar.index(slot), phase)
         acc = warpgroup_mma(a_bufs.index(slot), w_bufs.index(slot).permute((1, 0)), acc, is_async=True)
-        acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc, ))
-        nxt = i + STAGES
-        if nxt < n_k:                                 # refill the stage just consumed
-            mbarrier.expect(w_bar.index(slot), w_desc.block_type.nbytes)
-            tma.async_copy_global_to_shared(w_desc, [off_n, nxt * BK], w_bar.index(slot), w_bufs.index(slot))
-            mbarrier.expect(a_bar.index(slot), a_desc.block_type.nbytes)
-            tma.async_copy_global_to_shared(a_desc, [off_m, nxt * BK], a_bar.index(slot), a_bufs.index(slot))
+        if OVERLAP:                                   # MMA i runs on while step i - 1's slot refills
+            acc = warpgroup_mma_wait(num_outstanding=1, deps=(acc, ))
+            done = i - 1
+        else:
+            acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc, ))
+            done = i
+        nxt = done + STAGES
+        if (done >= 0) & (nxt < n_k):                 # refill the slot whose MMA has finished
+            ds = done % STAGES
+            mbarrier.expect(w_bar.index(ds), w_desc.block_type.nbytes)
+            tma.async_copy_global_to_shared(w_desc, [off_n, nxt * BK], w_bar.index(ds), w_bufs.index(ds))
+            mbarrier.expect(a_bar.index(ds), a_desc.block_type.nbytes)
+            tma.async_copy_global_to_shared(a_desc, [off_m, nxt * BK], a_bar.index(ds), a_bufs.index(ds))
+    acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc, ))
     for s in gl.static_range(STAGES):
         mbarrier.invalidate(w_bar.index(s))
         mbarrier.invalidate(a_bar.index(s))
@@ -109,29 +117,29 @@ class GluonLinear:
     """``out = x @ w.T`` through ``prefetch_gemm_kernel`` for fixed buffers (descriptors built once)."""
 
     def __init__(self, x: torch.Tensor, ws: list[torch.Tensor], out: torch.Tensor, bm: int, bn: int, bk: int,
-                 stages: int, warps: int = 4) -> None:
+                 stages: int, warps: int = 4, overlap: bool = False) -> None:
         self.a = _desc(x, [bm, bk])
         self.ws = [_desc(w, [bn, bk]) for w in ws]
         self.c = _desc(out, [bm, bn])
         self.grid = (ws[0].shape[0] // bn, triton.cdiv(x.shape[0], bm))
-        self.k, self.stages, self.out, self.warps = x.shape[1], stages, out, warps
+        self.k, self.stages, self.out, self.warps, self.overlap = x.shape[1], stages, out, warps, overlap
 
     def __call__(self, i: int, pdl: bool) -> torch.Tensor:
         extra = {"launch_pdl": True} if pdl else {}
         prefetch_gemm_kernel[self.grid](self.a, self.ws[i], self.c, self.k, STAGES=self.stages, PDL=pdl,
-                                        num_warps=self.warps, **extra)
+                                        OVERLAP=self.overlap, num_warps=self.warps, **extra)
         return self.out
 
 
 def pair(name: str, n: int, k: int, m: int, cfg: tuple[int, ...], cold_bytes: int) -> dict:
-    """cfg: (BM, BN, BK, STAGES, warps); BM 0 = 64 up to 64 rows, else 128."""
+    """cfg: (BM, BN, BK, STAGES, warps, overlap); BM 0 = 64 up to 64 rows, else 128."""
     ws = weight_copies(n, k, cold_bytes)
     x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
     g = torch.randn(k, device="cuda", dtype=torch.bfloat16)
     normed = torch.empty_like(x)
     out = torch.empty(m, n, device="cuda", dtype=torch.bfloat16)
     bm = cfg[0] or (64 if m <= 64 else 128)
-    lin = GluonLinear(normed, ws, out, bm, *cfg[1:])
+    lin = GluonLinear(normed, ws, out, bm, *cfg[1:5], overlap=bool(cfg[5]) if len(cfg) > 5 else False)
 
     def gluon_pair(i: int, pdl: bool) -> torch.Tensor:
         rms_norm_kernel[(m,)](x, g, normed, k, 1e-6, BLOCK=triton.next_power_of_2(k), PDL=pdl, num_warps=4,
@@ -143,9 +151,9 @@ def pair(name: str, n: int, k: int, m: int, cfg: tuple[int, ...], cold_bytes: in
             "gluon_pdl": lambda i: gluon_pair(i, True)}
     ref = F.linear(rms_norm(x, g, 1e-6), ws[0])
     row = {"gemm": name, "M": m, "N": n, "K": k, "BM": bm, "BN": cfg[1], "BK": cfg[2], "stages": cfg[3],
-           "warps": cfg[4],
+           "warps": cfg[4], "overlap": bool(cfg[5]) if len(cfg) > 5 else False,
            "copies": len(ws), **time_ways(ways, ref, len(ws), poison=(normed, out))}
-    print(f"{name:8s} M={m:4d} BM={bm:3d} BN={cfg[1]:3d} BK={cfg[2]:3d} S={cfg[3]} W={cfg[4]}: "
+    print(f"{name:8s} M={m:4d} BM={bm:3d} BN={cfg[1]:3d} BK={cfg[2]:3d} S={cfg[3]} W={cfg[4]} O={cfg[5:]}: "
           + describe(row, list(ways)))
     return row
 
@@ -155,7 +163,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--model", default="qwen3-0.6b")
     p.add_argument("--batches", default="64,128,256")
     p.add_argument("--configs", default="0:32:128:3:4,0:32:64:6:4,0:64:128:3:4",
-                   help="BM:BN:BK:STAGES:WARPS, comma-separated (BM 0: 64 up to 64 rows, else 128)")
+                   help="BM:BN:BK:STAGES:WARPS[:OVERLAP], comma-separated (BM 0: 64 up to 64 rows, else 128)")
     p.add_argument("--cold-mb", type=int, default=128)
     p.add_argument("--out", default="bench/results/gluon_gemm_probe.json")
     args = p.parse_args(argv)
