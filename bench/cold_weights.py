@@ -12,7 +12,7 @@ import torch
 import triton
 import triton.language as tl
 
-from bench.common import graph_time
+from bench.common import graph_time, write_result
 
 THREADS = tl.constexpr(128)        # 4 warps: one prefetch range per thread
 
@@ -139,3 +139,11 @@ def time_ways(ways: dict[str, Callable[[int], torch.Tensor]], ref: torch.Tensor,
 
 def describe(row: dict, labels: list[str]) -> str:
     return ", ".join(f"{lab} {row[f'{lab}_us']:.2f}" if f"{lab}_us" in row else f"{lab} ERROR" for lab in labels)
+
+
+def write_rows(out: str, model: str, rows: list[dict]) -> None:
+    """Print the first way that failed (compile or check), if any, and write the rows' JSON."""
+    errors = [{k: v for k, v in r.items() if k.endswith("_error")} for r in rows]
+    if any(errors):
+        print("errors:", next(e for e in errors if e))
+    write_result(out, {"model": model, "rows": rows})

@@ -37,8 +37,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 )
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
-from bench.cold_weights import describe, rms_norm_kernel, time_ways, weight_copies
-from bench.common import write_result
+from bench.cold_weights import describe, rms_norm_kernel, time_ways, weight_copies, write_rows
 from bench.gemm_shapes import gemm_shapes
 from pdserve.common.ops.fused import rms_norm
 
@@ -213,10 +212,7 @@ def main(argv: list[str] | None = None) -> int:
     split_configs = [tuple(int(v) for v in c.split(":")) for c in args.split_configs.split(",") if c]
     rows += [split_pair(name, *shapes[name], int(m), cfg[:-1], cfg[-1], args.cold_mb << 20)
              for name in ("o_proj", "down") for m in args.batches.split(",") for cfg in split_configs]
-    errors = [{k: v for k, v in r.items() if k.endswith("_error")} for r in rows]
-    if any(errors):
-        print("errors:", next(e for e in errors if e))
-    write_result(args.out, {"model": args.model, "rows": rows})
+    write_rows(args.out, args.model, rows)
     return 0
 
 

@@ -24,8 +24,7 @@ import torch
 import torch.nn.functional as F
 import triton
 
-from bench.cold_weights import describe, linear, rms_norm_kernel, time_ways, weight_copies
-from bench.common import write_result
+from bench.cold_weights import describe, linear, rms_norm_kernel, time_ways, weight_copies, write_rows
 from bench.gemm_shapes import gemm_shapes
 from pdserve.common.ops.fused import rms_norm
 
@@ -75,10 +74,7 @@ def main(argv: list[str] | None = None) -> int:
     shapes = gemm_shapes(args.model)
     rows = [chain(name, *shapes[name], int(m), args.cold_mb << 20)
             for name in ("qkv", "gate_up") for m in args.batches.split(",")]
-    errors = [{k: v for k, v in r.items() if k.endswith("_error")} for r in rows]
-    if any(errors):
-        print("errors:", next(e for e in errors if e))
-    write_result(args.out, {"model": args.model, "rows": rows})
+    write_rows(args.out, args.model, rows)
     return 0
 
 
