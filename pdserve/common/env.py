@@ -65,6 +65,13 @@ def dataflow_decode() -> bool:
     return get_bool("DATAFLOW_DECODE", True)
 
 
+def dataflow_wide() -> bool:
+    """The chain's Gluon range, beyond its Triton rows up to 256 (pdserve/common/models/dataflow_decode.py),
+    on Hopper GPUs where the model supports it (``PDSERVE_DATAFLOW_WIDE``, default on; needs
+    ``PDSERVE_DATAFLOW_DECODE`` on too)."""
+    return get_bool("DATAFLOW_WIDE", True)
+
+
 def kv_max_channels() -> int:
     """Most pair channels a worker keeps open (``PDSERVE_KV_MAX_CHANNELS``, default 32; 0 = no cap)."""
     return get_int("KV_MAX_CHANNELS", 32)

@@ -17,6 +17,7 @@ from pdserve.common.loader import PRESET_DIR  # noqa: E402
 from pdserve.common.models import dataflow_decode  # noqa: E402
 from pdserve.common.models.decoder import DecoderForCausalLM  # noqa: E402
 from pdserve.common.ops import dataflow  # noqa: E402
+from pdserve.common.ops.gemm_tiles import WIDE_ROWS  # noqa: E402
 from pdserve.common.ops.pdl import pdl_available  # noqa: E402
 
 CUDA = torch.cuda.is_available()
@@ -108,12 +109,43 @@ def test_too_many_rows_is_refused():
 def test_takes_chain_rule():
     assert dataflow_decode.takes_chain(1, False, True, True, True)
     assert dataflow_decode.takes_chain(dataflow.MAX_ROWS, False, True, True, True)
+    assert dataflow_decode.takes_chain(dataflow.MAX_ROWS + 1, False, True, True, True)   # the wide range
+    assert dataflow_decode.takes_chain(WIDE_ROWS, False, True, True, True)
     assert not dataflow_decode.takes_chain(0, False, True, True, True)                    # empty batch
-    assert not dataflow_decode.takes_chain(dataflow.MAX_ROWS + 1, False, True, True, True)
+    assert not dataflow_decode.takes_chain(WIDE_ROWS + 1, False, True, True, True)
     assert not dataflow_decode.takes_chain(4, True, True, True, True)                     # prefill / mixed step
     assert not dataflow_decode.takes_chain(4, False, False, True, True)                   # no PDL
     assert not dataflow_decode.takes_chain(4, False, True, False, True)                   # switched off
     assert not dataflow_decode.takes_chain(4, False, True, True, False)                   # geometry
+
+
+def test_supports_wide():
+    presets = {name: ModelConfig.from_hf_dict(json.loads((PRESET_DIR / f"{name}.json").read_text()))
+               for name in ("qwen3-0.6b", "qwen3-8b", "qwen2.5-7b")}
+    assert dataflow_decode.supports_wide(presets["qwen3-0.6b"], torch.bfloat16)
+    assert dataflow_decode.supports_wide(presets["qwen3-8b"], torch.bfloat16)
+    assert not dataflow_decode.supports_wide(presets["qwen2.5-7b"], torch.bfloat16)       # qkv bias
+    assert not dataflow_decode.supports_wide(presets["qwen3-0.6b"], torch.float32)        # half precision only
+    assert dataflow_decode.supports_wide(ModelConfig.from_hf_dict(SMALL), torch.float16)
+    assert not dataflow_decode.supports_wide(ModelConfig.from_hf_dict({**SMALL, "intermediate_size": 1040}),
+                                             torch.float16)                              # 1040 / 32 columns
+
+
+def test_wide_range_needs_hopper():
+    assert not dataflow_decode.wide_available(torch.device("cpu"))
+
+
+def test_add_norm_partials_skips_the_padding_rows():
+    """Partials of Mp > M rows a split (the Gluon tiles' padding): rows past M are not read."""
+    torch.manual_seed(5)
+    m, rows, h = 3, 8, 96
+    part = torch.randn(2, rows, h, device=DEVICE)
+    part[:, m:] = float("nan")
+    res = torch.randn(m, h, device=DEVICE, dtype=KERNEL_DTYPE)
+    w = 1 + 0.1 * torch.randn(h, device=DEVICE, dtype=KERNEL_DTYPE)
+    out, res_out = dataflow.add_norm_partials(part, res, w, 1e-6)
+    ref_out, ref_res = dataflow.add_norm_partials(part[:, :m].contiguous(), res, w, 1e-6)
+    assert torch.equal(out, ref_out) and torch.equal(res_out, ref_res) and not out.isnan().any()
 
 
 def test_supports_the_small_geometries_only():
@@ -180,3 +212,37 @@ def test_forward_matches_the_usual_forward(monkeypatch, lens, hidden):
     written, written_ref = kv[slots // 16, :, :, slots % 16], kv_ref[slots // 16, :, :, slots % 16]
     assert _rel(written, written_ref) < 1e-2                     # the same K/V stored at the same slots
     assert not written.isnan().any()
+
+
+@pytest.mark.parametrize("rows", [33, 64, 100, 200, WIDE_ROWS])
+def test_wide_forward_matches_the_usual_forward(monkeypatch, rows):
+    """The Gluon range (Hopper only): the chain's forward against the usual forward, rows in each
+    tile class, hidden 1536 (QKV's K in 12 steps; o_proj's 512 in 4 splits of one step each)."""
+    if not CUDA or not dataflow_decode.wide_available(torch.device("cuda")):
+        pytest.skip("the Gluon kernels need a Hopper GPU")
+    torch.manual_seed(rows)
+    cfg = ModelConfig.from_hf_dict({**SMALL, "hidden_size": 1536})
+    model = DecoderForCausalLM(cfg, "triton").to(DEVICE, MODEL_DTYPE)
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.dim() == 1:
+                p.normal_(1.0, 0.1)
+    lens = [1 + (7 * i) % 60 for i in range(rows)]
+    kv, ctx = _decode_batch(model, lens)
+    ids = torch.randint(0, cfg.vocab_size, (rows,), device=DEVICE)
+    pos = ctx.context_lens.long() - 1
+    kv_ref = kv.clone()
+    _bind(model, kv_ref)
+    monkeypatch.setenv("PDSERVE_DATAFLOW_WIDE", "0")
+    with torch.inference_mode(), forward_context(ctx):
+        assert not dataflow_decode.applies(model, ids)
+        ref = model(ids, pos)
+    monkeypatch.setenv("PDSERVE_DATAFLOW_WIDE", "1")
+    _bind(model, kv)
+    with torch.inference_mode(), forward_context(ctx):
+        assert dataflow_decode.applies(model, ids) == pdl_available(ids.device)
+        out = model(ids, pos)
+    assert out.shape == ref.shape and _rel(out, ref) < 5e-3
+    slots = ctx.slot_mapping.long()
+    written, written_ref = kv[slots // 16, :, :, slots % 16], kv_ref[slots // 16, :, :, slots % 16]
+    assert _rel(written, written_ref) < 1e-2 and not written.isnan().any()

@@ -1,26 +1,37 @@
-"""The small-batch decode forward: the decoder's dense layers as one chain of weight-preloading,
-PDL-launched kernels (pdserve/common/ops/dataflow.py), attention unchanged.
+"""The decode chain: the decoder's dense layers as one chain of weight-preloading, PDL-launched
+kernels, attention unchanged.
 
-Per layer: ``qkv`` (``preload_linear`` at <= 16 rows where hidden is one or two tiles, else split-K
-partials, ``qkv_preloads``) -> qk-norm/RoPE/KV store (adding partials up) -> paged attention ->
-``o_proj`` partials -> add + post-attention RMSNorm -> ``gate_up`` partials -> SiLU-mul ->
-``down`` partials -> add + the next layer's input RMSNorm (the final norm after the last layer).
+Per layer: ``qkv`` -> qk-norm/RoPE/KV store -> paged attention -> ``o_proj`` partials -> add +
+post-attention RMSNorm -> ``gate_up`` and SiLU-mul -> ``down`` partials -> add + the next layer's
+input RMSNorm (the final norm after the last layer). Two kinds of projections, by batch rows:
+
+- small, 1 to ``MAX_ROWS`` rows: Triton register tiles (pdserve/common/ops/dataflow.py):
+  ``qkv`` through ``preload_linear`` at <= 16 rows where hidden is one or two tiles, else split-K
+  partials added up by the qk-norm/RoPE kernel (``qkv_preloads``); ``gate_up`` as partials added
+  up by ``silu_partials``;
+- wide, ``MAX_ROWS + 1`` to ``WIDE_ROWS`` rows: Gluon TMA/warp-group-MMA GEMMs
+  (pdserve/common/ops/gluon_gemm.py, tiles by pdserve/common/ops/gemm_tiles.py): ``qkv`` written
+  whole, ``gate_up`` with SiLU-mul in its epilogue, ``o_proj`` and ``down`` as split-K partials.
+
 It computes what ``DecoderForCausalLM.forward`` computes, rounding at the same points (each GEMM
 output in the model dtype before its residual add or activation); only the GEMMs' summation
 order differs.
 
-Taken (``takes_chain``) for a decode forward (no prompt rows) of 1 to ``MAX_ROWS`` rows on a GPU
+Taken (``takes_chain``) for a decode forward (no prompt rows) of 1 to ``WIDE_ROWS`` rows on a GPU
 with programmatic dependent launch (pdserve/common/ops/pdl.py; with the same kernels launched
 plainly the chain is no faster than the usual path, measured on an H100 with PDL switched off:
-bench/NOTES.md run 33), when the model ``supports`` it, the fused kernels are on and
-``PDSERVE_DATAFLOW_DECODE`` is on (default). Otherwise the model runs its usual forward.
+bench/NOTES.md run 33), when the model ``supports`` the range's tiling, the fused kernels are on
+and ``PDSERVE_DATAFLOW_DECODE`` is on (default); the wide range also needs a Hopper GPU, a Triton
+with Gluon and ``PDSERVE_DATAFLOW_WIDE`` on (default). Otherwise the model runs its usual forward.
 Import it only where Triton is importable (the decoder does so on CUDA with the fused kernels on).
 """
 from __future__ import annotations
 
 import dataclasses
 import functools
-from typing import TYPE_CHECKING, cast
+import importlib.util
+from collections.abc import Callable
+from typing import TYPE_CHECKING, NamedTuple, cast
 
 import torch
 
@@ -37,6 +48,7 @@ from pdserve.common.ops.dataflow import (
     silu_partials,
     splitk,
 )
+from pdserve.common.ops.gemm_tiles import WIDE_ROWS, wide_fits, wide_tiles
 from pdserve.common.ops.paged_attention import sm_count
 from pdserve.common.ops.pdl import pdl_available
 
@@ -64,10 +76,31 @@ def supports(cfg: ModelConfig, dtype: torch.dtype, num_sms: int) -> bool:
     return all(p <= MAX_PROGRAMS_PER_SM * num_sms for p in programs.values())
 
 
+@functools.lru_cache(maxsize=16)
+def supports_wide(cfg: ModelConfig, dtype: torch.dtype) -> bool:
+    """Whether the wide range's Gluon tiles fit this geometry: no biases, half-precision weights,
+    every projection tiled exactly (``gemm_tiles.wide_fits``)."""
+    if dtype not in (torch.bfloat16, torch.float16) or cfg.attention_bias or cfg.o_bias or cfg.mlp_bias:
+        return False
+    q = cfg.num_attention_heads * cfg.head_dim
+    qkv = q + 2 * cfg.num_key_value_heads * cfg.head_dim
+    return wide_fits(q, qkv, cfg.hidden_size, cfg.intermediate_size)
+
+
+@functools.lru_cache(maxsize=8)
+def wide_available(device: torch.device) -> bool:
+    """The Gluon kernels can run here: a CUDA GPU of compute capability 9.x (warp-group MMA and
+    TMA as Hopper has them) and a Triton with Gluon's Hopper module."""
+    if device.type != "cuda" or torch.cuda.get_device_capability(device)[0] != 9:
+        return False
+    return importlib.util.find_spec("triton.experimental.gluon.language.nvidia.hopper") is not None
+
+
 def takes_chain(rows: int, is_prefill: bool, pdl: bool, enabled: bool, supported: bool) -> bool:
-    """The rule, on plain values: a pure decode batch of 1..MAX_ROWS rows, PDL, switched on, a
-    supported model."""
-    return 1 <= rows <= MAX_ROWS and not is_prefill and pdl and enabled and supported
+    """The rule, on plain values: a pure decode batch of 1..WIDE_ROWS rows, PDL, switched on, a
+    model that supports the tiling of the rows' range (``supports`` up to MAX_ROWS, else
+    ``supports_wide`` on a GPU where ``wide_available``)."""
+    return 1 <= rows <= WIDE_ROWS and not is_prefill and pdl and enabled and supported
 
 
 def qkv_preloads(rows: int, hidden: int) -> bool:
@@ -78,12 +111,15 @@ def qkv_preloads(rows: int, hidden: int) -> bool:
 
 def applies(model: DecoderForCausalLM, input_ids: torch.Tensor) -> bool:
     """``takes_chain`` for this forward (the caller checked CUDA and the fused kernels)."""
-    rows = input_ids.shape[0]
-    if not 1 <= rows <= MAX_ROWS:                                  # cheap checks first
+    rows, device, dtype = input_ids.shape[0], input_ids.device, model.embed_tokens.weight.dtype
+    if not 1 <= rows <= WIDE_ROWS:                                 # cheap checks first
         return False
-    sms = sm_count(input_ids.device)
-    return takes_chain(rows, get_forward_context().is_prefill, pdl_available(input_ids.device),
-                       env.dataflow_decode(), supports(model.config, model.embed_tokens.weight.dtype, sms))
+    if rows <= MAX_ROWS:
+        supported = supports(model.config, dtype, sm_count(device))
+    else:
+        supported = env.dataflow_wide() and wide_available(device) and supports_wide(model.config, dtype)
+    return takes_chain(rows, get_forward_context().is_prefill, pdl_available(device), env.dataflow_decode(),
+                       supported)
 
 
 def forward(model: DecoderForCausalLM, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
@@ -94,18 +130,43 @@ def forward(model: DecoderForCausalLM, input_ids: torch.Tensor, positions: torch
         return _layers(model, input_ids, positions)
 
 
+class Projections(NamedTuple):
+    """A layer's four projections for one batch size. ``qkv``: x [M, H] -> QKV [M, N] or its fp32
+    partials [S, M, N] (what ``fused_qk_norm_rope`` takes); ``o_proj`` / ``down``: -> fp32 partials
+    [S, Mp >= M, H] (what ``add_norm_partials`` takes); ``gate_up_act``: x -> silu(gate) * up [M, I]."""
+    qkv: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+    o_proj: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+    gate_up_act: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+    down: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+
+
+def _small_projections(rows: int, hidden: int) -> Projections:
+    qkv = preload_linear if qkv_preloads(rows, hidden) else splitk
+    return Projections(qkv, splitk, lambda x, w: silu_partials(splitk(x, w), x.dtype), splitk)
+
+
+def _wide_projections(rows: int) -> Projections:
+    from pdserve.common.ops import gluon_gemm  # imports Gluon: Hopper only
+    t = {op: wide_tiles(op, rows) for op in ("qkv", "o_proj", "gate_up", "down")}
+    return Projections(lambda x, w: gluon_gemm.linear(x, w, t["qkv"]),
+                       lambda x, w: gluon_gemm.splitk(x, w, t["o_proj"]),
+                       lambda x, w: gluon_gemm.silu_linear(x, w, t["gate_up"]),
+                       lambda x, w: gluon_gemm.splitk(x, w, t["down"]))
+
+
 def _layers(model: DecoderForCausalLM, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
     layers = cast("list[DecoderLayer]", list(model.layers))
+    rows = input_ids.shape[0]
+    proj = _small_projections(rows, model.config.hidden_size) if rows <= MAX_ROWS else _wide_projections(rows)
     residual = model.embed_tokens(input_ids)
     x = layers[0].input_layernorm(residual)
-    qkv_proj = preload_linear if qkv_preloads(input_ids.shape[0], model.config.hidden_size) else splitk
     for i, layer in enumerate(layers):
         attn = layer.self_attn
-        q, k, v = attn.fused_qk_norm_rope(qkv_proj(x, attn.qkv_proj.weight), positions)
+        q, k, v = attn.fused_qk_norm_rope(proj.qkv(x, attn.qkv_proj.weight), positions)
         o = attn.attn(q, k, v, kv_stored=True).reshape(-1, attn.q_size)
         post = layer.post_attention_layernorm
-        x, residual = add_norm_partials(splitk(o, attn.o_proj.weight), residual, post.weight, post.eps)
-        act = silu_partials(splitk(x, layer.mlp.gate_up_proj.weight), x.dtype)
+        x, residual = add_norm_partials(proj.o_proj(o, attn.o_proj.weight), residual, post.weight, post.eps)
+        act = proj.gate_up_act(x, layer.mlp.gate_up_proj.weight)
         nxt = layers[i + 1].input_layernorm if i + 1 < len(layers) else model.norm
-        x, residual = add_norm_partials(splitk(act, layer.mlp.down_proj.weight), residual, nxt.weight, nxt.eps)
+        x, residual = add_norm_partials(proj.down(act, layer.mlp.down_proj.weight), residual, nxt.weight, nxt.eps)
     return x

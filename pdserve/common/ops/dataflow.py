@@ -83,7 +83,7 @@ def _preload_linear_kernel(a_ptr, w_ptr, c_ptr, M, N, BM: tl.constexpr, BN: tl.c
 
 
 @triton.jit
-def _add_norm_partials_kernel(part_ptr, KS, res_ptr, w_ptr, out_ptr, res_out_ptr, M, n_cols, eps,
+def _add_norm_partials_kernel(part_ptr, KS, res_ptr, w_ptr, out_ptr, res_out_ptr, SPLIT_ROWS, n_cols, eps,
                               BLOCK: tl.constexpr, PDL: tl.constexpr = False):
     row = tl.program_id(0)
     cols = tl.arange(0, BLOCK)
@@ -95,7 +95,7 @@ def _add_norm_partials_kernel(part_ptr, KS, res_ptr, w_ptr, out_ptr, res_out_ptr
         tl.extra.cuda.gdc_wait()
     acc = tl.zeros([BLOCK], dtype=tl.float32)
     for ks in range(KS):
-        acc += tl.load(part_ptr + (ks * M + row) * n_cols + cols, mask=mask, other=0.0)
+        acc += tl.load(part_ptr + (ks * SPLIT_ROWS + row) * n_cols + cols, mask=mask, other=0.0)
     res = tl.load(res_ptr + row * n_cols + cols, mask=mask, other=0.0)
     x = acc.to(res.dtype) + res
     tl.store(res_out_ptr + row * n_cols + cols, x, mask=mask)
@@ -152,13 +152,15 @@ def preload_linear(a: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
 
 def add_norm_partials(part: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
                       eps: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """part: [S, M, H] fp32, residual: [M, H] -> (norm(x) * weight, x) with
-    ``x = round(part.sum(0)) + residual``."""
-    s, m, h = part.shape
-    assert residual.shape == (m, h) and residual.is_contiguous(), (part.shape, residual.shape)
+    """part: [S, Mp, H] fp32 (Mp >= M: rows past M, padding of the Gluon GEMMs' tiles, unread),
+    residual: [M, H] -> (norm(x) * weight, x) with ``x = round(part[:, :M].sum(0)) + residual``."""
+    s, rows, h = part.shape
+    m = residual.shape[0]
+    assert residual.shape == (m, h) and rows >= m and residual.is_contiguous(), (part.shape, residual.shape)
+    assert part.is_contiguous(), part.stride()
     out = torch.empty_like(residual)
     res_out = torch.empty_like(residual)
-    _add_norm_partials_kernel[(m,)](part, s, residual, weight, out, res_out, m, h, eps,
+    _add_norm_partials_kernel[(m,)](part, s, residual, weight, out, res_out, rows, h, eps,
                                     BLOCK=triton.next_power_of_2(h), num_warps=4, **_launch(part))
     return out, res_out
 
