@@ -11,7 +11,10 @@ Ways, each timed over 8 layers whose weights (252 MB) overflow the L2, in one CU
 - ``engine``: ``F.linear`` (cuBLAS) and the engine's fused RMSNorm and SiLU-mul kernels;
 - ``dataflow``: the chain (beyond 16 rows QKV left as its split-K partials, which the product's
   qk-norm/RoPE kernel adds up); ``dataflow_nopdl``: the same kernels launched without PDL. Both run up to 64
-  rows, past the product's ``dataflow.MAX_ROWS``, to show where the chain stops paying.
+  rows, past the product's ``dataflow.MAX_ROWS``, to show where the chain stops paying;
+- ``wide``: the chain's Gluon range (pdserve/common/ops/gluon_gemm.py, Hopper), 33-256 rows, with
+  the product's tiles (``gemm_tiles.wide_tiles``); with ``--sweep``, also each projection's tiles
+  replaced by each of ``SWEEP``'s candidates in turn (one projection at a time, the others as the product's).
 
 Each way's QKV and residual are checked against a float32 torch reference on fresh random inputs,
 outputs poisoned with NaN first. (Versions of this probe at 3d8e689 and dbd67ae also tried the
@@ -32,6 +35,7 @@ from bench.common import graph_time, write_result
 from pdserve.common.models.dataflow_decode import qkv_preloads
 from pdserve.common.ops import dataflow
 from pdserve.common.ops.fused import rms_norm, silu_and_mul
+from pdserve.common.ops.gemm_tiles import WIDE_ROWS, Tiles, wide_tiles
 
 H, QKV, INTER, QDIM, EPS = 1024, 4096, 3072, 2048, 1e-6
 
@@ -97,6 +101,44 @@ def dataflow_layer(attn, res, lw, bufs, pdl: bool) -> tuple[torch.Tensor, torch.
         return qkv_proj(x, lw["qkv"]), r
 
 
+WIDE_OPS = ("o_proj", "gate_up", "down", "qkv")
+# (bm, bn, bk, stages, splits, overlap) candidates a projection's tiles are swept over
+SWEEP = {
+    "qkv": [(64, 32, 128, 4, 1, 1), (128, 32, 128, 4, 1, 1), (128, 64, 64, 4, 1, 1), (64, 64, 64, 4, 1, 1),
+            (64, 64, 128, 3, 1, 1), (128, 64, 128, 3, 1, 1), (128, 128, 64, 3, 1, 1)],
+    "gate_up": [(64, 32, 128, 3, 1, 1), (128, 32, 64, 4, 1, 1), (64, 32, 64, 4, 1, 1), (128, 32, 128, 3, 1, 1),
+                (64, 64, 64, 3, 1, 1), (128, 64, 64, 3, 1, 1)],
+    "o_proj": [(64, 32, 128, 3, 4, 1), (128, 32, 128, 3, 4, 1), (128, 32, 128, 3, 2, 0), (64, 32, 128, 3, 2, 0),
+               (64, 32, 64, 4, 4, 1), (128, 64, 64, 4, 4, 1), (64, 64, 128, 3, 4, 1), (128, 32, 64, 4, 8, 1)],
+}
+SWEEP["down"] = SWEEP["o_proj"]
+_TILES: dict[str, Tiles] = {}
+
+
+def wide_layer(attn, res, lw, bufs, pdl: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """The Gluon range's dense half with the tiles in ``_TILES``; QKV written whole."""
+    from pdserve.common.ops import gluon_gemm
+    del bufs, pdl
+    t = _TILES
+    x, r = dataflow.add_norm_partials(gluon_gemm.splitk(attn, lw["o"], t["o_proj"]), res, lw["g1"], EPS)
+    act = gluon_gemm.silu_linear(x, lw["gate_up"], t["gate_up"])
+    x, r = dataflow.add_norm_partials(gluon_gemm.splitk(act, lw["down"], t["down"]), r, lw["g2"], EPS)
+    return gluon_gemm.linear(x, lw["qkv"], t["qkv"]), r
+
+
+def wide_variants(m: int, sweep: bool) -> dict[str, dict[str, Tiles]]:
+    """'wide' (the product's tiles) and, with ``sweep``, one variant per (projection, candidate)."""
+    base = {op: wide_tiles(op, m) for op in WIDE_OPS}
+    out = {"wide": base}
+    if sweep:
+        for op, cands in SWEEP.items():
+            for c in cands:
+                tiles = Tiles(*c[:5], overlap=bool(c[5]))
+                if tiles != base[op]:
+                    out["wide_" + op + "_" + "_".join(str(v) for v in c)] = {**base, op: tiles}
+    return out
+
+
 def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
     return ((out.float() - ref).norm() / ref.norm()).item()
 
@@ -119,7 +161,7 @@ def _nan_outputs():
         torch.empty, torch.empty_like = saved
 
 
-def measure(m: int, layers: list[dict]) -> dict:
+def measure(m: int, layers: list[dict], sweep: bool = False) -> dict:
     attn = torch.randn(m, QDIM, device="cuda", dtype=torch.bfloat16)
     res = torch.randn(m, H, device="cuda", dtype=torch.bfloat16)
     ref_qkv, ref_res = reference(attn, res, layers[0])
@@ -127,9 +169,16 @@ def measure(m: int, layers: list[dict]) -> dict:
     ways = {"engine": (engine_layer, False)}
     if m <= 64:
         ways.update({"dataflow": (dataflow_layer, True), "dataflow_nopdl": (dataflow_layer, False)})
+    variants: dict[str, dict[str, Tiles]] = {}
+    if 32 < m <= WIDE_ROWS and torch.cuda.get_device_capability()[0] == 9:
+        variants = wide_variants(m, sweep)
+        ways.update({name: (wide_layer, True) for name in variants})
     bufs = None                                   # every way allocates its outputs (NaN-filled below)
     for name, (layer_fn, pdl) in ways.items():
         try:
+            if name in variants:
+                _TILES.clear()
+                _TILES.update(variants[name])
             with _nan_outputs():
                 qkv, r = layer_fn(attn, res, layers[0], bufs, pdl)
             qkv = qkv.sum(0) if qkv.dim() == 3 else qkv           # the chain's QKV partials
@@ -146,6 +195,7 @@ def measure(m: int, layers: list[dict]) -> dict:
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--batches", default="1,8,16,24,32,48,64")
+    p.add_argument("--sweep", action="store_true", help="also each projection's tile candidates (SWEEP)")
     p.add_argument("--layers", type=int, default=8)
     p.add_argument("--out", default="bench/results/dataflow/dataflow_layer_probe.json")
     a = p.parse_args(argv)
@@ -153,15 +203,21 @@ def main(argv: list[str] | None = None) -> int:
     layers = make_layers(a.layers)
     floor_bytes = sum(layers[0][k].numel() * 2 for k in ("o", "gate_up", "down", "qkv"))
     batches = [int(m) for m in a.batches.split(",")]
-    rows = [measure(m, layers) for m in batches]
+    rows = [measure(m, layers, a.sweep) for m in batches]
     write_result(a.out, {"tile": [dataflow.BN, dataflow.BK], "layers": a.layers, "weight_bytes_per_layer": floor_bytes,
                          "rows": rows})
     print(f"weights {floor_bytes / 1e6:.1f} MB a layer; us a layer (dense half: 4 projections, 2 norms, SiLU-mul)")
     for r in rows:
         cells = [f"{w} {r[w + '_us']:6.2f}" if w + "_us" in r
                  else f"{w} ERROR {r[w + '_error'][:80]}" if w + "_error" in r
-                 else f"{w} n/a (> 64 rows)" for w in ("engine", "dataflow", "dataflow_nopdl")]
+                 else f"{w} n/a" for w in ("engine", "dataflow", "dataflow_nopdl", "wide")]
         print(f"  M={r['M']:4d}: " + ", ".join(cells))
+        swept = sorted((v, k[:-3]) for k, v in r.items() if k.startswith("wide_") and k.endswith("_us"))
+        for v, k in swept[:12]:
+            print(f"      {k:40s} {v:6.2f}")
+        errors = [k for k in r if k.startswith("wide") and k.endswith("_error")]
+        if errors:
+            print(f"      {len(errors)} variants failed, e.g. {r[errors[0]][:200]}")
     return 0
 
 
