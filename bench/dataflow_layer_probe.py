@@ -26,6 +26,7 @@ way split QKV over K when the product still computed it whole: run 38.)
 from __future__ import annotations
 
 import argparse
+import dataclasses
 from contextlib import contextmanager
 
 import torch
@@ -126,10 +127,15 @@ def wide_layer(attn, res, lw, bufs, pdl: bool) -> tuple[torch.Tensor, torch.Tens
     return gluon_gemm.linear(x, lw["qkv"], t["qkv"]), r
 
 
-def wide_variants(m: int, sweep: bool) -> dict[str, dict[str, Tiles]]:
-    """'wide' (the product's tiles) and, with ``sweep``, one variant per (projection, candidate)."""
-    base = {op: wide_tiles(op, m) for op in WIDE_OPS}
-    out = {"wide": base}
+def wide_variants(m: int, sweep: bool, base_bm: int = 0) -> dict[str, dict[str, Tiles]]:
+    """'wide' (the product's tiles) and, with ``sweep``, one variant per (projection, candidate)
+    around the product's tiles, or around them with every ``bm`` set to ``base_bm`` ('wide_bm<N>')."""
+    product = {op: wide_tiles(op, m) for op in WIDE_OPS}
+    out = {"wide": product}
+    base = product
+    if base_bm:
+        base = {op: dataclasses.replace(t, bm=base_bm) for op, t in product.items()}
+        out[f"wide_bm{base_bm}"] = base
     if sweep:
         for op, cands in SWEEP.items():
             for c in cands:
@@ -161,7 +167,7 @@ def _nan_outputs():
         torch.empty, torch.empty_like = saved
 
 
-def measure(m: int, layers: list[dict], sweep: bool = False) -> dict:
+def measure(m: int, layers: list[dict], sweep: bool = False, base_bm: int = 0) -> dict:
     attn = torch.randn(m, QDIM, device="cuda", dtype=torch.bfloat16)
     res = torch.randn(m, H, device="cuda", dtype=torch.bfloat16)
     ref_qkv, ref_res = reference(attn, res, layers[0])
@@ -171,7 +177,7 @@ def measure(m: int, layers: list[dict], sweep: bool = False) -> dict:
         ways.update({"dataflow": (dataflow_layer, True), "dataflow_nopdl": (dataflow_layer, False)})
     variants: dict[str, dict[str, Tiles]] = {}
     if 32 < m <= WIDE_ROWS and torch.cuda.get_device_capability()[0] == 9:
-        variants = wide_variants(m, sweep)
+        variants = wide_variants(m, sweep, base_bm)
         ways.update({name: (wide_layer, True) for name in variants})
     bufs = None                                   # every way allocates its outputs (NaN-filled below)
     for name, (layer_fn, pdl) in ways.items():
@@ -196,6 +202,7 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--batches", default="1,8,16,24,32,48,64")
     p.add_argument("--sweep", action="store_true", help="also each projection's tile candidates (SWEEP)")
+    p.add_argument("--base-bm", type=int, default=0, help="sweep around the product's tiles with this bm")
     p.add_argument("--layers", type=int, default=8)
     p.add_argument("--out", default="bench/results/dataflow/dataflow_layer_probe.json")
     a = p.parse_args(argv)
@@ -203,7 +210,7 @@ def main(argv: list[str] | None = None) -> int:
     layers = make_layers(a.layers)
     floor_bytes = sum(layers[0][k].numel() * 2 for k in ("o", "gate_up", "down", "qkv"))
     batches = [int(m) for m in a.batches.split(",")]
-    rows = [measure(m, layers, a.sweep) for m in batches]
+    rows = [measure(m, layers, a.sweep, a.base_bm) for m in batches]
     write_result(a.out, {"tile": [dataflow.BN, dataflow.BK], "layers": a.layers, "weight_bytes_per_layer": floor_bytes,
                          "rows": rows})
     print(f"weights {floor_bytes / 1e6:.1f} MB a layer; us a layer (dense half: 4 projections, 2 norms, SiLU-mul)")
@@ -213,7 +220,7 @@ def main(argv: list[str] | None = None) -> int:
                  else f"{w} n/a" for w in ("engine", "dataflow", "dataflow_nopdl", "wide")]
         print(f"  M={r['M']:4d}: " + ", ".join(cells))
         swept = sorted((v, k[:-3]) for k, v in r.items() if k.startswith("wide_") and k.endswith("_us"))
-        for v, k in swept[:12]:
+        for v, k in swept[:8]:
             print(f"      {k:40s} {v:6.2f}")
         errors = [k for k in r if k.startswith("wide") and k.endswith("_error")]
         if errors:
