@@ -203,10 +203,14 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--batches", default="1,8,16,24,32,48,64")
     p.add_argument("--sweep", action="store_true", help="also each projection's tile candidates (SWEEP)")
     p.add_argument("--base-bm", type=int, default=0, help="sweep around the product's tiles with this bm")
+    p.add_argument("--m-fast", action="store_true", help="the Gluon grids with M tiles fastest (gluon_gemm.M_FAST)")
     p.add_argument("--layers", type=int, default=8)
     p.add_argument("--out", default="bench/results/dataflow/dataflow_layer_probe.json")
     a = p.parse_args(argv)
     torch.manual_seed(0)
+    if a.m_fast:
+        from pdserve.common.ops import gluon_gemm
+        gluon_gemm.M_FAST = True
     layers = make_layers(a.layers)
     floor_bytes = sum(layers[0][k].numel() * 2 for k in ("o", "gate_up", "down", "qkv"))
     batches = [int(m) for m in a.batches.split(",")]

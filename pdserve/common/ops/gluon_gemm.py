@@ -72,15 +72,20 @@ def _load_a(a_desc, a_bufs, bar, slot, off_m, k):
 
 @gluon.jit
 def _gemm_kernel(a_desc, w_desc, c_desc, K, OUT_ROWS, UP_ROW, STAGES: gl.constexpr, SILU: gl.constexpr,
-                 OVERLAP: gl.constexpr, PDL: gl.constexpr, num_warps: gl.constexpr):
-    """Program (n, m, s): output tile rows ``s * OUT_ROWS + m * BM``, columns ``n * BN``, over
-    columns ``s * K .. (s + 1) * K`` of a and w (``K`` a multiple of BK)."""
+                 OVERLAP: gl.constexpr, PDL: gl.constexpr, M_FAST: gl.constexpr, num_warps: gl.constexpr):
+    """Program (n, m, s) (``M_FAST``: (m, n, s), so that the programs of one weight tile launch
+    together): output tile rows ``s * OUT_ROWS + m * BM``, columns ``n * BN``, over columns
+    ``s * K .. (s + 1) * K`` of a and w (``K`` a multiple of BK)."""
     BM: gl.constexpr = c_desc.block_type.shape[0]
     BN: gl.constexpr = c_desc.block_type.shape[1]
     BK: gl.constexpr = a_desc.block_type.shape[1]
     WT: gl.constexpr = 2 if SILU else 1                    # weight tiles per K step
-    off_n = gl.program_id(0) * BN
-    off_m = gl.program_id(1) * BM
+    if M_FAST:
+        off_m = gl.program_id(0) * BM
+        off_n = gl.program_id(1) * BN
+    else:
+        off_n = gl.program_id(0) * BN
+        off_m = gl.program_id(1) * BM
     k0 = gl.program_id(2) * K
     n_k = K // BK
     a_bufs = gl.allocate_shared_memory(a_desc.dtype, [STAGES, BM, BK], a_desc.layout)
@@ -167,13 +172,17 @@ def _check(a: torch.Tensor, w: torch.Tensor, tiles: Tiles, n: int) -> None:
     assert tiles.fits(n, a.shape[1]), (tiles, n, a.shape[1])
 
 
+M_FAST = False       # grid order (a lab switch, bench/gluon_rows_probe.py)
+
+
 def _launch(a: torch.Tensor, w: torch.Tensor, c: torch.Tensor, tiles: Tiles, n_tiles: int, out_rows: int,
             up_row: int, silu: bool, pdl: bool) -> None:
     m, k = a.shape
-    grid = (n_tiles, triton.cdiv(m, tiles.bm), tiles.splits)
+    m_tiles = triton.cdiv(m, tiles.bm)
+    grid = (m_tiles, n_tiles, tiles.splits) if M_FAST else (n_tiles, m_tiles, tiles.splits)
     _gemm_kernel[grid](_desc(a, (tiles.bm, tiles.bk)), _desc(w, (tiles.bn, tiles.bk)), _desc(c, (tiles.bm, tiles.bn)),
                        k // tiles.splits, out_rows, up_row, STAGES=tiles.stages, SILU=silu, OVERLAP=tiles.overlap,
-                       PDL=pdl, num_warps=4, **({"launch_pdl": True} if pdl else {}))
+                       PDL=pdl, M_FAST=M_FAST, num_warps=4, **({"launch_pdl": True} if pdl else {}))
 
 
 def linear(a: torch.Tensor, w: torch.Tensor, tiles: Tiles, pdl: bool = True) -> torch.Tensor:
