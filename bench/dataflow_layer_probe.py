@@ -36,7 +36,7 @@ from bench.common import graph_time, write_result
 from pdserve.common.models.dataflow_decode import qkv_preloads
 from pdserve.common.ops import dataflow
 from pdserve.common.ops.fused import rms_norm, silu_and_mul
-from pdserve.common.ops.gemm_tiles import WIDE_ROWS, Tiles, wide_tiles
+from pdserve.common.ops.gemm_tiles import WIDE_ROWS, Tiles, padded_rows, wide_tiles
 
 H, QKV, INTER, QDIM, EPS = 1024, 4096, 3072, 2048, 1e-6
 
@@ -117,14 +117,15 @@ _TILES: dict[str, Tiles] = {}
 
 
 def wide_layer(attn, res, lw, bufs, pdl: bool) -> tuple[torch.Tensor, torch.Tensor]:
-    """The Gluon range's dense half with the tiles in ``_TILES``; QKV written whole."""
+    """The Gluon range's dense half with the tiles in ``_TILES``, QKV written whole; the
+    activations of ``padded_rows`` rows as in the product (``bufs``: the attention output so padded)."""
     from pdserve.common.ops import gluon_gemm
-    del bufs, pdl
-    t = _TILES
-    x, r = dataflow.add_norm_partials(gluon_gemm.splitk(attn, lw["o"], t["o_proj"]), res, lw["g1"], EPS)
+    del attn, pdl
+    t, m, rows = _TILES, res.shape[0], bufs.shape[0]
+    x, r = dataflow.add_norm_partials(gluon_gemm.splitk(bufs, lw["o"], t["o_proj"]), res, lw["g1"], EPS, rows)
     act = gluon_gemm.silu_linear(x, lw["gate_up"], t["gate_up"])
-    x, r = dataflow.add_norm_partials(gluon_gemm.splitk(act, lw["down"], t["down"]), r, lw["g2"], EPS)
-    return gluon_gemm.linear(x, lw["qkv"], t["qkv"]), r
+    x, r = dataflow.add_norm_partials(gluon_gemm.splitk(act, lw["down"], t["down"]), r, lw["g2"], EPS, rows)
+    return gluon_gemm.linear(x, lw["qkv"], t["qkv"])[:m], r
 
 
 def wide_variants(m: int, sweep: bool, base_bm: int = 0) -> dict[str, dict[str, Tiles]]:
@@ -179,10 +180,12 @@ def measure(m: int, layers: list[dict], sweep: bool = False, base_bm: int = 0) -
     if 32 < m <= WIDE_ROWS and torch.cuda.get_device_capability()[0] == 9:
         variants = wide_variants(m, sweep, base_bm)
         ways.update({name: (wide_layer, True) for name in variants})
-    bufs = None                                   # every way allocates its outputs (NaN-filled below)
     for name, (layer_fn, pdl) in ways.items():
+        bufs = None                               # every way allocates its outputs (NaN-filled below)
         try:
             if name in variants:
+                bufs = torch.zeros(padded_rows(m), QDIM, device="cuda", dtype=torch.bfloat16)
+                bufs[:m] = attn
                 _TILES.clear()
                 _TILES.update(variants[name])
             with _nan_outputs():
@@ -190,7 +193,7 @@ def measure(m: int, layers: list[dict], sweep: bool = False, base_bm: int = 0) -
             qkv = qkv.sum(0) if qkv.dim() == 3 else qkv           # the chain's QKV partials
             errs = (rel_err(qkv, ref_qkv), rel_err(r, ref_res))
             assert max(errs) < 1e-2, f"{name} M={m}: relative errors {errs}"
-            secs = graph_time(lambda fn=layer_fn, p=pdl: [fn(attn, res, lw, bufs, p) for lw in layers], replays=20)
+            secs = graph_time(lambda fn=layer_fn, p=pdl, b=bufs: [fn(attn, res, lw, b, p) for lw in layers], replays=20)
             row[f"{name}_us"] = 1e6 * secs / len(layers)
             row[f"{name}_rel_err"] = max(errs)
         except Exception as e:                                   # noqa: BLE001 (record, go on)
@@ -203,14 +206,14 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--batches", default="1,8,16,24,32,48,64")
     p.add_argument("--sweep", action="store_true", help="also each projection's tile candidates (SWEEP)")
     p.add_argument("--base-bm", type=int, default=0, help="sweep around the product's tiles with this bm")
-    p.add_argument("--m-fast", action="store_true", help="the Gluon grids with M tiles fastest (gluon_gemm.M_FAST)")
+    p.add_argument("--n-fast", action="store_true", help="the Gluon grids with N tiles fastest (gluon_gemm.M_FAST off)")
     p.add_argument("--layers", type=int, default=8)
     p.add_argument("--out", default="bench/results/dataflow/dataflow_layer_probe.json")
     a = p.parse_args(argv)
     torch.manual_seed(0)
-    if a.m_fast:
+    if a.n_fast:
         from pdserve.common.ops import gluon_gemm
-        gluon_gemm.M_FAST = True
+        gluon_gemm.M_FAST = False
     layers = make_layers(a.layers)
     floor_bytes = sum(layers[0][k].numel() * 2 for k in ("o", "gate_up", "down", "qkv"))
     batches = [int(m) for m in a.batches.split(",")]

@@ -146,6 +146,8 @@ def test_add_norm_partials_skips_the_padding_rows():
     out, res_out = dataflow.add_norm_partials(part, res, w, 1e-6)
     ref_out, ref_res = dataflow.add_norm_partials(part[:, :m].contiguous(), res, w, 1e-6)
     assert torch.equal(out, ref_out) and torch.equal(res_out, ref_res) and not out.isnan().any()
+    padded, res_out = dataflow.add_norm_partials(part, res, w, 1e-6, out_rows=rows)    # whole tiles out
+    assert padded.shape == (rows, h) and res_out.shape == (m, h) and torch.equal(padded[:m], ref_out)
 
 
 def test_supports_the_small_geometries_only():

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import pytest
 
-from pdserve.common.ops.gemm_tiles import SMEM_BYTES, WIDE_ROWS, Tiles, wide_fits, wide_tiles
+from pdserve.common.ops.gemm_tiles import SMEM_BYTES, WIDE_ROWS, Tiles, padded_rows, wide_fits, wide_tiles
 
 
 def test_tile_classes_by_rows():
@@ -12,6 +12,7 @@ def test_tile_classes_by_rows():
     assert wide_tiles("qkv", 65) == Tiles(128, 32, 128, 4)
     assert wide_tiles("qkv", 129) == Tiles(128, 64, 64, 4)
     assert wide_tiles("gate_up", 64) == Tiles(64, 32, 128, 3)
+    assert wide_tiles("gate_up", 128) == Tiles(64, 32, 128, 3)
     assert wide_tiles("gate_up", WIDE_ROWS) == Tiles(128, 32, 64, 4)
     assert wide_tiles("o_proj", 128) == Tiles(128, 32, 128, 3, splits=4)
     assert wide_tiles("down", 129) == Tiles(128, 32, 128, 3, splits=2, overlap=False)
@@ -54,3 +55,11 @@ def test_unknown_op_or_rows_refused():
         wide_tiles("lm_head", 64)
     with pytest.raises(ValueError, match="rows"):
         wide_tiles("qkv", WIDE_ROWS + 1)
+
+
+def test_padded_rows_are_whole_tiles_of_every_projection():
+    assert [padded_rows(m) for m in (33, 48, 64, 65, 128, 129, 160, 256)] == [64, 64, 64, 128, 128, 256, 256, 256]
+    for m in range(33, WIDE_ROWS + 1):
+        assert all(padded_rows(m) % wide_tiles(op, m).bm == 0 for op in ("qkv", "o_proj", "gate_up", "down"))
+    with pytest.raises(ValueError, match="rows"):
+        padded_rows(0)

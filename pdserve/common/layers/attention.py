@@ -23,9 +23,10 @@ class PagedAttention(nn.Module):
         self.v_cache = torch.empty(0)
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                kv_stored: bool = False) -> torch.Tensor:
+                kv_stored: bool = False, out: torch.Tensor | None = None) -> torch.Tensor:
         """q: [T, Hq, D]; k, v: [T, Hkv, D] -> [T, Hq, D]. ``kv_stored``: the caller already
-        wrote k/v into the cache at the context's slots (the fused qk-norm+RoPE kernel does)."""
+        wrote k/v into the cache at the context's slots (the fused qk-norm+RoPE kernel does).
+        ``out``: a [T, Hq, D] tensor a decode step writes into (returned), else a new one."""
         ctx = get_forward_context()
         if self.k_cache.numel() == 0:
             raise RuntimeError("KV cache is not allocated")
@@ -33,7 +34,9 @@ class PagedAttention(nn.Module):
             self.backend.store_kv(k, v, self.k_cache, self.v_cache, ctx.slot_mapping)
         if not ctx.is_prefill:
             return self.backend.decode(q, self.k_cache, self.v_cache, ctx.block_tables,
-                                       ctx.context_lens, self.scale)
+                                       ctx.context_lens, self.scale, out=out)
+        if out is not None:
+            raise ValueError("PagedAttention: out= is for decode steps only")
         nd = ctx.num_decode_tokens
         if nd == 0:
             return self.backend.prefill(q, self.k_cache, self.v_cache, _cu_seqlens_q(ctx),

@@ -12,6 +12,9 @@ input RMSNorm (the final norm after the last layer). Two kinds of projections, b
 - wide, ``MAX_ROWS + 1`` to ``WIDE_ROWS`` rows: Gluon TMA/warp-group-MMA GEMMs
   (pdserve/common/ops/gluon_gemm.py, tiles by pdserve/common/ops/gemm_tiles.py): ``qkv`` written
   whole, ``gate_up`` with SiLU-mul in its epilogue, ``o_proj`` and ``down`` as split-K partials.
+  The activations the GEMMs read (normed x, attention output, SiLU-mul output) have
+  ``padded_rows`` rows, whole M tiles; rows past M are never written by a row-wise kernel and
+  never read into a real row. The residual stream keeps M rows.
 
 It computes what ``DecoderForCausalLM.forward`` computes, rounding at the same points (each GEMM
 output in the model dtype before its residual add or activation); only the GEMMs' summation
@@ -48,7 +51,7 @@ from pdserve.common.ops.dataflow import (
     silu_partials,
     splitk,
 )
-from pdserve.common.ops.gemm_tiles import WIDE_ROWS, wide_fits, wide_tiles
+from pdserve.common.ops.gemm_tiles import WIDE_ROWS, padded_rows, wide_fits, wide_tiles
 from pdserve.common.ops.paged_attention import sm_count
 from pdserve.common.ops.pdl import pdl_available
 
@@ -156,17 +159,32 @@ def _wide_projections(rows: int) -> Projections:
 
 def _layers(model: DecoderForCausalLM, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
     layers = cast("list[DecoderLayer]", list(model.layers))
-    rows = input_ids.shape[0]
-    proj = _small_projections(rows, model.config.hidden_size) if rows <= MAX_ROWS else _wide_projections(rows)
+    m = input_ids.shape[0]
+    small = m <= MAX_ROWS
+    proj = _small_projections(m, model.config.hidden_size) if small else _wide_projections(m)
+    rows = m if small else padded_rows(m)             # the activations' rows: whole Gluon M tiles
     residual = model.embed_tokens(input_ids)
-    x = layers[0].input_layernorm(residual)
+    x = _with_rows(layers[0].input_layernorm(residual), rows)
     for i, layer in enumerate(layers):
         attn = layer.self_attn
-        q, k, v = attn.fused_qk_norm_rope(proj.qkv(x, attn.qkv_proj.weight), positions)
-        o = attn.attn(q, k, v, kv_stored=True).reshape(-1, attn.q_size)
+        qkv = proj.qkv(x, attn.qkv_proj.weight)
+        q, k, v = attn.fused_qk_norm_rope(qkv if rows == m else qkv[:m], positions)
+        o_rows = None if rows == m else q.new_empty(rows, attn.num_heads, attn.head_dim)
+        o = attn.attn(q, k, v, kv_stored=True, out=None if o_rows is None else o_rows[:m])
+        o = o.reshape(-1, attn.q_size) if o_rows is None else o_rows.view(rows, attn.q_size)
         post = layer.post_attention_layernorm
-        x, residual = add_norm_partials(proj.o_proj(o, attn.o_proj.weight), residual, post.weight, post.eps)
+        x, residual = add_norm_partials(proj.o_proj(o, attn.o_proj.weight), residual, post.weight, post.eps, rows)
         act = proj.gate_up_act(x, layer.mlp.gate_up_proj.weight)
         nxt = layers[i + 1].input_layernorm if i + 1 < len(layers) else model.norm
-        x, residual = add_norm_partials(proj.down(act, layer.mlp.down_proj.weight), residual, nxt.weight, nxt.eps)
-    return x
+        x, residual = add_norm_partials(proj.down(act, layer.mlp.down_proj.weight), residual, nxt.weight, nxt.eps,
+                                        rows)
+    return x[:m]
+
+
+def _with_rows(x: torch.Tensor, rows: int) -> torch.Tensor:
+    """x: [M, H] -> [rows, H] holding x in its first M rows (the rest unwritten)."""
+    if rows == x.shape[0]:
+        return x
+    out = x.new_empty(rows, x.shape[1])
+    out[:x.shape[0]].copy_(x)
+    return out

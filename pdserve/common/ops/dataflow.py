@@ -150,15 +150,19 @@ def preload_linear(a: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     return out
 
 
-def add_norm_partials(part: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
-                      eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+def add_norm_partials(part: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float,
+                      out_rows: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """part: [S, Mp, H] fp32 (Mp >= M: rows past M, padding of the Gluon GEMMs' tiles, unread),
-    residual: [M, H] -> (norm(x) * weight, x) with ``x = round(part[:, :M].sum(0)) + residual``."""
+    residual: [M, H] -> (norm(x) * weight, x) with ``x = round(part[:, :M].sum(0)) + residual``.
+    ``out_rows`` (>= M): the normed output gets that many rows, those past M left unwritten (the
+    next Gluon GEMM's whole M tiles); x keeps M rows."""
     s, rows, h = part.shape
     m = residual.shape[0]
     assert residual.shape == (m, h) and rows >= m and residual.is_contiguous(), (part.shape, residual.shape)
     assert part.is_contiguous(), part.stride()
-    out = torch.empty_like(residual)
+    out_rows = out_rows or m
+    assert out_rows >= m, (out_rows, m)
+    out = residual.new_empty(out_rows, h)
     res_out = torch.empty_like(residual)
     _add_norm_partials_kernel[(m,)](part, s, residual, weight, out, res_out, rows, h, eps,
                                     BLOCK=triton.next_power_of_2(h), num_warps=4, **_launch(part))

@@ -17,11 +17,15 @@ the kernel that writes its input (bench/gluon_gemm_probe.py, bench/NOTES.md run 
 
 - ``bm`` 64 up to 64 rows, else 128 (a warp group's MMA takes 64 rows; more M tiles re-read W);
 - ``qkv``: (bn 32, bk 128, 4 stages) up to 128 rows, (64, 64, 4) beyond;
-- ``gate_up`` (gate and up tiles in one program, SiLU-mul in its epilogue): (32, 128, 3) up to
-  64 rows, (32, 64, 4) beyond;
+- ``gate_up`` (gate and up tiles in one program, SiLU-mul in its epilogue): (64, 32, 128, 3) up
+  to 128 rows, (128, 32, 64, 4) beyond (run 47's layer sweep);
 - ``o_proj``, ``down`` (N = hidden: too few N tiles to fill the GPU, so split over K into fp32
   partials): 4 splits of (32, 128, 3) up to 128 rows, 2 splits without overlap beyond (the
   partials' bytes grow with the rows).
+
+The activations a chain of them reads have ``padded_rows`` rows, whole M tiles: a TMA load that
+runs past the end of its tensor (zero-filling rows) made a projection 30-50% slower at 160-192
+rows (bench/gluon_rows_probe.py, NOTES run 48), more than computing the padding rows costs.
 """
 from __future__ import annotations
 
@@ -70,8 +74,17 @@ def wide_tiles(op: str, rows: int) -> Tiles:
     if op == "qkv":
         return Tiles(bm, 32, 128, 4) if rows <= 128 else Tiles(bm, 64, 64, 4)
     if op == "gate_up":
-        return Tiles(bm, 32, 128, 3) if rows <= 64 else Tiles(bm, 32, 64, 4)
+        return Tiles(64, 32, 128, 3) if rows <= 128 else Tiles(bm, 32, 64, 4)
     return Tiles(bm, 32, 128, 3, splits=4) if rows <= 128 else Tiles(bm, 32, 128, 3, splits=2, overlap=False)
+
+
+def padded_rows(rows: int) -> int:
+    """Rows of the activations at ``rows`` decode rows: whole tiles of every projection's ``bm``
+    (64 up to 64 rows, else a multiple of 128)."""
+    if not 1 <= rows <= WIDE_ROWS:
+        raise ValueError(f"{rows} rows: the wide tiles were chosen for 1..{WIDE_ROWS}")
+    tile = 64 if rows <= 64 else 128
+    return -(-rows // tile) * tile
 
 
 def wide_fits(q_size: int, qkv_size: int, hidden: int, intermediate: int) -> bool:

@@ -172,7 +172,7 @@ def _check(a: torch.Tensor, w: torch.Tensor, tiles: Tiles, n: int) -> None:
     assert tiles.fits(n, a.shape[1]), (tiles, n, a.shape[1])
 
 
-M_FAST = False       # grid order (a lab switch, bench/gluon_rows_probe.py)
+M_FAST = True        # grid order: the M tiles of one weight tile launch together (lab switch, NOTES run 48)
 
 
 def _launch(a: torch.Tensor, w: torch.Tensor, c: torch.Tensor, tiles: Tiles, n_tiles: int, out_rows: int,
