@@ -82,7 +82,7 @@ def supports(cfg: ModelConfig, dtype: torch.dtype, num_sms: int) -> bool:
 @functools.lru_cache(maxsize=16)
 def supports_wide(cfg: ModelConfig, dtype: torch.dtype) -> bool:
     """Whether the wide range's Gluon tiles fit this geometry: no biases, half-precision weights,
-    every projection tiled exactly (``gemm_tiles.wide_fits``)."""
+    every projection small enough and tiled exactly (``gemm_tiles.wide_fits``)."""
     if dtype not in (torch.bfloat16, torch.float16) or cfg.attention_bias or cfg.o_bias or cfg.mlp_bias:
         return False
     q = cfg.num_attention_heads * cfg.head_dim

@@ -23,6 +23,12 @@ the kernel that writes its input (bench/gluon_gemm_probe.py, bench/NOTES.md run 
   partials): 4 splits of (32, 128, 3) up to 128 rows, 2 splits without overlap beyond (the
   partials' bytes grow with the rows).
 
+Each program reads the whole activation for its N tile: (N / bn) x M x K x 2 B from L2 against
+the weight's N x K x 2 B, which the 0.6B's 2-13 MB weights absorb (a dense half of a layer 4.5-8.5
+us faster than cuBLAS at 48-256 rows, W-nano +1.9%: run 48) but the Qwen3-8B geometry's 34-201 MB
+weights do not (its W-nano 7,930 -> 7,003 tok/s, -12%). So a geometry is taken only when every
+projection weight is at most ``MAX_WEIGHT_BYTES`` (``wide_fits``).
+
 The activations a chain of them reads have ``padded_rows`` rows, whole M tiles: a TMA load that
 runs past the end of its tensor (zero-filling rows) made a projection 30-50% slower at 160-192
 rows (bench/gluon_rows_probe.py, NOTES run 48), more than computing the padding rows costs.
@@ -32,6 +38,7 @@ from __future__ import annotations
 import dataclasses
 
 SMEM_BYTES = 227 * 1024        # an H100 program's shared memory
+MAX_WEIGHT_BYTES = 16 << 20    # the largest projection weight the wide range takes (below)
 OPS = ("qkv", "o_proj", "gate_up", "down")
 WIDE_ROWS = 256                # the largest batch the Gluon tiles were chosen for
 
@@ -87,12 +94,15 @@ def padded_rows(rows: int) -> int:
     return -(-rows // tile) * tile
 
 
-def wide_fits(q_size: int, qkv_size: int, hidden: int, intermediate: int) -> bool:
-    """Whether every projection of a decoder of these sizes tiles exactly at every row count and
-    fits in shared memory: qkv [qkv_size, hidden], o_proj [hidden, q_size], gate_up
-    [2 * intermediate, hidden] (tiled per half), down [hidden, intermediate]."""
+def wide_fits(q_size: int, qkv_size: int, hidden: int, intermediate: int, dtype_bytes: int = 2) -> bool:
+    """Whether every projection of a decoder of these sizes is small enough (``MAX_WEIGHT_BYTES``),
+    tiles exactly at every row count and fits in shared memory: qkv [qkv_size, hidden], o_proj
+    [hidden, q_size], gate_up [2 * intermediate, hidden] (tiled per half), down [hidden, intermediate]."""
     shapes = {"qkv": (qkv_size, hidden), "o_proj": (hidden, q_size), "gate_up": (intermediate, hidden),
               "down": (hidden, intermediate)}
+    if 2 * intermediate * hidden * dtype_bytes > MAX_WEIGHT_BYTES or any(
+            n * k * dtype_bytes > MAX_WEIGHT_BYTES for n, k in shapes.values()):
+        return False
     for rows in (64, 128, WIDE_ROWS):                      # one of each tile class
         for op, (n, k) in shapes.items():
             tiles = wide_tiles(op, rows)
