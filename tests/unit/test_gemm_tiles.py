@@ -7,15 +7,14 @@ from pdserve.common.ops.gemm_tiles import SMEM_BYTES, WIDE_ROWS, Tiles, padded_r
 
 
 def test_tile_classes_by_rows():
-    assert wide_tiles("qkv", 33) == Tiles(64, 32, 128, 4)
-    assert wide_tiles("qkv", 64) == Tiles(64, 32, 128, 4)
-    assert wide_tiles("qkv", 65) == Tiles(128, 32, 128, 4)
-    assert wide_tiles("qkv", 129) == Tiles(128, 64, 64, 4)
-    assert wide_tiles("gate_up", 64) == Tiles(64, 32, 128, 3)
-    assert wide_tiles("gate_up", 128) == Tiles(64, 32, 128, 3)
-    assert wide_tiles("gate_up", WIDE_ROWS) == Tiles(128, 32, 64, 4)
+    assert wide_tiles("qkv", 33) == wide_tiles("qkv", 128) == Tiles(64, 32, 128, 4)
+    assert wide_tiles("qkv", 129) == wide_tiles("qkv", WIDE_ROWS) == Tiles(64, 64, 128, 3)
+    assert wide_tiles("gate_up", 64) == wide_tiles("gate_up", 128) == Tiles(64, 32, 128, 3)
+    assert wide_tiles("gate_up", WIDE_ROWS) == Tiles(64, 32, 64, 4)
+    assert wide_tiles("o_proj", 64) == wide_tiles("down", 64) == Tiles(64, 32, 128, 3, splits=4)
     assert wide_tiles("o_proj", 128) == Tiles(128, 32, 128, 3, splits=4)
-    assert wide_tiles("down", 129) == Tiles(128, 32, 128, 3, splits=2, overlap=False)
+    assert wide_tiles("down", 128) == Tiles(64, 32, 128, 3, splits=4)
+    assert wide_tiles("down", 129) == wide_tiles("o_proj", 256) == Tiles(128, 32, 128, 3, splits=2, overlap=False)
 
 
 def test_smem_formula():

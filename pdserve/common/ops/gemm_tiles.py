@@ -12,16 +12,17 @@ while the slot of the one before refills. Shared memory per program:
   + bm * bn * out_bytes                             (the output tile)
 
 which must stay within ``SMEM_BYTES``. The choices below are the fastest of the configurations
-timed on an H100 for the Qwen3-0.6B geometry's projections at 64 / 128 / 256 rows, each behind
-the kernel that writes its input (bench/gluon_gemm_probe.py, bench/NOTES.md run 45):
+timed on an H100 for the Qwen3-0.6B geometry's dense half of a layer, each projection's tiles
+varied in turn behind the kernels of the chain (bench/dataflow_layer_probe.py --sweep, bench/NOTES.md
+runs 47-49; first sorted by bench/gluon_gemm_probe.py, run 45):
 
-- ``bm`` 64 up to 64 rows, else 128 (a warp group's MMA takes 64 rows; more M tiles re-read W);
-- ``qkv``: (bn 32, bk 128, 4 stages) up to 128 rows, (64, 64, 4) beyond;
+- ``qkv``: (bm 64, bn 32, bk 128, 4 stages) up to 128 rows, (64, 64, 128, 3) beyond;
 - ``gate_up`` (gate and up tiles in one program, SiLU-mul in its epilogue): (64, 32, 128, 3) up
-  to 128 rows, (128, 32, 64, 4) beyond (run 47's layer sweep);
+  to 128 rows, (64, 32, 64, 4) beyond;
 - ``o_proj``, ``down`` (N = hidden: too few N tiles to fill the GPU, so split over K into fp32
-  partials): 4 splits of (32, 128, 3) up to 128 rows, 2 splits without overlap beyond (the
-  partials' bytes grow with the rows).
+  partials): 4 splits of (64, 32, 128, 3) up to 64 rows; 4 splits of (128, 32, 128, 3) for
+  o_proj and (64, 32, 128, 3) for down up to 128; beyond, 2 splits of (128, 32, 128, 3) without
+  overlap (the partials' bytes grow with the rows).
 
 Each program reads the whole activation for its N tile: (N / bn) x M x K x 2 B from L2 against
 the weight's N x K x 2 B, which the 0.6B's 2-13 MB weights absorb (a dense half of a layer 4.5-8.5
@@ -77,12 +78,13 @@ def wide_tiles(op: str, rows: int) -> Tiles:
         raise ValueError(f"unknown projection {op!r}; expected one of {OPS}")
     if not 1 <= rows <= WIDE_ROWS:
         raise ValueError(f"{rows} rows: the wide tiles were chosen for 1..{WIDE_ROWS}")
-    bm = 64 if rows <= 64 else 128
     if op == "qkv":
-        return Tiles(bm, 32, 128, 4) if rows <= 128 else Tiles(bm, 64, 64, 4)
+        return Tiles(64, 32, 128, 4) if rows <= 128 else Tiles(64, 64, 128, 3)
     if op == "gate_up":
-        return Tiles(64, 32, 128, 3) if rows <= 128 else Tiles(bm, 32, 64, 4)
-    return Tiles(bm, 32, 128, 3, splits=4) if rows <= 128 else Tiles(bm, 32, 128, 3, splits=2, overlap=False)
+        return Tiles(64, 32, 128, 3) if rows <= 128 else Tiles(64, 32, 64, 4)
+    if rows <= 64 or (rows <= 128 and op == "down"):
+        return Tiles(64, 32, 128, 3, splits=4)
+    return Tiles(128, 32, 128, 3, splits=4) if rows <= 128 else Tiles(128, 32, 128, 3, splits=2, overlap=False)
 
 
 def padded_rows(rows: int) -> int:
