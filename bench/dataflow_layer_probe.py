@@ -168,7 +168,7 @@ def _nan_outputs():
         torch.empty, torch.empty_like = saved
 
 
-def measure(m: int, layers: list[dict], sweep: bool = False, base_bm: int = 0) -> dict:
+def measure(m: int, layers: list[dict], sweep: bool = False, base_bm: int = 0, n_fast: bool = False) -> dict:
     attn = torch.randn(m, QDIM, device="cuda", dtype=torch.bfloat16)
     res = torch.randn(m, H, device="cuda", dtype=torch.bfloat16)
     ref_qkv, ref_res = reference(attn, res, layers[0])
@@ -178,7 +178,8 @@ def measure(m: int, layers: list[dict], sweep: bool = False, base_bm: int = 0) -
         ways.update({"dataflow": (dataflow_layer, True), "dataflow_nopdl": (dataflow_layer, False)})
     variants: dict[str, dict[str, Tiles]] = {}
     if 32 < m <= WIDE_ROWS and torch.cuda.get_device_capability()[0] == 9:
-        variants = wide_variants(m, sweep, base_bm)
+        variants = {name: {op: dataclasses.replace(t, m_fast=not n_fast) for op, t in tiles.items()}
+                    for name, tiles in wide_variants(m, sweep, base_bm).items()}
         ways.update({name: (wide_layer, True) for name in variants})
     for name, (layer_fn, pdl) in ways.items():
         bufs = None                               # every way allocates its outputs (NaN-filled below)
@@ -206,18 +207,15 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--batches", default="1,8,16,24,32,48,64")
     p.add_argument("--sweep", action="store_true", help="also each projection's tile candidates (SWEEP)")
     p.add_argument("--base-bm", type=int, default=0, help="sweep around the product's tiles with this bm")
-    p.add_argument("--n-fast", action="store_true", help="the Gluon grids with N tiles fastest (gluon_gemm.M_FAST off)")
+    p.add_argument("--n-fast", action="store_true", help="the Gluon grids with N tiles fastest (Tiles.m_fast off)")
     p.add_argument("--layers", type=int, default=8)
     p.add_argument("--out", default="bench/results/dataflow/dataflow_layer_probe.json")
     a = p.parse_args(argv)
     torch.manual_seed(0)
-    if a.n_fast:
-        from pdserve.common.ops import gluon_gemm
-        gluon_gemm.M_FAST = False
     layers = make_layers(a.layers)
     floor_bytes = sum(layers[0][k].numel() * 2 for k in ("o", "gate_up", "down", "qkv"))
     batches = [int(m) for m in a.batches.split(",")]
-    rows = [measure(m, layers, a.sweep, a.base_bm) for m in batches]
+    rows = [measure(m, layers, a.sweep, a.base_bm, a.n_fast) for m in batches]
     write_result(a.out, {"tile": [dataflow.BN, dataflow.BK], "layers": a.layers, "weight_bytes_per_layer": floor_bytes,
                          "rows": rows})
     print(f"weights {floor_bytes / 1e6:.1f} MB a layer; us a layer (dense half: 4 projections, 2 norms, SiLU-mul)")

@@ -3,8 +3,8 @@ at 160-192 rows (bench/NOTES.md run 47's layer sweep: the dense half 46 / 42 us 
 rows with the same tiles). Each projection of the Qwen3-0.6B geometry alone, weights cycled beyond
 L2, at rows 64-256 with the product's tiles, three ways:
 
-- ``plain``: as the product launches it (N tiles fastest in the grid; the activation's last M
-  tile partly past its end, TMA zero-filling those rows);
+- ``plain``: as the product launched it at 5f30600's parent (N tiles fastest in the grid; the
+  activation's last M tile partly past its end, TMA zero-filling those rows);
 - ``m_fast``: the grid's M tiles fastest, so the programs that read one weight tile start together;
 - ``padded``: the activation and output given whole M tiles (rows past M are garbage, unread).
 
@@ -15,6 +15,7 @@ Each way checked against ``F.linear`` first.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 
 import torch
 import torch.nn.functional as F
@@ -25,8 +26,8 @@ from pdserve.common.ops import gluon_gemm
 from pdserve.common.ops.gemm_tiles import wide_tiles
 
 
-def _call(op: str, a: torch.Tensor, w: torch.Tensor, m: int) -> torch.Tensor:
-    tiles = wide_tiles(op, m)
+def _call(op: str, a: torch.Tensor, w: torch.Tensor, m: int, m_fast: bool) -> torch.Tensor:
+    tiles = dataclasses.replace(wide_tiles(op, m), m_fast=m_fast)
     if op == "qkv":
         return gluon_gemm.linear(a, w, tiles)
     if op == "gate_up":
@@ -48,11 +49,7 @@ def row(op: str, n: int, k: int, m: int, cold_bytes: int) -> dict:
     ref = ref.float() if op in ("o_proj", "down") else ref
 
     def way(i: int, m_fast: bool = False, padded: bool = False) -> torch.Tensor:
-        gluon_gemm.M_FAST = m_fast
-        try:
-            return _call(op, a_pad if padded else a, ws[i], m)[:m]
-        finally:
-            gluon_gemm.M_FAST = False
+        return _call(op, a_pad if padded else a, ws[i], m, m_fast)[:m]
     ways = {"plain": way, "m_fast": lambda i: way(i, m_fast=True), "padded": lambda i: way(i, padded=True),
             "cublas": lambda i: F.linear(a, ws[i])}
     out = {"gemm": op, "M": m, "N": n, "K": k, "tiles": str(wide_tiles(op, m)), "copies": len(ws)}

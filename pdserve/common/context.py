@@ -26,7 +26,7 @@ class ForwardContext:
     decode_workspace: torch.Tensor | None = None   # preallocated split-KV workspace (CUDA graphs)
     decode_num_splits: int | None = None       # fixed split count (CUDA graphs)
     pdl: bool = False                          # decode kernels launched with programmatic dependent launch
-                                               # (set by the small-batch chain, models/dataflow_decode.py)
+                                               # (set by the decode chain, models/dataflow_decode.py)
 
 
 _current: ForwardContext | None = None

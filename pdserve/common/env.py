@@ -60,7 +60,7 @@ def snapshot() -> dict[str, str]:
 
 
 def dataflow_decode() -> bool:
-    """The small-batch decode chain (pdserve/common/models/dataflow_decode.py) where the model
+    """The decode chain, 1 to 256 rows (pdserve/common/models/dataflow_decode.py), where the model
     supports it (``PDSERVE_DATAFLOW_DECODE``, default on)."""
     return get_bool("DATAFLOW_DECODE", True)
 

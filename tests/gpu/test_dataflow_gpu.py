@@ -50,6 +50,7 @@ def test_decode_logits_match_hf_through_the_chain(monkeypatch, batch):
     with torch.inference_mode():
         ref = torch.stack([hf(torch.cat([p, nxt[i:i + 1]])[None]).logits[0, -1] for i, p in enumerate(prompts)]).float()
     results = {}
+    monkeypatch.setenv("PDSERVE_DATAFLOW_WIDE", "1")
     for flag in ("0", "1"):
         monkeypatch.setenv("PDSERVE_DATAFLOW_DECODE", flag)
         kv, tables = _prefill(ours, prompts)

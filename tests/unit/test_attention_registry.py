@@ -42,4 +42,3 @@ def test_auto_fails_clearly_when_nothing_imports(monkeypatch):
 def test_unknown_name_is_a_value_error():
     with pytest.raises(ValueError, match="unknown attention backend"):
         ab.get_backend("flash_attn")
-

@@ -131,8 +131,13 @@ def test_supports_wide():
                                              torch.float16)                              # 1040 / 32 columns
 
 
-def test_wide_range_needs_hopper():
+def test_wide_range_needs_hopper_and_a_gluon_it_can_use(monkeypatch):
     assert not dataflow_decode.wide_available(torch.device("cpu"))
+
+    def no_gluon(name: str):
+        raise ImportError(f"No module named {name!r}")
+    monkeypatch.setattr(dataflow_decode.importlib, "import_module", no_gluon)
+    assert not dataflow_decode.gluon_importable()             # an older Triton: the usual forward
 
 
 def test_add_norm_partials_skips_the_padding_rows():
@@ -220,8 +225,8 @@ def test_forward_matches_the_usual_forward(monkeypatch, lens, hidden):
 def test_wide_forward_matches_the_usual_forward(monkeypatch, rows):
     """The Gluon range (Hopper only): the chain's forward against the usual forward, rows in each
     tile class, hidden 1536 (QKV's K in 12 steps; o_proj's 512 in 4 splits of one step each)."""
-    if not CUDA or not dataflow_decode.wide_available(torch.device("cuda")):
-        pytest.skip("the Gluon kernels need a Hopper GPU")
+    if not CUDA or not dataflow_decode.wide_available(torch.device("cuda")) or not pdl_available(torch.device("cuda")):
+        pytest.skip("the Gluon kernels need a Hopper GPU (with PDL)")
     torch.manual_seed(rows)
     cfg = ModelConfig.from_hf_dict({**SMALL, "hidden_size": 1536})
     model = DecoderForCausalLM(cfg, "triton").to(DEVICE, MODEL_DTYPE)
@@ -241,9 +246,17 @@ def test_wide_forward_matches_the_usual_forward(monkeypatch, rows):
         ref = model(ids, pos)
     monkeypatch.setenv("PDSERVE_DATAFLOW_WIDE", "1")
     _bind(model, kv)
+    new_empty = torch.Tensor.new_empty
+
+    def poisoned(self, *args, **kwargs):          # padding rows start NaN: none may reach a real row
+        t = new_empty(self, *args, **kwargs)
+        return t.fill_(float("nan")) if t.is_floating_point() else t
+    monkeypatch.setattr(torch.Tensor, "new_empty", poisoned)
     with torch.inference_mode(), forward_context(ctx):
-        assert dataflow_decode.applies(model, ids) == pdl_available(ids.device)
+        assert dataflow_decode.applies(model, ids)
         out = model(ids, pos)
+    monkeypatch.setattr(torch.Tensor, "new_empty", new_empty)
+    assert not out.isnan().any()
     assert out.shape == ref.shape and _rel(out, ref) < 5e-3
     slots = ctx.slot_mapping.long()
     written, written_ref = kv[slots // 16, :, :, slots % 16], kv_ref[slots // 16, :, :, slots % 16]

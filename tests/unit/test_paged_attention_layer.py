@@ -25,6 +25,8 @@ def test_decode_writes_into_out_and_prefill_refuses_it():
         buf = torch.full((5, 4, 16), float("nan"))
         got = attn(q, q[:, :2], q[:, :2], kv_stored=True, out=buf[:3])
     assert got.data_ptr() == buf.data_ptr() and torch.equal(buf[:3], ref) and buf[3:].isnan().all()
+    cache = attn.k_cache.clone()
     with forward_context(dataclasses.replace(ctx, is_prefill=True, cu_seqlens_q=torch.tensor([0, 3]))):
         with pytest.raises(ValueError, match="decode steps only"):
-            attn(q, q[:, :2], q[:, :2], kv_stored=True, out=buf[:3])
+            attn(q, q[:, :2], q[:, :2], out=buf[:3])
+    assert torch.equal(attn.k_cache, cache)                   # refused before K/V were stored

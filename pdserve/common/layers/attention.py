@@ -30,13 +30,13 @@ class PagedAttention(nn.Module):
         ctx = get_forward_context()
         if self.k_cache.numel() == 0:
             raise RuntimeError("KV cache is not allocated")
+        if out is not None and ctx.is_prefill:
+            raise ValueError("PagedAttention: out= is for decode steps only")
         if not kv_stored:
             self.backend.store_kv(k, v, self.k_cache, self.v_cache, ctx.slot_mapping)
         if not ctx.is_prefill:
             return self.backend.decode(q, self.k_cache, self.v_cache, ctx.block_tables,
                                        ctx.context_lens, self.scale, out=out)
-        if out is not None:
-            raise ValueError("PagedAttention: out= is for decode steps only")
         nd = ctx.num_decode_tokens
         if nd == 0:
             return self.backend.prefill(q, self.k_cache, self.v_cache, _cu_seqlens_q(ctx),

@@ -51,12 +51,12 @@ from pdserve.common.ops.dataflow import (
     silu_partials,
     splitk,
 )
-from pdserve.common.ops.gemm_tiles import WIDE_ROWS, padded_rows, wide_fits, wide_tiles
+from pdserve.common.ops.gemm_tiles import OPS, WIDE_ROWS, padded_rows, wide_fits, wide_tiles
 from pdserve.common.ops.paged_attention import sm_count
 from pdserve.common.ops.pdl import pdl_available
 
 if TYPE_CHECKING:
-    from pdserve.common.models.decoder import DecoderForCausalLM, DecoderLayer
+    from pdserve.common.models.decoder import DecoderForCausalLM, DecoderLayer, SelfAttention
 
 MAX_PROGRAMS_PER_SM = 4     # beyond this a projection's tiles are not all resident: the preload stops paying
 
@@ -93,16 +93,26 @@ def supports_wide(cfg: ModelConfig, dtype: torch.dtype) -> bool:
 @functools.lru_cache(maxsize=8)
 def wide_available(device: torch.device) -> bool:
     """The Gluon kernels can run here: a CUDA GPU of compute capability 9.x (warp-group MMA and
-    TMA as Hopper has them) and a Triton with Gluon's Hopper module."""
+    TMA as Hopper has them) and a Triton whose Gluon has what pdserve/common/ops/gluon_gemm.py
+    uses (an older Triton without it, or with another API, means the usual forward)."""
     if device.type != "cuda" or torch.cuda.get_device_capability(device)[0] != 9:
         return False
-    return importlib.util.find_spec("triton.experimental.gluon.language.nvidia.hopper") is not None
+    return gluon_importable()
+
+
+def gluon_importable() -> bool:
+    try:
+        importlib.import_module("pdserve.common.ops.gluon_gemm")
+    except (ImportError, AttributeError):
+        return False
+    return True
 
 
 def takes_chain(rows: int, is_prefill: bool, pdl: bool, enabled: bool, supported: bool) -> bool:
-    """The rule, on plain values: a pure decode batch of 1..WIDE_ROWS rows, PDL, switched on, a
-    model that supports the tiling of the rows' range (``supports`` up to MAX_ROWS, else
-    ``supports_wide`` on a GPU where ``wide_available``)."""
+    """The rule, on plain values: a pure decode batch of 1..WIDE_ROWS rows, PDL, switched on
+    (``PDSERVE_DATAFLOW_DECODE``), a model that supports the tiling of the rows' range
+    (``supports`` up to MAX_ROWS; beyond, ``supports_wide`` on a GPU where ``wide_available``
+    with ``PDSERVE_DATAFLOW_WIDE`` on)."""
     return 1 <= rows <= WIDE_ROWS and not is_prefill and pdl and enabled and supported
 
 
@@ -134,9 +144,11 @@ def forward(model: DecoderForCausalLM, input_ids: torch.Tensor, positions: torch
 
 
 class Projections(NamedTuple):
-    """A layer's four projections for one batch size. ``qkv``: x [M, H] -> QKV [M, N] or its fp32
-    partials [S, M, N] (what ``fused_qk_norm_rope`` takes); ``o_proj`` / ``down``: -> fp32 partials
-    [S, Mp >= M, H] (what ``add_norm_partials`` takes); ``gate_up_act``: x -> silu(gate) * up [M, I]."""
+    """A layer's four projections for one batch size, on activations of R rows (R = M on the small
+    range, ``padded_rows(M)`` on the wide one). ``qkv``: x [R, H] -> QKV [R, N] or its fp32
+    partials [S, M, N] (what ``fused_qk_norm_rope`` takes, after the first M rows); ``o_proj`` /
+    ``down``: -> fp32 partials [S, R, H] (what ``add_norm_partials`` takes); ``gate_up_act``:
+    x -> silu(gate) * up [R, I]."""
     qkv: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
     o_proj: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
     gate_up_act: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
@@ -144,24 +156,27 @@ class Projections(NamedTuple):
 
 
 def _small_projections(rows: int, hidden: int) -> Projections:
+    """1..MAX_ROWS rows: the Triton register-tile kernels (pdserve/common/ops/dataflow.py)."""
     qkv = preload_linear if qkv_preloads(rows, hidden) else splitk
     return Projections(qkv, splitk, lambda x, w: silu_partials(splitk(x, w), x.dtype), splitk)
 
 
-def _wide_projections(rows: int) -> Projections:
+def _wide_projections(rows: int, pdl: bool) -> Projections:
+    """MAX_ROWS + 1..WIDE_ROWS rows: the Gluon GEMMs with ``gemm_tiles.wide_tiles``."""
     from pdserve.common.ops import gluon_gemm  # imports Gluon: Hopper only
-    t = {op: wide_tiles(op, rows) for op in ("qkv", "o_proj", "gate_up", "down")}
-    return Projections(lambda x, w: gluon_gemm.linear(x, w, t["qkv"]),
-                       lambda x, w: gluon_gemm.splitk(x, w, t["o_proj"]),
-                       lambda x, w: gluon_gemm.silu_linear(x, w, t["gate_up"]),
-                       lambda x, w: gluon_gemm.splitk(x, w, t["down"]))
+    t = {op: wide_tiles(op, rows) for op in OPS}
+    return Projections(lambda x, w: gluon_gemm.linear(x, w, t["qkv"], pdl),
+                       lambda x, w: gluon_gemm.splitk(x, w, t["o_proj"], pdl),
+                       lambda x, w: gluon_gemm.silu_linear(x, w, t["gate_up"], pdl),
+                       lambda x, w: gluon_gemm.splitk(x, w, t["down"], pdl))
 
 
 def _layers(model: DecoderForCausalLM, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
     layers = cast("list[DecoderLayer]", list(model.layers))
     m = input_ids.shape[0]
     small = m <= MAX_ROWS
-    proj = _small_projections(m, model.config.hidden_size) if small else _wide_projections(m)
+    proj = (_small_projections(m, model.config.hidden_size) if small
+            else _wide_projections(m, get_forward_context().pdl))
     rows = m if small else padded_rows(m)             # the activations' rows: whole Gluon M tiles
     residual = model.embed_tokens(input_ids)
     x = _with_rows(layers[0].input_layernorm(residual), rows)
@@ -169,9 +184,7 @@ def _layers(model: DecoderForCausalLM, input_ids: torch.Tensor, positions: torch
         attn = layer.self_attn
         qkv = proj.qkv(x, attn.qkv_proj.weight)
         q, k, v = attn.fused_qk_norm_rope(qkv if rows == m else qkv[:m], positions)
-        o_rows = None if rows == m else q.new_empty(rows, attn.num_heads, attn.head_dim)
-        o = attn.attn(q, k, v, kv_stored=True, out=None if o_rows is None else o_rows[:m])
-        o = o.reshape(-1, attn.q_size) if o_rows is None else o_rows.view(rows, attn.q_size)
+        o = _attention(attn, q, k, v, rows)
         post = layer.post_attention_layernorm
         x, residual = add_norm_partials(proj.o_proj(o, attn.o_proj.weight), residual, post.weight, post.eps, rows)
         act = proj.gate_up_act(x, layer.mlp.gate_up_proj.weight)
@@ -179,6 +192,19 @@ def _layers(model: DecoderForCausalLM, input_ids: torch.Tensor, positions: torch
         x, residual = add_norm_partials(proj.down(act, layer.mlp.down_proj.weight), residual, nxt.weight, nxt.eps,
                                         rows)
     return x[:m]
+
+
+def _attention(attn: SelfAttention, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, rows: int) -> torch.Tensor:
+    """Decode attention of q [M, Hq, D] (K/V already stored) -> [rows, Hq * D], written into the
+    first M rows of a tensor of ``rows`` rows when rows > M."""
+    m = q.shape[0]
+    if rows == m:
+        return attn.attn(q, k, v, kv_stored=True).reshape(m, attn.q_size)
+    out = q.new_empty(rows, attn.num_heads, attn.head_dim)
+    written = attn.attn(q, k, v, kv_stored=True, out=out[:m])
+    if written.data_ptr() != out.data_ptr():                  # a backend that did not write into out
+        out[:m].copy_(written)
+    return out.view(rows, attn.q_size)
 
 
 def _with_rows(x: torch.Tensor, rows: int) -> torch.Tensor:

@@ -1,4 +1,5 @@
-"""Triton kernels of the small-batch decode chain (pdserve/common/models/dataflow_decode.py).
+"""Triton kernels of the decode chain's small range, 1 to ``MAX_ROWS`` rows, and the partial-summing
+kernels both of its ranges share (pdserve/common/models/dataflow_decode.py).
 
 At a handful of rows a decode step's projections are latency-bound: cuBLAS takes 5-8 us for a
 4-12 MB weight whose bytes need 1.4-4 us, and its kernels start reading only after the kernel
@@ -160,7 +161,7 @@ def add_norm_partials(part: torch.Tensor, residual: torch.Tensor, weight: torch.
     m = residual.shape[0]
     assert residual.shape == (m, h) and rows >= m and residual.is_contiguous(), (part.shape, residual.shape)
     assert part.is_contiguous(), part.stride()
-    out_rows = out_rows or m
+    out_rows = m if out_rows is None else out_rows
     assert out_rows >= m, (out_rows, m)
     out = residual.new_empty(out_rows, h)
     res_out = torch.empty_like(residual)

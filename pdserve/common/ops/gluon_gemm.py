@@ -21,8 +21,10 @@ Three entry points, all ``a: [M, K]`` against ``w: [N, K]`` (``a @ w.T``), any M
   epilogue, each rounded to a's dtype first, where the unfused path rounds its GEMM output.
 
 Rules: a GPU of compute capability 9.x (warp-group MMA, TMA); a Triton with Gluon; half-precision
-``a`` and ``w``, both contiguous; the tile constraints of ``Tiles.fits``. Rows past M are read as
-zeros by TMA and never stored.
+``a`` and ``w``, both contiguous; the tile constraints of ``Tiles.fits``. Rows of ``a`` past M are
+read as zeros by TMA (correct, but 30-50% slower than whole tiles: callers pass ``a`` of whole M
+tiles, gemm_tiles.padded_rows); ``linear`` and ``silu_linear`` store only M rows, ``splitk`` all
+``Mp``.
 """
 from __future__ import annotations
 
@@ -172,17 +174,14 @@ def _check(a: torch.Tensor, w: torch.Tensor, tiles: Tiles, n: int) -> None:
     assert tiles.fits(n, a.shape[1]), (tiles, n, a.shape[1])
 
 
-M_FAST = True        # grid order: the M tiles of one weight tile launch together (lab switch, NOTES run 48)
-
-
 def _launch(a: torch.Tensor, w: torch.Tensor, c: torch.Tensor, tiles: Tiles, n_tiles: int, out_rows: int,
             up_row: int, silu: bool, pdl: bool) -> None:
     m, k = a.shape
     m_tiles = triton.cdiv(m, tiles.bm)
-    grid = (m_tiles, n_tiles, tiles.splits) if M_FAST else (n_tiles, m_tiles, tiles.splits)
+    grid = (m_tiles, n_tiles, tiles.splits) if tiles.m_fast else (n_tiles, m_tiles, tiles.splits)
     _gemm_kernel[grid](_desc(a, (tiles.bm, tiles.bk)), _desc(w, (tiles.bn, tiles.bk)), _desc(c, (tiles.bm, tiles.bn)),
                        k // tiles.splits, out_rows, up_row, STAGES=tiles.stages, SILU=silu, OVERLAP=tiles.overlap,
-                       PDL=pdl, M_FAST=M_FAST, num_warps=4, **({"launch_pdl": True} if pdl else {}))
+                       PDL=pdl, M_FAST=tiles.m_fast, num_warps=4, **({"launch_pdl": True} if pdl else {}))
 
 
 def linear(a: torch.Tensor, w: torch.Tensor, tiles: Tiles, pdl: bool = True) -> torch.Tensor:
