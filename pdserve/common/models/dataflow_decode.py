@@ -32,7 +32,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import importlib.util
+import importlib
 from collections.abc import Callable
 from typing import TYPE_CHECKING, NamedTuple, cast
 
@@ -101,6 +101,7 @@ def wide_available(device: torch.device) -> bool:
 
 
 def gluon_importable() -> bool:
+    """Whether pdserve/common/ops/gluon_gemm.py imports (its Gluon names exist in this Triton)."""
     try:
         importlib.import_module("pdserve.common.ops.gluon_gemm")
     except (ImportError, AttributeError):
