@@ -123,8 +123,10 @@ def test_metrics_count_what_happened(traced):
 
 def _trace_of(path: Path, request_id: str, timeout: float = 20.0) -> list[dict]:
     """The spans of the trace whose router spans carry ``request_id``, once all three services'
-    phases are in the file (bounded wait: spans are exported in batches)."""
-    wanted = {"tokenize", "route", "queue_wait", "prefill", "kv_transfer", "kv_receive", "decode"}
+    phases and the router's server span (it ends last, after the stream) are in the file (bounded
+    wait: spans are exported in batches)."""
+    wanted = {"tokenize", "route", "queue_wait", "prefill", "kv_transfer", "kv_receive", "decode",
+              "/pdserve.v1.Generation/Generate"}
     end = time.monotonic() + timeout
     while True:
         spans = [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
