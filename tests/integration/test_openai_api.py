@@ -5,11 +5,12 @@ Against ``pdserve up`` (router + prefill + decode processes, embedded model, CPU
 equals the gRPC API's; bad requests raise the SDK's own exception classes; a client that goes
 away mid-stream (or before its answer) leaves both workers' block pools whole. A second router
 (no live worker, bearer tokens on) shows 401 (the same tokens as its gRPC API), 503 and 413.
-A third-party load generator (guidellm, from the registry, unmodified) measures TTFT and ITL on
-the chat endpoint within 20% of ``pdserve bench serve --backend openai`` on the same requests. On a
-2-core machine the tools' runs are interleaved, the server kept on one core and the tools on the
-other, and each tool's best run is compared: interference only ever adds latency, and one run of
-either tool was seen 30% slower than the run before it.
+A third-party load generator (guidellm, from the registry, unmodified) and ``pdserve bench serve
+--backend openai`` each measure TTFT and ITL on the chat endpoint within 10% of what the router
+itself measured for the same requests (its /metrics sums read before and after each run). The
+reference is the router's own figure for that run, not the other tool's runs: on the shared 2-core
+CI machine the server's speed drifts 20-30% between runs (bench serve's own runs spanned 140-187 ms
+of TTFT), while each tool agreed with the router within 2% in every run seen.
 """
 from __future__ import annotations
 
@@ -27,7 +28,7 @@ import openai
 import pytest
 
 from bench import deployment as services
-from pdserve.loadtest.ports import free_port
+from pdserve.loadtest.ports import free_port, free_port_range
 from pdserve.loadtest.procs import Service
 from pdserve.v1 import common_pb2, router_pb2, router_pb2_grpc
 
@@ -37,7 +38,9 @@ TOKEN = "s3cret-token-for-tests"
 
 @pytest.fixture(scope="module")
 def dep(tmp_path_factory):
-    d = services.start_up(tmp_path_factory.mktemp("openai-logs"))      # `pdserve up`, HTTP on a free port
+    metrics = free_port_range(3)                               # the router's /metrics, then each worker's
+    d = services.start_up(tmp_path_factory.mktemp("openai-logs"), ["--metrics-port", str(metrics)])
+    d.metrics["router"] = f"127.0.0.1:{metrics}"              # `pdserve up`, HTTP on a free port
     yield d
     d.stop()
 
@@ -216,13 +219,11 @@ LOADGEN_QUESTIONS = ["What is the capital of France?", "Name three primary color
                      "Who wrote Hamlet?", "What is 2+2?", "Translate 'cat' into French.", "Why is the sky blue?",
                      "What is a prime number?", "How many legs has a spider?", "Who painted the Mona Lisa?"]
 LOADGEN_OUTPUT_TOKENS = 12
-LOADGEN_REPEAT = 2      # each question twice a run: with 10 requests, one run's median TTFT moved ±15% between runs
+LOADGEN_REPEAT = 2      # each question twice a run
 LOADGEN_REQUESTS = LOADGEN_REPEAT * len(LOADGEN_QUESTIONS)
-# Every guidellm run's TTFT (median) and ITL (mean) must lie within bench serve's own runs (interleaved
-# with it) widened by AGREE. Not the best of each: bench serve's own three runs spanned 140-187 ms of
-# TTFT in one CI run on 2 cores, so one lucky run decided a best-of comparison.
-AGREE = 0.20
-LOADGEN_ROUNDS = 3  # bench serve runs, with a guidellm run between each two
+# Each tool's mean TTFT and mean ITL of a run over the router's own for the same requests must lie in
+# 1 +/- AGREE (seen: TTFT +0.2% to +2%, ITL -0.3% to +0.1%, while the runs themselves moved 145-189 ms).
+AGREE = 0.10
 
 
 def _chat_dataset(path) -> None:
@@ -242,7 +243,7 @@ def _bench_serve(dep, data, out_dir, name: str) -> dict:
     assert r.returncode == 0, f"bench serve failed:\n{r.stdout}\n{r.stderr}"
     res = json.loads((out_dir / f"{name}.json").read_text())["results"][0]
     assert res["completed"] == LOADGEN_REQUESTS
-    return {"ttft": res["median_ttft_ms"], "itl": res["mean_itl_ms"]}
+    return {"ttft": res["mean_ttft_ms"], "itl": res["mean_itl_ms"]}
 
 
 def _guidellm(dep, data, out_dir) -> dict:
@@ -268,8 +269,32 @@ def _guidellm(dep, data, out_dir) -> dict:
     totals = m["request_totals"]
     assert totals["errored"] == 0 and totals["incomplete"] == 0, totals
     assert LOADGEN_REQUESTS - 1 <= totals["successful"] <= LOADGEN_REQUESTS, totals
-    return {"ttft": m["time_to_first_token_ms"]["successful"]["median"],
+    return {"ttft": m["time_to_first_token_ms"]["successful"]["mean"],
             "itl": m["inter_token_latency_ms"]["successful"]["mean"]}
+
+
+def _router_totals(dep) -> dict[str, float]:
+    """The router's running sums: TTFT and end-to-end seconds, requests, output tokens."""
+    from prometheus_client.parser import text_string_to_metric_families
+    want = {"pdserve_router_ttft_seconds_sum": "ttft_s", "pdserve_router_ttft_seconds_count": "requests",
+            "pdserve_router_e2e_seconds_sum": "e2e_s", "pdserve_router_output_tokens_total": "tokens"}
+    out = dict.fromkeys(want.values(), 0.0)
+    for family in text_string_to_metric_families(dep.scrape("router")):
+        for s in family.samples:
+            if s.name in want:
+                out[want[s.name]] += s.value
+    return out
+
+
+def _served(dep, run) -> tuple[dict, dict]:
+    """``run()``'s figures and the router's own for the requests of that run: mean TTFT (receipt to
+    first token sent) and mean ITL ((end to end - TTFT) over the tokens after the first), in ms."""
+    before = _router_totals(dep)
+    figures = run()
+    after = _router_totals(dep)
+    d = {k: after[k] - before[k] for k in after}
+    return figures, {"ttft": 1e3 * d["ttft_s"] / d["requests"],
+                     "itl": 1e3 * (d["e2e_s"] - d["ttft_s"]) / (d["tokens"] - d["requests"])}
 
 
 def _process_tree(root: int) -> list[int]:
@@ -314,20 +339,17 @@ def _cores_apart(dep):
 
 
 @pytest.mark.slow
-def test_third_party_load_generator_agrees_with_bench_serve(dep, client, model, tmp_path):
+def test_load_generators_agree_with_the_router(dep, client, model, tmp_path):
     data = tmp_path / "chat.jsonl"
     _chat_dataset(data)
     for q in LOADGEN_QUESTIONS:     # every prompt's KV cached first: each run below finds the same cache
         client.chat.completions.create(model=model, messages=[{"role": "user", "content": q}], max_tokens=1)
-    ours, theirs = [], []
-    with _cores_apart(dep):
-        for k in range(LOADGEN_ROUNDS):        # interleaved: bench, guidellm, bench, guidellm, bench
-            ours.append(_bench_serve(dep, data, tmp_path, f"bench{k}"))
-            if k < LOADGEN_ROUNDS - 1:
-                theirs.append(_guidellm(dep, data, tmp_path))
-    report = f"guidellm {theirs}, pdserve bench serve {ours} (ms)"
+    with _cores_apart(dep):                 # the tools' own CPU kept off the server's core
+        runs = {"pdserve bench serve": _served(dep, lambda: _bench_serve(dep, data, tmp_path, "bench")),
+                "guidellm": _served(dep, lambda: _guidellm(dep, data, tmp_path))}
+    report = "; ".join(f"{tool}: {fig} against the router's {served} (ms)" for tool, (fig, served) in runs.items())
     print(report)
-    for k in ("ttft", "itl"):
-        low, high = min(r[k] for r in ours) * (1 - AGREE), max(r[k] for r in ours) * (1 + AGREE)
-        assert all(low <= r[k] <= high for r in theirs), \
-            f"{k}: a guidellm run outside bench serve's runs +/- {AGREE:.0%}: {report}"
+    for tool, (fig, served) in runs.items():
+        for k in ("ttft", "itl"):
+            assert abs(fig[k] / served[k] - 1) <= AGREE, \
+                f"{tool}'s {k} is not within {AGREE:.0%} of the router's: {report}"
