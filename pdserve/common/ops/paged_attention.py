@@ -27,17 +27,15 @@ LOG2E = 1.4426950408889634
 DECODE_MAX_SPLITS = 32          # upper bound of the split heuristic
 _MIN_TOKENS_PER_SPLIT = 128     # do not split a context finer than this
 _WS_PAD = 16                    # workspace row = D accumulators + m + l, padded to 16 floats
-# With PDL, the last (this many x SMs) programs of a decode grid release the next kernel at their
-# start, the others at their end: a grid of one such wave releases it at once (its programs preload
-# while attention runs: 3 per SM wins at batch <= 4, bench/NOTES.md run 35), a larger one once its
-# last wave has started, so that the next kernel's programs load their weights during attention's
-# tail without taking the places of its later waves (releasing every program at its start lost at
-# batch 8-16 with 512 programs, run 35).
+# With PDL, a decode grid of at most this many programs per SM releases the next kernel at its
+# start (its programs preload while attention runs); a larger one at each program's end, so that
+# they do not take the places of its later waves (bench/NOTES.md run 35: 3 per SM wins at batch
+# <= 4, releasing at the start loses at batch 8-16 with 512 programs).
 _EARLY_RELEASE_PER_SM = 3
 
 
 # Per-batch integers are not specialised: no recompile when one becomes 1 or a multiple of 16.
-@triton.jit(do_not_specialize=["num_splits", "stride_btb", "release_from"])
+@triton.jit(do_not_specialize=["num_splits", "stride_btb"])
 def _decode_split_kernel(
     q_ptr, k_ptr, v_ptr, bt_ptr, cl_ptr, out_ptr, ws_ptr,
     qk_scale,                               # softmax scale * log2(e)
@@ -51,18 +49,15 @@ def _decode_split_kernel(
     GROUP: tl.constexpr, BLOCK_G: tl.constexpr, HEAD_DIM: tl.constexpr,
     BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr,
     SINGLE_SPLIT: tl.constexpr, DOT_PRECISION: tl.constexpr, PDL: tl.constexpr = False,
-    release_from=0,
+    RELEASE_EARLY: tl.constexpr = False,
 ):
+    if PDL:                                 # wait for q and the cache; release the next kernel now
+        if RELEASE_EARLY:                   # (one wave) or once this program is done (more waves)
+            tl.extra.cuda.gdc_launch_dependents()
+        tl.extra.cuda.gdc_wait()
     kvh = tl.program_id(0)                  # fastest: a sequence's KV heads start together
     split = tl.program_id(1)
     b = tl.program_id(2)
-    # the program's place in launch order: the last wave (from ``release_from``) releases the next
-    # kernel at its start, earlier programs once they are done
-    early = (b * num_splits + split) * tl.num_programs(0) + kvh >= release_from
-    if PDL:                                 # wait for q and the cache
-        if early:
-            tl.extra.cuda.gdc_launch_dependents()
-        tl.extra.cuda.gdc_wait()
 
     ctx = tl.load(cl_ptr + b)
     n_tiles = tl.cdiv(ctx, BLOCK_N)
@@ -116,9 +111,8 @@ def _decode_split_kernel(
         tl.store(w_row[:, None] + offs_d[None, :], acc, mask=g_mask[:, None])
         tl.store(w_row + HEAD_DIM, m_i, mask=g_mask)
         tl.store(w_row + HEAD_DIM + 1, l_i, mask=g_mask)
-    if PDL:
-        if not early:
-            tl.extra.cuda.gdc_launch_dependents()
+    if PDL and not RELEASE_EARLY:
+        tl.extra.cuda.gdc_launch_dependents()
 
 
 @triton.jit(do_not_specialize=["num_splits"])
@@ -245,9 +239,9 @@ def paged_attention_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     ``max_context_len`` (default ``block_tables.shape[1] * block_size``). With all three given
     nothing is allocated or synchronized (CUDA-graph capture safe). ``pdl``: launch both kernels
     with programmatic dependent launch where ``pdl.pdl_available`` (each waits for the previous
-    kernel before reading; the reduce kernel and the split kernel's last
-    ``_EARLY_RELEASE_PER_SM`` x SMs programs release the next kernel at their start, the split
-    kernel's earlier programs at their end).
+    kernel before reading; the reduce kernel, and the split kernel when its grid has at most
+    ``_EARLY_RELEASE_PER_SM`` programs an SM, release the next kernel at their start, a larger
+    split grid at each program's end).
     """
     pdl = pdl and pdl_available(q.device)
     B = q.shape[0]
@@ -286,7 +280,7 @@ def paged_attention_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
         GROUP=group, BLOCK_G=block_g, HEAD_DIM=D, BLOCK_SIZE=block_size, BLOCK_N=block_n,
         SINGLE_SPLIT=single, DOT_PRECISION=dot_precision(q.dtype),
         num_warps=num_warps, num_stages=num_stages, **launch_args(pdl),
-        release_from=max(0, Hkv * num_splits * B - _EARLY_RELEASE_PER_SM * sm_count(q.device)) if pdl else 0,
+        **({"RELEASE_EARLY": Hkv * num_splits * B <= _EARLY_RELEASE_PER_SM * sm_count(q.device)} if pdl else {}),
     )
     if not single:
         _decode_reduce_kernel[(B, Hq)](
