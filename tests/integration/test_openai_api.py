@@ -39,8 +39,9 @@ TOKEN = "s3cret-token-for-tests"
 @pytest.fixture(scope="module")
 def dep(tmp_path_factory):
     metrics = free_port_range(3)                               # the router's /metrics, then each worker's
+    # `pdserve up`, HTTP on a free port
     d = services.start_up(tmp_path_factory.mktemp("openai-logs"), ["--metrics-port", str(metrics)])
-    d.metrics["router"] = f"127.0.0.1:{metrics}"              # `pdserve up`, HTTP on a free port
+    d.metrics["router"] = f"127.0.0.1:{metrics}"
     yield d
     d.stop()
 
