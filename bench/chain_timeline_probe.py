@@ -21,7 +21,7 @@ import torch
 from torch.profiler import ProfilerActivity, profile
 
 from bench import dataflow_layer_probe as lp
-from bench.common import copy_bandwidth, graph_time, write_result
+from bench.common import capture_graph, copy_bandwidth, graph_time, write_result
 from pdserve.common.ops.gemm_tiles import padded_rows, wide_tiles
 
 MIDDLE = range(2, 7)    # layers whose kernels are summarised (the first and last meet the graph's ends)
@@ -29,16 +29,8 @@ MIDDLE = range(2, 7)    # layers whose kernels are summarised (the first and las
 
 def _kernels(fn) -> list[tuple[str, float, float]]:
     """(name, start us, end us) of the GPU kernels of one replay of ``fn`` captured in a graph."""
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        for _ in range(3):
-            fn()
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        fn()
-    for _ in range(3):
+    graph = capture_graph(fn)
+    for _ in range(2):
         graph.replay()
     torch.cuda.synchronize()
     with profile(activities=[ProfilerActivity.CUDA]) as prof:

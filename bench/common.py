@@ -103,9 +103,9 @@ def gpu_pair_channel(rank: int, addr_q, name: str, timeout: float):
     return dev, ch, store
 
 
-def graph_time(fn, calls: int = 1, replays: int = 10) -> float:
-    """Seconds per call of ``fn``, captured ``calls`` times into one CUDA graph and replayed
-    ``replays`` times (median replay): the GPU's own time, no host launch cost in the figure."""
+def capture_graph(fn, calls: int = 1) -> torch.cuda.CUDAGraph:
+    """``fn`` run three times on a side stream (warm-up, compiles), then captured ``calls`` times
+    into one CUDA graph, replayed once."""
     stream = torch.cuda.Stream()
     stream.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(stream):
@@ -117,6 +117,13 @@ def graph_time(fn, calls: int = 1, replays: int = 10) -> float:
         for _ in range(calls):
             fn()
     graph.replay()
+    return graph
+
+
+def graph_time(fn, calls: int = 1, replays: int = 10) -> float:
+    """Seconds per call of ``fn``, captured ``calls`` times into one CUDA graph and replayed
+    ``replays`` times (median replay): the GPU's own time, no host launch cost in the figure."""
+    graph = capture_graph(fn, calls)
     times = []
     for _ in range(replays):
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
