@@ -8,19 +8,10 @@ export PYTHONPATH=$PWD PYTHONUNBUFFERED=1
 python3 -m pytest -q -s -x tests/gpu/test_gluon_gemm_gpu.py tests/unit/test_dataflow_decode.py tests/gpu/test_dataflow_gpu.py \
   -p no:cacheprovider 2>&1 | tee "$OUT/gpu_tests.log" | grep -E "batch|passed|failed|Error|error" | tail -20
 [ "${PIPESTATUS[0]}" -eq 0 ] || exit 1
-for r in 1 2; do
-  for f in 0 1; do
-    echo "== decode step, wide $f, round $r"
-    PDSERVE_DATAFLOW_WIDE=$f python3 -m bench.decode_step --batch 48 --context 1200 \
-      --grid 64:1200,96:1200,128:1200,192:1200,256:1200 --out "$OUT/decode_step_w${f}_r$r.json" 2>&1 | grep -E "b=|decode step"
-  done
-done
-for r in 1 2; do
-  for f in 0 1; do
-    echo "== W-nano, wide $f, round $r"
-    PDSERVE_DATAFLOW_WIDE=$f python3 -m bench.offline --workload nano --out "$OUT/offline_nano_w${f}_r$r.json" 2>&1 | tail -1
-  done
-done
+. bench/onoff.sh
+onoff PDSERVE_DATAFLOW_WIDE "decode step" "b=|decode step" python3 -m bench.decode_step --batch 48 --context 1200 \
+  --grid 64:1200,96:1200,128:1200,192:1200,256:1200 --out "$OUT/decode_step_w{f}_r{r}.json"
+onoff PDSERVE_DATAFLOW_WIDE W-nano "out tok/s" python3 -m bench.offline --workload nano --out "$OUT/offline_nano_w{f}_r{r}.json"
 if [ -n "${MODEL:-}" ]; then
   for f in 0 1; do
     echo "== W-nano $MODEL, wide $f"
