@@ -7,6 +7,8 @@ end on the GPU). For the kernels of the middle layers (2-7): the duration, the g
 of the kernel before (negative: programmatic dependent launch started it earlier) and the
 increment, its end minus the previous kernel's end, which is what it adds to the layer; beside,
 each GEMM's weight bytes at the copy bandwidth. The replay is also timed without the profiler.
+With ``--hot`` the 8 layers share one layer's weights (31.5 MB, held in the 50 MB L2 across the
+replay): what the chain costs when its weights need no DRAM reads.
 
     python -m bench.chain_timeline_probe --batches 64,128,256 --out bench/results/wide_range/chain_timeline.json
 """
@@ -97,16 +99,19 @@ def measure(m: int, layers: list[dict]) -> list[dict]:
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--batches", default="64,128,256")
+    p.add_argument("--hot", action="store_true",
+                   help="one layer's weights for all 8 layers, held in L2: the chain without DRAM weight reads")
     p.add_argument("--out", default="bench/results/wide_range/chain_timeline.json")
     a = p.parse_args(argv)
     torch.manual_seed(0)
-    layers = lp.make_layers(8)
+    layers = lp.make_layers(1) * 8 if a.hot else lp.make_layers(8)
     bandwidth = copy_bandwidth()
     floors = {op: 1e6 * layers[0][key].numel() * 2 / bandwidth
               for op, key in (("o_proj", "o"), ("gate_up", "gate_up"), ("down", "down"), ("qkv", "qkv"))}
     print("weight bytes at the copy bandwidth (us):", {k: round(v, 2) for k, v in floors.items()})
     rows = [r for m in a.batches.split(",") for r in measure(int(m), layers)]
-    write_result(a.out, {"copy_bandwidth_GBps": bandwidth / 1e9, "weight_floor_us": floors, "rows": rows})
+    write_result(a.out, {"copy_bandwidth_GBps": bandwidth / 1e9, "weight_floor_us": floors, "hot": a.hot,
+                         "rows": rows})
     return 0
 
 
