@@ -99,6 +99,16 @@ def _stream_kernel(x_desc, part_ptr, n_tiles, STAGES: gl.constexpr, CONSUME: gl.
 
 
 @gluon.jit
+def _issue_pair(kv_desc, bufs, bars, slot, bt_row, t0, layer_rows, layer_off, kvh, BLOCK_SIZE: gl.constexpr):
+    """TMA copies of the K and V boxes of the tile of tokens ``t0..t0+BN`` (head ``kvh``) into ring slot ``slot``."""
+    W: gl.constexpr = kv_desc.block_type.shape[1]
+    row = gl.load(bt_row + t0 // BLOCK_SIZE) * layer_rows + layer_off + t0 % BLOCK_SIZE
+    mbarrier.expect(bars.index(slot), 2 * kv_desc.block_type.nbytes)
+    _tma_load(kv_desc, [row, kvh * W], bars.index(slot), bufs.index(2 * slot))
+    _tma_load(kv_desc, [row + BLOCK_SIZE, kvh * W], bars.index(slot), bufs.index(2 * slot + 1))
+
+
+@gluon.jit
 def _kv_pattern_kernel(kv_desc, bt_ptr, cl_ptr, part_ptr, stride_btb, LAYER_ROWS, LAYER_OFF,
                        BLOCK_SIZE: gl.constexpr, STAGES: gl.constexpr, num_warps: gl.constexpr):
     """Program (kvh, b): the K and V boxes [BN, D] of every BN-token tile of sequence b's context,
@@ -116,11 +126,7 @@ def _kv_pattern_kernel(kv_desc, bt_ptr, cl_ptr, part_ptr, stride_btb, LAYER_ROWS
     bt_row = bt_ptr + b.to(gl.int64) * stride_btb
     for s in gl.static_range(STAGES):
         if s < n_t:
-            t0 = s * BN
-            row = gl.load(bt_row + t0 // BLOCK_SIZE) * LAYER_ROWS + LAYER_OFF + t0 % BLOCK_SIZE
-            mbarrier.expect(bars.index(s), 2 * kv_desc.block_type.nbytes)
-            _tma_load(kv_desc, [row, kvh * W], bars.index(s), bufs.index(2 * s))
-            _tma_load(kv_desc, [row + BLOCK_SIZE, kvh * W], bars.index(s), bufs.index(2 * s + 1))
+            _issue_pair(kv_desc, bufs, bars, s, bt_row, s * BN, LAYER_ROWS, LAYER_OFF, kvh, BLOCK_SIZE)
     layout: gl.constexpr = gl.BlockedLayout([1, 8], [2, 16], [num_warps, 1], [1, 0])
     acc = gl.zeros([SUB, W], gl.float32, layout)
     for i in range(n_t):
@@ -132,11 +138,7 @@ def _kv_pattern_kernel(kv_desc, bt_ptr, cl_ptr, part_ptr, stride_btb, LAYER_ROWS
         _sync()
         nxt = i + STAGES
         if nxt < n_t:
-            t0 = nxt * BN
-            row = gl.load(bt_row + t0 // BLOCK_SIZE) * LAYER_ROWS + LAYER_OFF + t0 % BLOCK_SIZE
-            mbarrier.expect(bars.index(slot), 2 * kv_desc.block_type.nbytes)
-            _tma_load(kv_desc, [row, kvh * W], bars.index(slot), bufs.index(2 * slot))
-            _tma_load(kv_desc, [row + BLOCK_SIZE, kvh * W], bars.index(slot), bufs.index(2 * slot + 1))
+            _issue_pair(kv_desc, bufs, bars, slot, bt_row, nxt * BN, LAYER_ROWS, LAYER_OFF, kvh, BLOCK_SIZE)
     for s in gl.static_range(STAGES):
         mbarrier.invalidate(bars.index(s))
     gl.store(part_ptr + b * gl.num_programs(0) + kvh, gl.sum(gl.sum(acc, axis=1), axis=0))
