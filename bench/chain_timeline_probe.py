@@ -15,15 +15,11 @@ replay): what the chain costs when its weights need no DRAM reads.
 from __future__ import annotations
 
 import argparse
-import json
-import os
-import tempfile
 
 import torch
-from torch.profiler import ProfilerActivity, profile
 
 from bench import dataflow_layer_probe as lp
-from bench.common import capture_graph, copy_bandwidth, graph_time, write_result
+from bench.common import capture_graph, copy_bandwidth, graph_time, profile_kernels, write_result
 from pdserve.common.ops.gemm_tiles import padded_rows, wide_tiles
 
 MIDDLE = range(2, 7)    # layers whose kernels are summarised (the first and last meet the graph's ends)
@@ -35,18 +31,7 @@ def _kernels(fn) -> list[tuple[str, float, float]]:
     for _ in range(2):
         graph.replay()
     torch.cuda.synchronize()
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        graph.replay()
-        torch.cuda.synchronize()
-    fd, path = tempfile.mkstemp(suffix=".json")
-    os.close(fd)
-    try:
-        prof.export_chrome_trace(path)
-        events = json.load(open(path))["traceEvents"]
-    finally:
-        os.unlink(path)
-    ks = [(e["name"], float(e["ts"]), float(e["ts"]) + float(e["dur"])) for e in events if e.get("cat") == "kernel"]
-    return sorted(ks, key=lambda k: k[1])
+    return profile_kernels(graph.replay)
 
 
 def summarise(kernels: list[tuple[str, float, float]], layers: int) -> dict:

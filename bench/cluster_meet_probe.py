@@ -27,11 +27,12 @@ meeting's cost is each way's time minus ``plain``'s.
 from __future__ import annotations
 
 import argparse
+import itertools
 import os
 
 import torch
 
-from bench.common import write_result
+from bench.common import graph_time, write_result
 
 BM, BN, SPLITS, THREADS = 64, 32, 4, 128
 CHAIN = 200
@@ -175,29 +176,11 @@ def expected(tiles: int, step: int) -> torch.Tensor:
     return one.repeat(tiles).cuda()
 
 
-def per_launch_us(launch, replays: int = 20) -> float:
-    """Median us of one ``launch`` among CHAIN of them captured back to back in a CUDA graph."""
-    stream = torch.cuda.Stream()
-    with torch.cuda.stream(stream):
-        for step in range(3):
-            launch(step)
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for step in range(CHAIN):
-            launch(step)
-    graph.replay()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(replays):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        graph.replay()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end) * 1000 / CHAIN)
-    times.sort()
-    return times[len(times) // 2]
+def per_launch_us(launch) -> float:
+    """Median us of one ``launch`` among CHAIN of them captured back to back in a CUDA graph (each
+    with the next step number)."""
+    steps = itertools.count()
+    return graph_time(lambda: launch(next(steps)), calls=CHAIN, replays=20) * 1e6
 
 
 def measure(ext, tiles: int) -> dict:

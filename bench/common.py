@@ -4,9 +4,11 @@ from __future__ import annotations
 import datetime
 import json
 import logging
+import os
 import platform
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 import torch
@@ -118,6 +120,24 @@ def capture_graph(fn, calls: int = 1) -> torch.cuda.CUDAGraph:
             fn()
     graph.replay()
     return graph
+
+
+def profile_kernels(run) -> list[tuple[str, float, float]]:
+    """(name, start us, end us) of the GPU kernels of one call of ``run`` under torch.profiler
+    (CUPTI: each kernel's start and end on the GPU), in start order."""
+    from torch.profiler import ProfilerActivity, profile
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        run()
+        torch.cuda.synchronize()
+    fd, path = tempfile.mkstemp(suffix=".json")
+    os.close(fd)
+    try:
+        prof.export_chrome_trace(path)
+        events = json.loads(Path(path).read_text())["traceEvents"]
+    finally:
+        os.unlink(path)
+    ks = [(e["name"], float(e["ts"]), float(e["ts"]) + float(e["dur"])) for e in events if e.get("cat") == "kernel"]
+    return sorted(ks, key=lambda k: k[1])
 
 
 def graph_time(fn, calls: int = 1, replays: int = 10) -> float:

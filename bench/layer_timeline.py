@@ -17,14 +17,10 @@ graph the engine replays, embedding to final norm, whatever path the model takes
 from __future__ import annotations
 
 import argparse
-import json
-import os
-import tempfile
 
 import torch
-from torch.profiler import ProfilerActivity, profile
 
-from bench.common import write_result
+from bench.common import profile_kernels, write_result
 from bench.decode_step import build_batch
 from pdserve.common.engine import LLM
 from pdserve.common.ops.gemm_tiles import Tiles
@@ -40,22 +36,6 @@ def _override_tiles(spec: str) -> None:
     def tiles(op: str, rows: int) -> Tiles:
         return Tiles(bm, bn, bk, stages, splits=splits) if op in ("o_proj", "down") else wide_tiles(op, rows)
     dataflow_decode.wide_tiles = tiles
-
-
-def _kernels(replay) -> list[tuple[str, float, float]]:
-    """(name, start us, end us) of the GPU kernels of one call of ``replay``."""
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        replay()
-        torch.cuda.synchronize()
-    fd, path = tempfile.mkstemp(suffix=".json")
-    os.close(fd)
-    try:
-        prof.export_chrome_trace(path)
-        events = json.load(open(path))["traceEvents"]
-    finally:
-        os.unlink(path)
-    ks = [(e["name"], float(e["ts"]), float(e["ts"]) + float(e["dur"])) for e in events if e.get("cat") == "kernel"]
-    return sorted(ks, key=lambda k: k[1])
 
 
 def summarise(ks: list[tuple[str, float, float]]) -> dict:
@@ -93,7 +73,7 @@ def measure(llm: LLM, batch: int, context: int) -> dict:
         times.append(start.elapsed_time(end))
     times.sort()
     result = {"batch": batch, "context": context, "step_median_ms": times[len(times) // 2],
-              **summarise(_kernels(lambda: graph.run(ids, pos, ctx)))}
+              **summarise(profile_kernels(lambda: graph.run(ids, pos, ctx)))}
     for s in seqs:
         llm.engine.block_manager.deallocate(s)
     return result
