@@ -18,10 +18,8 @@ from __future__ import annotations
 
 import argparse
 
-import torch
-
 from bench.common import profile_kernels, write_result
-from bench.decode_step import build_batch
+from bench.decode_step import build_batch, time_step
 from pdserve.common.engine import LLM
 from pdserve.common.ops.gemm_tiles import Tiles
 
@@ -57,22 +55,11 @@ def summarise(ks: list[tuple[str, float, float]]) -> dict:
 def measure(llm: LLM, batch: int, context: int) -> dict:
     mr = llm.engine.model_runner
     seqs = build_batch(llm, batch, context)
+    step_ms = 1e3 * time_step(llm, seqs, iters=30)["median_s"]       # the graph replayed, CUDA events
     ids, pos, ctx = mr.prepare_decode(seqs)
     graph = mr.graph_runner
-    assert graph is not None and graph.can_run(batch)
-    for _ in range(5):
-        graph.run(ids, pos, ctx)
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(30):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        graph.run(ids, pos, ctx)
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end))
-    times.sort()
-    result = {"batch": batch, "context": context, "step_median_ms": times[len(times) // 2],
+    assert graph is not None
+    result = {"batch": batch, "context": context, "step_median_ms": step_ms,
               **summarise(profile_kernels(lambda: graph.run(ids, pos, ctx)))}
     for s in seqs:
         llm.engine.block_manager.deallocate(s)
