@@ -64,6 +64,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     for flag, kind, help_text in WORKER_FLAGS:      # unset: not passed (no "(default: None)" in --help)
         p.add_argument(flag, type=kind, default=argparse.SUPPRESS, help=help_text)
     p.add_argument("--extra-worker-args", default="", help="more flags for every worker, as one string")
+    p.add_argument("--extra-decode-args", default="",
+                   help="more flags for the decode (or both) workers only, after --extra-worker-args")
+    p.add_argument("--extra-prefill-args", default="",
+                   help="more flags for the prefill workers only, after --extra-worker-args")
     p.add_argument("--extra-router-args", default="", help="more flags for the router, as one string")
     p.add_argument("--demo", action="store_true", help="stream answers to sample prompts, then stop")
     p.add_argument("--startup-timeout", type=float, default=600.0,
@@ -102,7 +106,8 @@ def _passed(args: argparse.Namespace) -> list[str]:
 def _worker_cmd(kind: str, port: int, index: int, args: argparse.Namespace) -> list[str]:
     decode = kind == "decode"
     extra = ["--model", args.model, "--device", args.device, *_passed(args),
-             *(["--enforce-eager"] if args.enforce_eager else []), *args.extra_worker_args.split()]
+             *(["--enforce-eager"] if args.enforce_eager else []), *args.extra_worker_args.split(),
+             *(args.extra_decode_args if decode else args.extra_prefill_args).split()]
     return procs.worker_cmd(kind, port, metrics_port=_metrics_port(args, index), kv_port=port + 1 if decode else None,
                             role=args.role if decode else None, extra=extra)
 

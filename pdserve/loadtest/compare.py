@@ -167,7 +167,7 @@ def _wait_up(svc: procs.Service, address: str, up_args: str, timeout: float) -> 
     n_procs = expected_processes(up_args)
 
     def check() -> None:
-        if not svc.alive() or len(svc.group_pids()) < n_procs:
+        if not svc.alive() or len(svc.tree_pids()) < n_procs:
             raise RuntimeError(f"a process of `pdserve up` ({svc.name}) exited; its log "
                                f"{svc.log_path}:\n{svc.log_tail(40)}")
 

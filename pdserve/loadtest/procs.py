@@ -88,16 +88,22 @@ class Service:
     def cpu_seconds(self) -> float:
         return cpu_seconds(self.pid)
 
-    def group_pids(self) -> list[int]:
-        """Live processes of this service's process group (it and what it started), from /proc."""
-        out = []
+    def tree_pids(self) -> list[int]:
+        """Live processes of this service: it and its descendants, from /proc (by parent, since a
+        child may start its own session: `pdserve up` starts each of its services in one)."""
+        children: dict[int, list[int]] = {}
         for d in Path("/proc").glob("[0-9]*"):
             try:
                 fields = (d / "stat").read_text().rsplit(")", 1)[1].split()
             except OSError:
                 continue
-            if int(fields[2]) == self.pid and fields[0] != "Z":
-                out.append(int(d.name))
+            if fields[0] != "Z":
+                children.setdefault(int(fields[1]), []).append(int(d.name))
+        out, todo = [], [self.pid] if self.alive() else []
+        while todo:
+            pid = todo.pop()
+            out.append(pid)
+            todo.extend(children.get(pid, []))
         return out
 
     def log_tail(self, n: int = 30) -> str:

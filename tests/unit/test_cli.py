@@ -129,6 +129,12 @@ def test_up_passes_metrics_ports_and_worker_flags():
     assert children[2].ports == {50051: "--router-port", 8000: "--http-port", 9100: "--metrics-port"}
     off = cmd_up.plan(cli.build_parser().parse_args(["up"]))
     assert all(value(c.cmd, "--metrics-port") == "0" for c in off)
+    by_role = cmd_up.plan(cli.build_parser().parse_args(
+        ["up", "--role", "both", "--extra-worker-args=--max-num-seqs 8",
+         "--extra-decode-args=--max-num-batched-tokens 512", "--extra-prefill-args=--max-num-batched-tokens 8192"]))
+    assert [value(c.cmd, "--max-num-batched-tokens") for c in by_role[:2]] == ["512", "8192"]
+    assert all(value(c.cmd, "--max-num-seqs") == "8" for c in by_role[:2])
+    assert "--max-num-batched-tokens" not in by_role[2].cmd      # the router gets neither
 
 
 def test_up_fails_fast_when_a_service_exits():

@@ -3,6 +3,9 @@ fast, naming it and its log, when it exits; stopping one that ignores SIGTERM ki
 grace; a service that exited already is left alone."""
 from __future__ import annotations
 
+import contextlib
+import os
+import signal
 import sys
 import time
 
@@ -76,3 +79,26 @@ def test_wait_ready_notices_a_service_whose_port_another_process_answers(tmp_pat
         thread.join(10)
         procs.stop_all([child])
 
+
+
+def test_tree_pids_follows_children_into_their_own_sessions():
+    """`pdserve up` starts each service in a session of its own; `bench compare --launch` counts
+    them as the deployment's processes all the same."""
+    code = ("import subprocess, sys, time\n"
+            "kids = [subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(60)'], start_new_session=s)"
+            " for s in (True, False)]\n"
+            "print('up', flush=True); time.sleep(60)")
+    svc = procs.Service("parent", [sys.executable, "-c", code], "", inherit_output=False).start()
+    pids: list[int] = []
+    try:
+        deadline = time.monotonic() + 30
+        while len(svc.tree_pids()) < 3 and time.monotonic() < deadline:
+            time.sleep(0.1)
+        pids = svc.tree_pids()
+        assert len(pids) == 3 and pids[0] == svc.pid
+    finally:
+        svc.stop(timeout=1.0)
+        for pid in pids[1:]:          # the parent's children outlive it (it does not stop them)
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+    assert svc.tree_pids() == []
