@@ -40,6 +40,9 @@ def add_workload_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--ignore-eos", action=argparse.BooleanOptionalAction, default=None,
                    help="override the dataset's ignore_eos (synthetic: on; jsonl: off)")
     g.add_argument("--seed", type=int, default=0, help="seed of the dataset and the arrivals")
+    g.add_argument("--same-prompts", action="store_true",
+                   help="every run of a sweep or search sends the same prompts (default: each run its own "
+                        "variant of the dataset, so that no run finds an earlier run's prompts cached)")
     a = p.add_argument_group("arrivals")
     a.add_argument("--request-rate", default="inf", help="comma list of rates (req/s), 'inf' = all at once")
     a.add_argument("--burstiness", type=float, default=1.0,

@@ -20,7 +20,7 @@ from typing import Any
 from pdserve.loadtest import arrivals, capacity, datasets, metrics, ports, procs
 from pdserve.loadtest.runner import (
     RunOptions,
-    build_requests,
+    Workload,
     git_commit,
     host_info,
     model_info,
@@ -32,6 +32,7 @@ from pdserve.loadtest.runner import (
     run_sweep,
     sweep_points,
     warmup,
+    workload,
     write_json,
 )
 
@@ -110,13 +111,15 @@ CAPACITY_KEYS = ("slo_attainment", "itl_p99_ms", "itl_p99_ok", "request_throughp
                  "p90_ttft_ms", "p90_tpot_ms")
 
 
-def run_capacity(address: str, requests: Sequence[datasets.BenchRequest], opts, search: capacity.CapacitySearch,
+def run_capacity(address: str, requests: Workload, opts, search: capacity.CapacitySearch,
                  name: str, on_point) -> tuple[capacity.Capacity, list[dict]]:
-    """The bisection of one deployment's SLO capacity; every run's result, by rate."""
+    """The bisection of one deployment's SLO capacity, its k-th run (from 1) on ``requests(k)``;
+    every run's result, by rate."""
     results: list[dict] = []
 
     def run(rate: float) -> tuple[bool, dict[str, Any]]:
-        res, _ = run_point(address, requests, rate, None, opts, desc=f"{name} rate {rate:g}")
+        k = len(results) + 1
+        res, _ = run_point(address, requests(k), rate, None, opts, desc=f"{name} rate {rate:g}", variant=k)
         results.append(res)
         results.sort(key=lambda r: r["request_rate"])
         on_point(results, None)
@@ -197,7 +200,7 @@ def _deployment(args: argparse.Namespace, config: _Config, log_dir: Path) -> Ite
             svc.stop(timeout=60)
 
 
-def _measure(address: str, requests: Sequence[datasets.BenchRequest], name: str,
+def _measure(address: str, requests: Workload, name: str,
              points: Sequence[tuple[float, int | None]], opts: RunOptions, search: capacity.CapacitySearch | None,
              checkpoint: Callable[[list[dict], Any], None]) -> tuple[list[dict], capacity.Capacity | None]:
     """One deployment's rate sweep, or its capacity bisection: every run's result, and the capacity."""
@@ -248,7 +251,7 @@ def run_compare(args: argparse.Namespace) -> int:
     json_path = stem.parent / f"{stem.name}.json"
     log_dir = Path(tempfile.mkdtemp(prefix="pdserve-compare-"))
     payload = _payload(args, opts)
-    requests: list[datasets.BenchRequest] | None = None
+    requests: Workload | None = None
     series: list[tuple[str, list[dict]]] = []
     capacities: list[tuple[str, capacity.Capacity]] = []
     for config in configs:
@@ -256,9 +259,9 @@ def run_compare(args: argparse.Namespace) -> int:
         with _deployment(args, config, log_dir) as address:
             info = model_info(address, args.ready_timeout)
             if requests is None:
-                requests = build_requests(args, info)
-                payload["dataset"] = datasets.summary(requests)
-            warmup(address, requests, args.num_warmups, opts.request_timeout)
+                requests = workload(args, info)
+                payload["dataset"] = datasets.summary(requests(0))
+            warmup(address, requests(0), args.num_warmups, opts.request_timeout)
             dep: dict[str, Any] = {"name": name, "router": address, "up_args": up_args, "model_info": info,
                                    "results": []}
             payload["deployments"].append(dep)

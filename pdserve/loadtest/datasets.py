@@ -5,6 +5,12 @@ random ids, 100-1024 output tokens, temperature 0.6, ignore_eos, ``random.seed(0
 ``shared-prefix``, ``multi-turn``, ``prefill-heavy``, ``decode-heavy`` and ``jsonl`` (a file).
 Synthetic prompts are token ids, or with ``prompt_format="text"`` English words of about one
 token each (the router's ``usage.prompt_tokens`` gives the real count).
+
+``variant`` k > 0 draws the same workload with other prompts: every request keeps its lengths,
+its shared system prompt (``shared-prefix``, ``multi-turn``) and its place in its conversation,
+and the rest of its token ids are shifted by ``k * VARIANT_STRIDE`` modulo the vocabulary. A
+benchmark runs each point of a sweep on its own variant, so a point never finds the previous
+point's prompts in the workers' prefix caches (``jsonl`` files are used as they are).
 """
 from __future__ import annotations
 
@@ -16,6 +22,7 @@ from typing import Any
 
 DATASETS = ("random", "w-nano", "shared-prefix", "multi-turn", "prefill-heavy", "decode-heavy", "jsonl")
 PROMPT_FORMATS = ("ids", "text")
+VARIANT_STRIDE = 7919           # a prime: variants 1, 2, ... shift every id by a different amount
 
 # Per-dataset defaults: (input range, output range, number of prompts).
 DEFAULTS: dict[str, dict[str, Any]] = {
@@ -90,10 +97,21 @@ def _ids(rng: random.Random, n: int, vocab: int) -> list[int]:
     return [rng.randrange(vocab) for _ in range(n)]
 
 
+def vary(requests: list[BenchRequest], variant: int, vocab: int, shared: int = 0) -> list[BenchRequest]:
+    """The ``variant``-th other draw of ``requests`` (module docstring): ids after the first
+    ``shared`` of each prompt shifted by ``variant * VARIANT_STRIDE`` modulo ``vocab``."""
+    shift = variant * VARIANT_STRIDE % vocab
+    return [replace(r, token_ids=r.token_ids[:shared] + [(t + shift) % vocab for t in r.token_ids[shared:]])
+            if r.token_ids is not None else r for r in requests]
+
+
+W_NANO_VOCAB = 10001            # W-nano's ids are drawn from 0..10000
+
+
 def w_nano(num_prompts: int = 256) -> list[BenchRequest]:
     """docs/design.md W-nano exactly (the same draws as bench/workloads.py, from Random(0))."""
     rng = random.Random(0)
-    prompts = [[rng.randint(0, 10000) for _ in range(rng.randint(100, 1024))] for _ in range(num_prompts)]
+    prompts = [[rng.randint(0, W_NANO_VOCAB - 1) for _ in range(rng.randint(100, 1024))] for _ in range(num_prompts)]
     return [BenchRequest(len(p), rng.randint(100, 1024), token_ids=p, temperature=0.6, ignore_eos=True)
             for p in prompts]
 
@@ -229,9 +247,10 @@ def build(name: str, *, num_prompts: int | None = None, input_len: RangeArg = No
           vocab: int = 10000,
           seed: int = 0, prompt_format: str = "ids", dataset_path: str | None = None, num_prefixes: int = 8,
           prefix_len: int = 1024, temperature: float | None = None, ignore_eos: bool | None = None,
-          max_model_len: int | None = None, num_turns: int = 4) -> list[BenchRequest]:
+          max_model_len: int | None = None, num_turns: int = 4, variant: int = 0) -> list[BenchRequest]:
     """Build a workload by name; ``input_len``/``output_len`` ranges override the dataset's
-    defaults (``shared-prefix``: ``input_len`` is the suffix), as do ``temperature``/``ignore_eos``."""
+    defaults (``shared-prefix``: ``input_len`` is the suffix), as do ``temperature``/``ignore_eos``;
+    ``variant``: see the module docstring."""
     if name not in DATASETS:
         raise ValueError(f"dataset must be one of {DATASETS}, not {name!r}")
     if prompt_format not in PROMPT_FORMATS:
@@ -255,6 +274,9 @@ def build(name: str, *, num_prompts: int | None = None, input_len: RangeArg = No
     else:
         reqs = random_lengths(n, _need_range(in_r, "input_len", name), _need_range(out_r, "output_len", name),
                               vocab, seed)
+    if variant and name != "jsonl":
+        shared = prefix_len if name in ("shared-prefix", "multi-turn") else 0
+        reqs = vary(reqs, variant, vocab if name != "w-nano" else W_NANO_VOCAB, shared)
     if temperature is not None:
         reqs = [replace(r, temperature=temperature) for r in reqs]
     if ignore_eos is not None:

@@ -15,7 +15,7 @@ import socket
 import subprocess
 import sys
 import time
-from collections.abc import Collection, Sequence
+from collections.abc import Callable, Collection, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -93,19 +93,33 @@ def model_info(router: str, timeout: float = 60.0) -> dict[str, Any]:
     raise RuntimeError(f"router {router} not ready in {timeout:.0f} s: {last}")
 
 
-def build_requests(args: argparse.Namespace, info: dict[str, Any]) -> list[datasets.BenchRequest]:
+Workload = Callable[[int], list[datasets.BenchRequest]]
+
+
+def build_requests(args: argparse.Namespace, info: dict[str, Any], variant: int = 0) -> list[datasets.BenchRequest]:
     vocab = args.vocab_size or int(info.get("vocab_size") or 10000)
     requests = datasets.build(
         args.dataset, num_prompts=args.num_prompts, input_len=args.input_len, output_len=args.output_len,
         vocab=vocab, seed=args.seed, prompt_format=args.prompt_format, dataset_path=args.dataset_path,
         num_prefixes=args.num_prefixes, prefix_len=args.prefix_len, temperature=args.temperature,
-        num_turns=getattr(args, "num_turns", 4),
+        num_turns=getattr(args, "num_turns", 4), variant=variant,
         ignore_eos=args.ignore_eos, max_model_len=int(info.get("max_model_len") or 0) or None)
     if getattr(args, "closed_loop_turns", False):
         if args.dataset != "multi-turn":
             raise ValueError("--closed-loop-turns needs --dataset multi-turn")
         requests = datasets.closed_loop(requests)
     return requests
+
+
+def workload(args: argparse.Namespace, info: dict[str, Any]) -> Workload:
+    """The requests of the warm-up (``workload(0)``) and of the k-th run of a sweep or capacity
+    search (``workload(k)``, k >= 1): variant k of the dataset (datasets module docstring), so
+    that no run finds an earlier run's prompts cached; with ``--same-prompts`` variant 0 for all."""
+    first = build_requests(args, info)
+
+    def at(k: int) -> list[datasets.BenchRequest]:
+        return first if k == 0 or getattr(args, "same_prompts", False) else build_requests(args, info, variant=k)
+    return at
 
 
 def sweep_points(rates: Sequence[float], concurrencies: Sequence[int | None]) -> list[tuple[float, int | None]]:
@@ -153,8 +167,9 @@ def warmup(router: str, requests: Sequence[datasets.BenchRequest], n: int, timeo
 
 
 def run_point(router: str, requests: Sequence[datasets.BenchRequest], rate: float, concurrency: int | None,
-              opts: RunOptions, desc: str = "") -> tuple[dict[str, Any], dict[str, list[float]]]:
-    """One run at one rate: its result dict (vLLM keys + config + client) and latency samples."""
+              opts: RunOptions, desc: str = "", variant: int = 0) -> tuple[dict[str, Any], dict[str, list[float]]]:
+    """One run at one rate: its result dict (vLLM keys + config + client + the prompts'
+    ``variant``) and latency samples."""
     offsets = arrivals.arrival_times(len(requests), rate, opts.burstiness, opts.seed, opts.normalize_arrivals)
     pbar = None
     if not opts.disable_tqdm:
@@ -169,7 +184,7 @@ def run_point(router: str, requests: Sequence[datasets.BenchRequest], rate: floa
             pbar.close()
     res: dict[str, Any] = {"request_rate": arrivals.rate_label(rate) if math.isinf(rate) else rate,
                            "burstiness": opts.burstiness if not math.isinf(opts.burstiness) else "inf",
-                           "max_concurrency": concurrency}
+                           "max_concurrency": concurrency, "prompt_variant": variant}
     res.update(metrics.compute_metrics(result.records, result.duration, opts.percentiles, opts.slo or None,
                                        opts.itl_mode))
     res["client"] = result.client
@@ -186,12 +201,13 @@ def run_point(router: str, requests: Sequence[datasets.BenchRequest], rate: floa
     return res, metrics.latency_samples(result.records)
 
 
-def run_sweep(router: str, requests: Sequence[datasets.BenchRequest], points: Sequence[tuple[float, int | None]],
+def run_sweep(router: str, requests: Workload, points: Sequence[tuple[float, int | None]],
               opts: RunOptions, on_point=None, label: str = "") -> tuple[list[dict], list[dict[str, list[float]]]]:
+    """One run per point, the k-th (from 1) on ``requests(k)``."""
     results, samples = [], []
-    for rate, conc in points:
+    for k, (rate, conc) in enumerate(points, start=1):
         desc = (f"{label} " if label else "") + f"rate {arrivals.rate_label(rate)}" + (f" conc {conc}" if conc else "")
-        res, smp = run_point(router, requests, rate, conc, opts, desc)
+        res, smp = run_point(router, requests(k), rate, conc, opts, desc, variant=k)
         results.append(res)
         samples.append(smp)
         if on_point is not None:
@@ -263,15 +279,15 @@ def run_serve(args: argparse.Namespace) -> int:
                         args.num_client_procs)
     else:
         info = model_info(args.router, args.ready_timeout)
-    requests = build_requests(args, info)
-    warmup(args.router, requests, args.num_warmups, opts.request_timeout, opts.http)
+    requests = workload(args, info)
+    warmup(args.router, requests(0), args.num_warmups, opts.request_timeout, opts.http)
     stem = result_stem(args)
     json_path = stem.parent / f"{stem.name}.json"
     payload: dict[str, Any] = {
         "benchmark": "pdserve bench serve", "label": args.label or args.dataset,
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(), "command": " ".join(sys.argv),
         "commit": git_commit(), "host": host_info(), "router": target, "model_info": info,
-        "config": run_config(args), "options": _redacted(asdict(opts)), "dataset": datasets.summary(requests),
+        "config": run_config(args), "options": _redacted(asdict(opts)), "dataset": datasets.summary(requests(0)),
         "results": []}
 
     def checkpoint(results, samples) -> None:
@@ -281,7 +297,7 @@ def run_serve(args: argparse.Namespace) -> int:
     results, samples = run_sweep(args.router, requests, points, opts, checkpoint)
     if not args.no_plots:
         payload["plots"] = write_plots(stem, results, samples,
-                                       f"{payload['label']} via {target} ({len(requests)} requests)")
+                                       f"{payload['label']} via {target} ({len(requests(0))} requests)")
     write_json(json_path, payload)
     print(f"results: {json_path}" + (f" (+ {', '.join(payload['plots'].values())})" if "plots" in payload else ""))
     return 0 if all(r["completed"] for r in results) else 1

@@ -147,6 +147,29 @@ def test_shared_prefix():
     assert [r.extra["prefix"] for r in reqs[:8]] != [i % 4 for i in range(8)]   # shuffled
 
 
+@pytest.mark.parametrize("name", ["random", "prefill-heavy", "shared-prefix", "multi-turn", "w-nano"])
+def test_variants_keep_lengths_and_shared_prompts_but_change_the_rest(name):
+    kw = {"num_prompts": 24, "vocab": 500, "seed": 2, "num_prefixes": 3, "prefix_len": 32, "input_len": "8:40",
+          "output_len": "4:8"} if name != "w-nano" else {"num_prompts": 24}
+    base = datasets.build(name, **kw)
+    one, two = (datasets.build(name, variant=k, **kw) for k in (1, 2))
+    assert one == datasets.build(name, variant=1, **kw)                              # deterministic
+    shared = 32 if name in ("shared-prefix", "multi-turn") else 0
+    vocab = 500 if name != "w-nano" else datasets.W_NANO_VOCAB
+    for a, b, c in zip(base, one, two):
+        assert (a.prompt_len, a.output_len, a.extra) == (b.prompt_len, b.output_len, b.extra) == \
+            (c.prompt_len, c.output_len, c.extra)
+        assert a.token_ids[:shared] == b.token_ids[:shared] == c.token_ids[:shared]
+        shift = 7919 % vocab
+        assert b.token_ids[shared:] == [(t + shift) % vocab for t in a.token_ids[shared:]]
+        assert len({tuple(x.token_ids[shared:]) for x in (a, b, c)}) == 3 and max(c.token_ids) < vocab
+    if name == "multi-turn":                   # a next turn still starts with its previous turn's prompt
+        by_turn = {(r.extra["conversation"], r.extra["turn"]): r.token_ids for r in one}
+        for (conv, turn), ids in by_turn.items():
+            if turn and (conv, turn - 1) in by_turn:
+                assert ids[:len(by_turn[conv, turn - 1])] == by_turn[conv, turn - 1]
+
+
 def test_jsonl_and_protos(tmp_path):
     f = tmp_path / "reqs.jsonl"
     f.write_text("\n".join([json.dumps({"prompt": "Hello there", "max_tokens": 7}),
@@ -230,6 +253,8 @@ def test_serve_end_to_end(router_addr, tmp_path):
     data = json.loads((tmp_path / "run.json").read_text())
     assert data["model_info"]["vocab_size"] > 0 and data["dataset"]["num_prompts"] == 24
     assert [r["request_rate"] for r in data["results"]] == [40.0, "inf"]
+    assert [r["prompt_variant"] for r in data["results"]] == [1, 2]
+    assert data["results"][1]["total_cached_tokens"] == 0      # its own prompts: nothing cached by the first
     for r in data["results"]:
         for key in ("completed", "failed", "total_input_tokens", "total_output_tokens", "request_throughput",
                     "request_goodput", "output_throughput", "total_token_throughput", "mean_ttft_ms",
@@ -258,6 +283,10 @@ def test_compare_two_targets(router_addr, tmp_path):
     assert [d["name"] for d in data["deployments"]] == ["a", "b"]
     assert all(d["results"][0]["completed"] == 10 for d in data["deployments"])
     assert data["deployments"][0]["results"][0]["max_concurrent_requests"] <= 4
+    # the k-th run of every deployment sends the same prompts; here both targets are one router, so
+    # b's run finds a's prompts cached (and serve's test above shows that another run's do not)
+    assert [d["results"][0]["prompt_variant"] for d in data["deployments"]] == [1, 1]
+    assert data["deployments"][1]["results"][0]["total_cached_tokens"] > 0
     assert "| inf (conc 4) | a |" in data["table_markdown"]
     assert (tmp_path / "cmp_goodput.png").exists() and (tmp_path / "cmp.md").exists()
 
