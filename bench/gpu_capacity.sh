@@ -12,13 +12,14 @@
 #   decode-heavy   prompts 200-800, 500-1,500 out
 #   shared-prefix  16 system prompts of 2,000 tokens + user parts of 100-500, 100-500 out
 # Usage (device machine, repo root): bash bench/gpu_capacity.sh OUTDIR [workload ...]
-# Env: RATES (the rate list the bisection starts from), NUM_PROMPTS, BUDGET, DEPLOYS, MODEL.
+# Env: RATES (the rate list the bisection starts from), NUM_PROMPTS, BUDGET, DEPLOYS, MODEL,
+#      ROUTER_TPOT (the adaptive router's --slo-tpot-ms, default 12: the benchmark's SLO), TAG (file label).
 set -uo pipefail
 OUT=${1:-bench/results}; shift || true
 PARTS=${*:-prefill-heavy decode-heavy shared-prefix}
 BUDGET=${BUDGET:-512}
 SLO=${SLO:-ttft_ms=1000,tpot_ms=12,itl_p99_ms=30}
-ROUTER_SLO="--slo-ttft-ms 1000 --slo-tpot-ms 12"
+ROUTER_SLO="--slo-ttft-ms 1000 --slo-tpot-ms ${ROUTER_TPOT:-12}"
 export PYTHONUNBUFFERED=1 PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 mkdir -p "$OUT"
@@ -47,7 +48,7 @@ for part in $PARTS; do
   echo "== $part $(date -u +%T)"
   python3 -m pdserve.cli bench compare --launch --gpus 0,1 --device cuda --model "${MODEL:-qwen3-8b}" "${ups[@]}" \
     "${work[@]}" --num-prompts "${NUM_PROMPTS:-120}" --prompt-format ids --vocab-size 151936 --num-warmups 4 \
-    --capacity --request-rate "$rates" --slo "$SLO" --label "capacity-$part" --disable-tqdm \
+    --capacity --request-rate "$rates" --slo "$SLO" --label "capacity-$part${TAG:+-$TAG}" --disable-tqdm \
     --startup-timeout 400 --result-dir "$OUT" 2>&1 | grep -v '^\s*$' | tail -40
 done
 echo "== done $(date -u +%T)"
