@@ -13,7 +13,8 @@
 #   shared-prefix  16 system prompts of 2,000 tokens + user parts of 100-500, 100-500 out
 # Usage (device machine, repo root): bash bench/gpu_capacity.sh OUTDIR [workload ...]
 # Env: RATES (the rate list the bisection starts from), NUM_PROMPTS, BUDGET, DEPLOYS, MODEL,
-#      ROUTER_TPOT (the adaptive router's --slo-tpot-ms, default 12: the benchmark's SLO), TAG (file label).
+#      ROUTER_TPOT (the adaptive router's --slo-tpot-ms, default 12: the benchmark's SLO), TAG (file label),
+#      CAP_TOL (the bisection's tolerance, req/s, default 1).
 set -uo pipefail
 OUT=${1:-bench/results}; shift || true
 PARTS=${*:-prefill-heavy decode-heavy shared-prefix}
@@ -48,7 +49,7 @@ for part in $PARTS; do
   echo "== $part $(date -u +%T)"
   python3 -m pdserve.cli bench compare --launch --gpus 0,1 --device cuda --model "${MODEL:-qwen3-8b}" "${ups[@]}" \
     "${work[@]}" --num-prompts "${NUM_PROMPTS:-120}" --prompt-format ids --vocab-size 151936 --num-warmups 4 \
-    --capacity --request-rate "$rates" --slo "$SLO" --label "capacity-$part${TAG:+-$TAG}" --disable-tqdm \
+    --capacity --capacity-tolerance "${CAP_TOL:-1}" --request-rate "$rates" --slo "$SLO" --label "capacity-$part${TAG:+-$TAG}" --disable-tqdm \
     --startup-timeout 400 --result-dir "$OUT" 2>&1 | grep -v '^\s*$' | tail -40
 done
 echo "== done $(date -u +%T)"
