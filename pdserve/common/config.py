@@ -132,6 +132,8 @@ class EngineConfig:
     enable_chunked_prefill: bool = True     # mixed steps: decode rows + prompt chunks under one budget
     max_num_partial_prefills: int = 1       # prompts partly prefilled at once (chunked prefill)
     long_prefill_token_threshold: int = 0   # cap on one prompt's chunk per step; 0 = no cap
+    tpot_target_ms: float = 0.0             # TPOT guard (engine/tpot_guard.py); 0 = only per-request targets
+    tpot_margin: float = 0.1                # share of the TPOT target the guard keeps free
     extra: dict = field(default_factory=dict)
 
     def __post_init__(self) -> None:
@@ -147,6 +149,10 @@ class EngineConfig:
             raise ValueError(f"max_num_partial_prefills must be >= 1, got {self.max_num_partial_prefills}")
         if self.long_prefill_token_threshold < 0:
             raise ValueError(f"long_prefill_token_threshold must be >= 0, got {self.long_prefill_token_threshold}")
+        if self.tpot_target_ms < 0:
+            raise ValueError(f"tpot_target_ms must be >= 0 (0 = off), got {self.tpot_target_ms}")
+        if not 0.0 <= self.tpot_margin < 1.0:
+            raise ValueError(f"tpot_margin must be in [0, 1), got {self.tpot_margin}")
         if self.num_kv_blocks is not None and self.num_kv_blocks < 1:
             raise ValueError(f"num_kv_blocks must be >= 1, got {self.num_kv_blocks}")
         if not 0.0 < self.gpu_memory_utilization <= 1.0:

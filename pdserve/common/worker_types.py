@@ -63,6 +63,9 @@ class WorkerStats:
     max_num_batched_tokens: int = 0
     chunked_prefill: bool = False
     mixed_step_ms: float = 0.0
+    mixed_prompt_tokens: float = 0.0
+    ms_per_prompt_token: float = 0.0
+    tpot_target_ms: float = 0.0
     num_open_kv_channels: int = 0
     num_kv_channels_opened: int = 0
 

@@ -192,7 +192,7 @@ class GetStatsRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class WorkerStats(_message.Message):
-    __slots__ = ("num_free_blocks", "num_used_blocks", "num_total_blocks", "num_cached_blocks", "num_waiting", "num_running", "num_reserved", "prefix_cache_hit_tokens", "prefix_cache_query_tokens", "num_preemptions", "role", "worker_id", "num_kv_transfers", "kv_transfer_bytes", "num_waiting_prefill_tokens", "num_running_context_tokens", "prefill_tokens_per_s", "decode_step_ms", "max_num_batched_tokens", "chunked_prefill", "mixed_step_ms", "num_open_kv_channels", "num_kv_channels_opened")
+    __slots__ = ("num_free_blocks", "num_used_blocks", "num_total_blocks", "num_cached_blocks", "num_waiting", "num_running", "num_reserved", "prefix_cache_hit_tokens", "prefix_cache_query_tokens", "num_preemptions", "role", "worker_id", "num_kv_transfers", "kv_transfer_bytes", "num_waiting_prefill_tokens", "num_running_context_tokens", "prefill_tokens_per_s", "decode_step_ms", "max_num_batched_tokens", "chunked_prefill", "mixed_step_ms", "mixed_prompt_tokens", "ms_per_prompt_token", "tpot_target_ms", "num_open_kv_channels", "num_kv_channels_opened")
     NUM_FREE_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     NUM_USED_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     NUM_TOTAL_BLOCKS_FIELD_NUMBER: _ClassVar[int]
@@ -214,6 +214,9 @@ class WorkerStats(_message.Message):
     MAX_NUM_BATCHED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     CHUNKED_PREFILL_FIELD_NUMBER: _ClassVar[int]
     MIXED_STEP_MS_FIELD_NUMBER: _ClassVar[int]
+    MIXED_PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    MS_PER_PROMPT_TOKEN_FIELD_NUMBER: _ClassVar[int]
+    TPOT_TARGET_MS_FIELD_NUMBER: _ClassVar[int]
     NUM_OPEN_KV_CHANNELS_FIELD_NUMBER: _ClassVar[int]
     NUM_KV_CHANNELS_OPENED_FIELD_NUMBER: _ClassVar[int]
     num_free_blocks: int
@@ -237,9 +240,12 @@ class WorkerStats(_message.Message):
     max_num_batched_tokens: int
     chunked_prefill: bool
     mixed_step_ms: float
+    mixed_prompt_tokens: float
+    ms_per_prompt_token: float
+    tpot_target_ms: float
     num_open_kv_channels: int
     num_kv_channels_opened: int
-    def __init__(self, num_free_blocks: _Optional[int] = ..., num_used_blocks: _Optional[int] = ..., num_total_blocks: _Optional[int] = ..., num_cached_blocks: _Optional[int] = ..., num_waiting: _Optional[int] = ..., num_running: _Optional[int] = ..., num_reserved: _Optional[int] = ..., prefix_cache_hit_tokens: _Optional[int] = ..., prefix_cache_query_tokens: _Optional[int] = ..., num_preemptions: _Optional[int] = ..., role: _Optional[_Union[_common_pb2.Role, str]] = ..., worker_id: _Optional[str] = ..., num_kv_transfers: _Optional[int] = ..., kv_transfer_bytes: _Optional[int] = ..., num_waiting_prefill_tokens: _Optional[int] = ..., num_running_context_tokens: _Optional[int] = ..., prefill_tokens_per_s: _Optional[float] = ..., decode_step_ms: _Optional[float] = ..., max_num_batched_tokens: _Optional[int] = ..., chunked_prefill: _Optional[bool] = ..., mixed_step_ms: _Optional[float] = ..., num_open_kv_channels: _Optional[int] = ..., num_kv_channels_opened: _Optional[int] = ...) -> None: ...
+    def __init__(self, num_free_blocks: _Optional[int] = ..., num_used_blocks: _Optional[int] = ..., num_total_blocks: _Optional[int] = ..., num_cached_blocks: _Optional[int] = ..., num_waiting: _Optional[int] = ..., num_running: _Optional[int] = ..., num_reserved: _Optional[int] = ..., prefix_cache_hit_tokens: _Optional[int] = ..., prefix_cache_query_tokens: _Optional[int] = ..., num_preemptions: _Optional[int] = ..., role: _Optional[_Union[_common_pb2.Role, str]] = ..., worker_id: _Optional[str] = ..., num_kv_transfers: _Optional[int] = ..., kv_transfer_bytes: _Optional[int] = ..., num_waiting_prefill_tokens: _Optional[int] = ..., num_running_context_tokens: _Optional[int] = ..., prefill_tokens_per_s: _Optional[float] = ..., decode_step_ms: _Optional[float] = ..., max_num_batched_tokens: _Optional[int] = ..., chunked_prefill: _Optional[bool] = ..., mixed_step_ms: _Optional[float] = ..., mixed_prompt_tokens: _Optional[float] = ..., ms_per_prompt_token: _Optional[float] = ..., tpot_target_ms: _Optional[float] = ..., num_open_kv_channels: _Optional[int] = ..., num_kv_channels_opened: _Optional[int] = ...) -> None: ...
 
 class KvEventsRequest(_message.Message):
     __slots__ = ()

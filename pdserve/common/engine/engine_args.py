@@ -9,7 +9,8 @@ from pdserve.common.config import EngineConfig
 
 
 def add_chunked_prefill_arguments(p: argparse.ArgumentParser) -> None:
-    """vLLM's flags for chunked prefill (also used by the offline CLI and benchmarks); defaults: EngineConfig's."""
+    """vLLM's flags for chunked prefill and the TPOT guard's (also used by the offline CLI and
+    benchmarks); defaults: EngineConfig's."""
     d = EngineConfig()
     p.add_argument("--enable-chunked-prefill", action=argparse.BooleanOptionalAction,
                    default=env.get_bool("ENABLE_CHUNKED_PREFILL", d.enable_chunked_prefill),
@@ -21,9 +22,17 @@ def add_chunked_prefill_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--long-prefill-token-threshold", type=int,
                    default=env.get_int("LONG_PREFILL_TOKEN_THRESHOLD", d.long_prefill_token_threshold),
                    help="cap on one prompt's chunk per step, so later prompts share the budget; 0 = no cap")
+    p.add_argument("--tpot-target-ms", type=float, default=env.get_float("TPOT_TARGET_MS", d.tpot_target_ms),
+                   help="TPOT guard: a step with decode rows carries only the prompt tokens that keep its "
+                        "predicted time under this target (the engine's own step-time model); without decode "
+                        "rows a step takes the whole budget. 0 = off, except for requests that set their own "
+                        "target (env PDSERVE_TPOT_TARGET_MS)")
+    p.add_argument("--tpot-margin", type=float, default=env.get_float("TPOT_MARGIN", d.tpot_margin),
+                   help="share of the TPOT target the guard keeps free for the model's error")
 
 
 def chunked_prefill_kwargs(args: argparse.Namespace) -> dict:
     return {"enable_chunked_prefill": args.enable_chunked_prefill,
             "max_num_partial_prefills": args.max_num_partial_prefills,
-            "long_prefill_token_threshold": args.long_prefill_token_threshold}
+            "long_prefill_token_threshold": args.long_prefill_token_threshold,
+            "tpot_target_ms": args.tpot_target_ms, "tpot_margin": args.tpot_margin}

@@ -18,6 +18,7 @@ from pdserve.common.engine.model_runner import LaunchedStep, ModelRunner
 from pdserve.common.engine.scheduler import Scheduler, SchedulerConfig
 from pdserve.common.engine.sequence import Sequence
 from pdserve.common.engine.step_timer import StepTimer
+from pdserve.common.engine.tpot_guard import TpotGuard
 from pdserve.common.engine.warmup import scratch_blocks, warm_up
 from pdserve.common.loader import ModelSource, resolve_model
 from pdserve.common.outputs import FinishReason
@@ -68,6 +69,8 @@ class LLMEngine:
         self.tokenizer = self._load_tokenizer()
         self.pending: overlap.PendingStep | None = None   # a step launched, its tokens not yet read
         self.step_timer = StepTimer()
+        self.tpot_guard = TpotGuard(self.step_timer, config.tpot_target_ms, config.tpot_margin)
+        self.scheduler.prompt_budget = self.tpot_guard.budget
         self.overlap_enabled = self._overlap_enabled()
         self.requests: dict[str, Sequence] = {}   # queued, running or reserved
         self.kv_handoff = KvHandoff(self)         # reserve / admit (import), hold / release (export)
@@ -136,11 +139,14 @@ class LLMEngine:
         return seq
 
     def add_request(self, prompt_token_ids: list[int], params: SamplingParams,
-                    request_id: str | None = None, prefill_only: bool = False) -> Sequence:
+                    request_id: str | None = None, prefill_only: bool = False,
+                    tpot_slo_ms: float = 0.0) -> Sequence:
         """Queue a request. ``prefill_only``: stop after the first token and keep the blocks
-        (the prompt's KV) until ``kv_handoff.release``, for a prefill worker that ships them."""
+        (the prompt's KV) until ``kv_handoff.release``, for a prefill worker that ships them.
+        ``tpot_slo_ms``: the request's own TPOT target for the TPOT guard (0 = the worker's)."""
         seq = self.new_sequence(prompt_token_ids, params, request_id)
         seq.prefill_only = prefill_only
+        seq.tpot_slo_ms = tpot_slo_ms
         self.scheduler.add(seq)
         return seq
 
@@ -226,4 +232,5 @@ class LLMEngine:
                 "num_running_context_tokens": sum(s.num_tokens for s in self.scheduler.running),
                 "max_num_batched_tokens": self.scheduler.config.max_num_batched_tokens,
                 "chunked_prefill": self.scheduler.config.enable_chunked_prefill,
+                "tpot_target_ms": self.tpot_guard.target_ms,
                 **self.step_timer.stats()}

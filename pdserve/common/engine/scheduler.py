@@ -5,10 +5,14 @@ newest running sequence), then next chunks of partial prompts, then waiting ones
 a step that preempted). A prompt's blocks are all taken at admission, so it never preempts
 mid-way; a chunk's full blocks reach the prefix cache only once that chunk is scheduled.
 Without chunking a step is all prefill or all decode.
+
+``prompt_budget`` (the engine's TPOT guard, engine/tpot_guard.py) caps the prompt tokens of a
+step that has decode rows; a step without decode rows keeps the whole budget.
 """
 from __future__ import annotations
 
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from pdserve.common.engine.block_manager import BlockManager
@@ -63,6 +67,8 @@ class Scheduler:
         self.waiting: deque[Sequence] = deque()
         self.running: deque[Sequence] = deque()
         self.num_preemptions = 0
+        # (decode rows, token budget left) -> prompt tokens the step may carry; None = the budget
+        self.prompt_budget: Callable[[list[Sequence], int], int] | None = None
 
     def is_finished(self) -> bool:
         return not self.waiting and not self.running
@@ -99,6 +105,8 @@ class Scheduler:
         partial: list[Sequence] = []
         decode = self._schedule_decode(exclude, budget, partial)
         budget -= len(decode)
+        if self.prompt_budget is not None and decode:
+            budget = min(budget, self.prompt_budget(decode, budget))
         chunks = self._schedule_running_chunks(partial, budget, len(decode))
         budget -= sum(s.num_scheduled_tokens for s in chunks)
         if self.num_preemptions == num_preempted and self.waiting:

@@ -48,6 +48,7 @@ class Sequence:
         self.num_preemptions = 0
         self.num_prefix_hit_tokens = 0   # prompt tokens served from the prefix cache at admission
         self.prefill_only = False        # prefill worker: stop after the first token, keep the KV
+        self.tpot_slo_ms = 0.0           # this request's TPOT target for the TPOT guard; 0 = the worker's
         # CUDA event after the prefill that computed the KV (a sender waits on it); None on CPU
         self.kv_ready: torch.cuda.Event | None = None
 

@@ -18,6 +18,10 @@ ENGINE_DEFAULTS = EngineConfig()
 # to stall, so it takes large steps (the offline engine's default); a decode or both worker takes
 # vLLM's online-serving default, so a mixed step stays a few decode steps long (bench/NOTES.md).
 DEFAULT_BUDGET = {"prefill": ENGINE_DEFAULTS.max_num_batched_tokens, "decode": 2048}
+# With the TPOT guard on, a decode or both worker's budget is the ceiling of a step without
+# decode rows (the guard sizes the others): large enough for the GEMMs to run at full rate, small
+# enough that a KV import landing during it waits ~0.1 s on an 8B model, not a whole batch of prompts.
+GUARDED_BUDGET = 4096
 DEFAULT_DRAIN_GRACE_S = 30.0    # on SIGTERM: time for requests in flight to finish
 
 
@@ -46,7 +50,7 @@ def add_worker_arguments(p: argparse.ArgumentParser, default_port: int, default_
     p.add_argument("--max-num-batched-tokens", type=int, default=env.get_int("MAX_NUM_BATCHED_TOKENS", 0),
                    help="token budget of one engine step; 0 = by role: "
                         f"{DEFAULT_BUDGET['prefill']} for prefill, {DEFAULT_BUDGET['decode']} for decode and both "
-                        "(a step that mixes decode rows with prompt chunks takes longer the larger it is)")
+                        f"({GUARDED_BUDGET} with --tpot-target-ms, which then sizes steps with decode rows)")
     p.add_argument("--max-model-len", type=int, default=env.get_int("MAX_MODEL_LEN", 0), help="0 = model default")
     add_chunked_prefill_arguments(p)
     p.add_argument("--attention-backend", default=env.get("ATTENTION_BACKEND", d.attention_backend),
@@ -70,7 +74,7 @@ def worker_security(args: argparse.Namespace) -> ServerSecurity:
 
 
 def engine_config_from_args(args: argparse.Namespace, role: str = "both") -> EngineConfig:
-    budget = args.max_num_batched_tokens or DEFAULT_BUDGET["prefill" if role == "prefill" else "decode"]
+    budget = args.max_num_batched_tokens or default_budget(role, args.tpot_target_ms > 0)
     return EngineConfig(
         model=args.model, device=args.device, dtype=args.dtype, block_size=args.block_size,
         num_kv_blocks=args.num_kv_blocks or None, kv_cache_memory_gb=args.kv_memory_gb or None,
@@ -78,6 +82,13 @@ def engine_config_from_args(args: argparse.Namespace, role: str = "both") -> Eng
         max_model_len=args.max_model_len or None, attention_backend=args.attention_backend,
         enforce_eager=args.enforce_eager, **chunked_prefill_kwargs(args),
         async_scheduling={"auto": None, "on": True, "off": False}[args.async_scheduling])
+
+
+def default_budget(role: str, guarded: bool) -> int:
+    """The token budget of a step when --max-num-batched-tokens is 0 (DEFAULT_BUDGET, GUARDED_BUDGET)."""
+    if role == "prefill":
+        return DEFAULT_BUDGET["prefill"]
+    return GUARDED_BUDGET if guarded else DEFAULT_BUDGET["decode"]
 
 
 def worker_id_from_args(args: argparse.Namespace, role: str) -> str:
