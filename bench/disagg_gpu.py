@@ -6,9 +6,12 @@
    and every worker's block pool whole afterwards;
 3. the decode worker killed while KV is in flight: the clients get UNAVAILABLE, the prefill
    worker frees its side, and a restarted decode worker is used again without restarting the
-   router or the prefill worker.
+   router or the prefill worker;
+4. (``--fleet``) two role-``both`` workers (GPUs 0 and 1) under the router's ``--pd-policy fleet``
+   with the TPOT guard on: the same 200 requests, token-for-token equal to the co-located run,
+   pools whole, and how many were prefilled on their decode worker and how many shipped.
 
-    python -m bench.disagg_gpu --out bench/results/disagg_h200x2.json
+    python -m bench.disagg_gpu --fleet --out bench/results/disagg_h200x2.json
 """
 from __future__ import annotations
 
@@ -126,6 +129,23 @@ async def wait_router_sees_decode(router: str, timeout: float = 120.0) -> float:
     raise TimeoutError("router never saw the restarted decode worker")
 
 
+def fleet_check(log_dir: Path, gpus: tuple, common: dict, prompts: list, expected: list, max_tokens: int) -> dict:
+    """Step 4 of the module docstring: the fleet placement against the co-located outputs."""
+    dep = deployment.start(log_dir, num_prefill=0, num_decode=2, decode_role="both",
+                           decode_gpus=[*(gpus[0] or []), *(gpus[1] or [])] or None,
+                           router_args=["--pd-policy", "fleet", "--slo-tpot-ms", "12"],
+                           **{**common, "extra_worker_args": [*common["extra_worker_args"], "--tpot-target-ms", "12"]})
+    try:
+        asyncio.run(run_all(dep.router, prompts[:4], max_tokens))
+        got = asyncio.run(run_all(dep.router, prompts, max_tokens))
+        stats = [dep.stats(w) for w in dep.decode]
+        return {"equality": compare(got, expected), "pools_after": pools_whole(dep),
+                "kv_transfers_received_and_sent": [s.num_kv_transfers for s in stats],
+                "kv_transfer_bytes": [s.kv_transfer_bytes for s in stats]}
+    finally:
+        dep.stop()
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", default="qwen3-0.6b")
@@ -139,6 +159,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--max-model-len", type=int, default=8192)
     p.add_argument("--kill-prompt-len", type=int, default=4000)
     p.add_argument("--worker-args", default="", help="more worker flags, e.g. '--async-scheduling on'")
+    p.add_argument("--fleet", action="store_true", help="also check --pd-policy fleet on two both workers")
     p.add_argument("--out", default="bench/results/disagg_h200x2.json")
     args = p.parse_args(argv)
     global VOCAB_MAX, KILL_PROMPT_LEN
@@ -174,6 +195,10 @@ def main(argv: list[str] | None = None) -> int:
         again = asyncio.run(run_all(disagg.router, prompts[:8], args.max_tokens))
         result["kill"]["after_restart_identical"] = sum(x[0] == y[0] for x, y in zip(again, b[:8]))
         result["kill"]["pools_after_restart"] = pools_whole(disagg)
+        if args.fleet:
+            disagg.stop()
+            (log_root / "fleet").mkdir()
+            result["fleet"] = fleet_check(log_root / "fleet", gpus, common, prompts, b, args.max_tokens)
     finally:
         disagg.stop()
         both.stop()
@@ -186,6 +211,9 @@ def main(argv: list[str] | None = None) -> int:
     write_result(args.out, result)
     eq = result.get("equality", {})
     print(f"identical {eq.get('identical')}/{eq.get('requests')}; kill: {result.get('kill')}")
+    if "fleet" in result:
+        print(f"fleet: identical {result['fleet']['equality'].get('identical')}/{eq.get('requests')}; "
+              f"pools {result['fleet']['pools_after']}; transfers {result['fleet']['kv_transfers_received_and_sent']}")
     return 0
 
 

@@ -19,7 +19,11 @@ workers: the most cached prompt tokens minus load above the mean (router/policy.
 
 ``--rule waiting`` tries a candidate rule for the adaptive mode (:func:`decide_waiting`) in
 place of the router's; ``--rule lean`` another, for deployments of role-both workers only
-(:meth:`Lab.route_lean`).
+(:meth:`Lab.route_lean`). Deployments ``fleet`` (two both workers, the router's ``--pd-policy
+fleet``: pdserve/router/fleet_policy.py) and ``colocated-guard`` (two both workers, all local) run
+their workers with the engine's TPOT guard (pdserve/common/engine/tpot_guard.py, target = the TPOT
+SLO, ceiling GUARDED_BUDGET): a step with decode rows carries the prompt tokens the guard allows
+from the worker's own StepTimer, a step without takes the ceiling.
 """
 from __future__ import annotations
 
@@ -33,7 +37,10 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from pdserve.common.engine.step_timer import StepTimer
-from pdserve.loadtest import arrivals, capacity, datasets
+from pdserve.common.engine.tpot_guard import prompt_budget
+from pdserve.common.serving.worker_args import GUARDED_BUDGET
+from pdserve.loadtest import arrivals, capacity, datasets, phases
+from pdserve.router import fleet_policy
 from pdserve.router import pd_policy as pd
 
 POLL_S = 0.5                    # the router's GetStats period
@@ -49,7 +56,10 @@ DEPLOYS = {                     # roles, policy mode
     "colocated": (("both", "both"), "never"),
     "adaptive": (("prefill", "both"), "adaptive"),
     "adaptive2": (("both", "both"), "adaptive"),
+    "colocated-guard": (("both", "both"), "never"),
+    "fleet": (("both", "both"), "fleet"),
 }
+GUARDED = {"colocated-guard", "fleet"}     # deployments whose workers run the TPOT guard
 
 
 @dataclass(frozen=True)
@@ -100,6 +110,7 @@ class Worker:
     counter: float = 0.0                        # prompt tokens given lately (decayed) ...
     counter_at: float = 0.0                     # ... as of this time
     busy: bool = False
+    guard_ms: float = 0.0                       # the TPOT guard's target; 0 = off
 
     def give(self, tokens: int, now: float, window: float) -> None:
         self.counter = pd.decayed_rate(self.counter, self.counter_at, now, window) + tokens
@@ -139,10 +150,12 @@ class Lab:
     """One run: a deployment, a list of requests with their arrival times."""
 
     def __init__(self, roles: tuple[str, ...], mode: str, gpu: GpuModel, slo_ttft: float, slo_tpot: float,
-                 both_budget: int, prefix_len: int, rule: str = "router") -> None:
-        budgets = {"prefill": 16384, "decode": 2048, "both": both_budget}
-        self.workers = [Worker(f"w{i}", r, budgets[r]) for i, r in enumerate(roles)]
-        self.cfg = pd.PdConfig(mode=mode, slo_ttft_ms=slo_ttft, slo_tpot_ms=slo_tpot)
+                 both_budget: int, prefix_len: int, rule: str = "router", guard_ms: float = 0.0) -> None:
+        budgets = {"prefill": 16384, "decode": 2048, "both": GUARDED_BUDGET if guard_ms else both_budget}
+        self.workers = [Worker(f"w{i}", r, budgets[r], guard_ms=guard_ms if r != "prefill" else 0.0)
+                        for i, r in enumerate(roles)]
+        self.fleet = mode == "fleet"
+        self.cfg = pd.PdConfig(mode="never" if self.fleet else mode, slo_ttft_ms=slo_ttft, slo_tpot_ms=slo_tpot)
         self.gpu, self.prefix_len = gpu, prefix_len
         self.events: list = []
         self.seq = itertools.count()
@@ -183,6 +196,8 @@ class Lab:
                                          -load[w.key]))
 
     def route(self, r: Req, now: float) -> None:
+        if self.fleet:
+            return self.route_fleet(r, now)
         if self.rule == "lean" and self.cfg.mode == "adaptive" and all(w.role == "both" for w in self.workers):
             return self.route_lean(r, now)
         d = r.decode_worker = self.pick_decode(r)
@@ -236,11 +251,38 @@ class Lab:
         where.queue.append([r, max(1, u)])
         self.start_step(where, now)
 
+    def route_fleet(self, r: Req, now: float) -> None:
+        """The router's ``--pd-policy fleet`` (fleet_policy.decide) over the workers' figures."""
+        window = self.cfg.rate_window_s
+        snaps = [fleet_policy.FleetWorker(
+            w.key, self.uncached(w, r), w.queued_tokens(), w.stats[2], len(w.rows), w.stats[0],
+            w.timer.ms_per_prompt_token, w.budget, pd.decayed_rate(w.counter, w.counter_at, now, window))
+            for w in self.workers]
+        d_key, decision = fleet_policy.decide(snaps, self.cfg)
+        by_key = {w.key: w for w in self.workers}
+        d = r.decode_worker = by_key[d_key]
+        where = d if decision.kind == pd.LOCAL else by_key[decision.prefill_key]
+        self.local += where is d
+        where.give(decision.prefill_tokens, now, window)
+        where.queue.append([r, max(1, decision.prefill_tokens)])
+        self.start_step(where, now)
+
+    def room(self, w: Worker) -> int:
+        """Prompt tokens ``w``'s next step may carry (its budget less its decode rows; the TPOT
+        guard's budget beside decode rows when it runs one)."""
+        if w.role == "prefill":
+            return w.budget
+        room = w.budget - len(w.rows)
+        if w.guard_ms and w.rows:
+            t = w.timer
+            room = min(room, prompt_budget(w.guard_ms, 0.1, t.decode_step_ms, t.ms_per_prompt_token, room))
+        return room
+
     def start_step(self, w: Worker, now: float) -> None:
         if w.busy:
             return
         chunk: list[tuple[list, int]] = []
-        room = w.budget - (len(w.rows) if w.role != "prefill" else 0)     # decode rows count too
+        room = self.room(w)
         for item in w.queue:
             if room <= 0:
                 break
@@ -257,7 +299,7 @@ class Lab:
             return
         ctx = sum(x.prompt_len + len(x.tokens) for x in rows)     # KV read: every row its whole context
         tokens = sum(n for _, n in chunk)
-        ms = self.gpu.step_ms(len(rows), ctx, tokens, w.role != "prefill")
+        ms = self.gpu.step_ms(len(rows), ctx, tokens, w.role != "prefill" and (bool(rows) or tokens < 2048))
         w.busy = True
         self.at(now + ms / 1000.0, "step", w, rows, chunk, ms, tokens)
 
@@ -304,7 +346,11 @@ def metrics(reqs: list[Req], slo_ttft: float, slo_tpot: float, itl_p99_ms: float
             "mean_ttft_ms": sum(ttfts) / len(ttfts), "mean_tpot_ms": sum(tpots) / len(tpots)}
 
 
-def requests_at(workload: str, n: int, rate: float, variant: int) -> list[Req]:
+def requests_at(workload: str, n: int, rate: float, variant: int, phase_seconds: float = 45.0) -> list[Req]:
+    if workload == "phases":       # the load tool's phases schedule: its own arrival times
+        sched = phases.build(n, rate, seed=0, variant=variant, phase_seconds=phase_seconds, vocab=151936)
+        return [Req(float(t), b.prompt_len, b.output_len, b.extra.get("prefix"))
+                for t, b in zip(sched.offsets, sched.requests)]
     w = dict(WORKLOADS[workload])
     built = datasets.build(w.pop("name"), num_prompts=n, vocab=151936, variant=variant, **w)
     times = arrivals.arrival_times(n, rate, seed=0)
@@ -313,7 +359,9 @@ def requests_at(workload: str, n: int, rate: float, variant: int) -> list[Req]:
 
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--workload", choices=sorted(WORKLOADS), default="prefill-heavy")
+    p.add_argument("--workload", choices=[*sorted(WORKLOADS), "phases"], default="prefill-heavy",
+                   help="phases: the load tool's --dataset phases (rate = the base rate)")
+    p.add_argument("--phase-seconds", type=float, default=45.0)
     p.add_argument("--deploy", default="disagg,colocated,adaptive,adaptive2")
     p.add_argument("--num-prompts", type=int, default=120)
     p.add_argument("--rates", default="6,10,14,18,22")
@@ -327,16 +375,20 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--out", default=None, help="write the capacities and every point here (JSON)")
     a = p.parse_args(argv)
     ttft, tpot, itl = (float(x) for x in a.slo.split(","))
-    prefix_len = WORKLOADS[a.workload].get("prefix_len", 0)
+    prefix_len = WORKLOADS["shared-prefix" if a.workload == "phases" else a.workload].get("prefix_len", 0)
     out = {}
     for name in a.deploy.split(","):
         roles, mode = DEPLOYS[name]
         runs = itertools.count(1)
 
-        def run(rate: float, roles=roles, mode=mode, runs=runs) -> tuple[bool, dict]:
-            lab = Lab(roles, mode, GpuModel(), ttft, a.router_tpot_ms or tpot, a.both_budget, prefix_len, a.rule)
-            m = metrics(lab.run(requests_at(a.workload, a.num_prompts, rate, next(runs))), ttft, tpot, itl)
-            m["local_share"] = lab.local / a.num_prompts
+        guard = tpot if name in GUARDED else 0.0
+
+        def run(rate: float, roles=roles, mode=mode, runs=runs, guard=guard) -> tuple[bool, dict]:
+            lab = Lab(roles, mode, GpuModel(), ttft, a.router_tpot_ms or tpot, a.both_budget, prefix_len, a.rule,
+                      guard)
+            reqs = requests_at(a.workload, a.num_prompts, rate, next(runs), a.phase_seconds)
+            m = metrics(lab.run(reqs), ttft, tpot, itl)
+            m["local_share"] = lab.local / len(reqs)
             return capacity.holds(m), {k: round(v, 3) for k, v in m.items()}
 
         search = capacity.CapacitySearch(rates=tuple(float(x) for x in a.rates.split(",")), tolerance=a.tolerance)

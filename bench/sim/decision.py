@@ -3,7 +3,8 @@
 Builds the real router objects (``pdserve.router.workers.WorkerRegistry`` with ``WorkerClient``s that
 are marked up but never connect, the real ``PrefixIndex`` filled as the workers' KV events would
 fill it, a real ``Flow``) for 8 / 16 / 32 / 64 decode workers (prefill = decode / 4) and times
-``Flow._choose`` - the whole decision: hashing the prompt, the prefix match, the decode pick and
+``Placement.choose`` (``flow.placement``) - the whole decision: hashing the prompt, the prefix match,
+the decode pick and
 the local/remote prefill placement - once per request of a shared-prefix and a multi-turn
 workload. No network, no other process, the garbage collector off while timing; each decision
 is timed twice: its thread's CPU time (``cpu``: the decision's own cost; other processes on a
@@ -28,7 +29,7 @@ import sys
 import time
 from dataclasses import dataclass
 
-import pdserve.router.flow as flow_mod
+import pdserve.router.placement as placement_mod
 from pdserve.common.hashing import block_hash_chain
 from pdserve.common.sampling_params import SamplingParams
 from pdserve.common.worker_types import Role, WorkerInfo, WorkerStats
@@ -134,16 +135,16 @@ def _job(tokens: list[int]) -> Job:
 
 
 def time_decisions(flow: Flow, prompts: list[list[int]]) -> dict:
-    """Times ``Flow._choose`` per request (a fresh Job each: its hash chain is computed inside)."""
+    """Times ``Placement.choose`` per request (a fresh Job each: its hash chain is computed inside)."""
     jobs = [_job(p) for p in prompts]
     for j in jobs[:50]:                       # warm-up (caches, first-call paths)
-        flow._choose(_job(j.prompt.token_ids), set())
+        flow.placement.choose(_job(j.prompt.token_ids), set())
     cpu, wall = [], []
     gc.disable()
     try:
         for j in jobs:
             w0, c0 = time.perf_counter_ns(), time.thread_time_ns()
-            flow._choose(j, set())
+            flow.placement.choose(j, set())
             c1, w1 = time.thread_time_ns(), time.perf_counter_ns()
             cpu.append(c1 - c0)
             wall.append(w1 - w0)
@@ -161,8 +162,8 @@ def _percentiles(ns: list[int]) -> dict:
 def time_parts(flow: Flow, prompts: list[list[int]]) -> dict:
     """Mean thread CPU time (us) of the decision's parts over the requests: hashing the prompt
     (``PromptHasher``, the requests in order, as the router sees them),
-    the prefix match, the decode pick (``Flow._choose_decode``) and the prefill placement
-    (``Flow._place_prefill``), each run alone; ``decode_policy`` / ``prefill_policy``: of those,
+    the prefix match, the decode pick (``Placement._choose_decode``) and the prefill placement
+    (``Placement._place_prefill``), each run alone; ``decode_policy`` / ``prefill_policy``: of those,
     ``pick_decode_workers`` / ``decide_workers`` alone on the arguments the flow passed them for
     the same requests (the rest is the flow's own work)."""
     registry = flow.registry
@@ -176,8 +177,8 @@ def time_parts(flow: Flow, prompts: list[list[int]]) -> dict:
     prefillers = [c for c in registry.prefill_workers() if c is not decode]
     hasher = PromptHasher() if flow.registry.prefix_index.hasher.max_prompts else PromptHasher(max_prompts=0)
     parts = {"hash": lambda i: hasher.chain(prompts[i], BLOCK), "match": lambda i: index.match(chains[i]),
-             "decode_pick": lambda i: flow._choose_decode(jobs[i], registry.decode_workers(), 0),
-             "prefill_placement": lambda i: flow._place_prefill(jobs[i], decode, prefillers, 0)}
+             "decode_pick": lambda i: flow.placement._choose_decode(jobs[i], registry.decode_workers(), 0),
+             "prefill_placement": lambda i: flow.placement._place_prefill(jobs[i], decode, prefillers, 0)}
     picks, decides = _captured(flow, jobs, decode, prefillers)
     parts["decode_policy"] = lambda i: policy.pick_decode_workers(*picks[i])
     parts["prefill_policy"] = lambda i: pd_policy.decide_workers(*decides[i])
@@ -195,15 +196,15 @@ def _captured(flow: Flow, jobs: list[Job], decode, prefillers) -> tuple[list[tup
     flow makes them."""
     picks: list[tuple] = []
     decides: list[tuple] = []
-    saved = flow_mod.pick_decode_workers, flow_mod.decide_workers
-    flow_mod.pick_decode_workers = lambda *a: picks.append(a) or saved[0](*a)
-    flow_mod.decide_workers = lambda *a: decides.append(a) or saved[1](*a)
+    saved = placement_mod.pick_decode_workers, placement_mod.decide_workers
+    placement_mod.pick_decode_workers = lambda *a: picks.append(a) or saved[0](*a)
+    placement_mod.decide_workers = lambda *a: decides.append(a) or saved[1](*a)
     try:
         for j in jobs:
-            flow._choose_decode(j, flow.registry.decode_workers(), 0)
-            flow._place_prefill(j, decode, prefillers, 0)
+            flow.placement._choose_decode(j, flow.registry.decode_workers(), 0)
+            flow.placement._place_prefill(j, decode, prefillers, 0)
     finally:
-        flow_mod.pick_decode_workers, flow_mod.decide_workers = saved
+        placement_mod.pick_decode_workers, placement_mod.decide_workers = saved
     return picks, decides
 
 

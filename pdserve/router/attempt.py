@@ -130,7 +130,7 @@ class Attempt:
         self._subscription = sub
         self.queue = sub.register(self.rid)
         self._decode_load = self.prompt_len
-        self.decode.add_load(1, self._decode_load)
+        self.decode.add_load(1, self._decode_load, decoding=1)
         job = self.job
         if self.prefill is None:
             await self._submit()
@@ -347,7 +347,7 @@ class Attempt:
         if self._subscription is not None:
             self._subscription.unregister(self.rid)
             self._subscription = None
-            self.decode.add_load(-1, -self._decode_load)
+            self.decode.add_load(-1, -self._decode_load, decoding=-1)
         if self.prefill_call is not None and not self.prefill_call.done():
             self.prefill_call.cancel()
         if self._prefill_task is not None and not self._prefill_task.done():

@@ -20,7 +20,7 @@ import asyncio
 import itertools
 import logging
 import time
-from collections.abc import AsyncGenerator, Callable
+from collections.abc import AsyncGenerator
 from dataclasses import dataclass, field, replace
 
 import grpc
@@ -30,23 +30,13 @@ from pdserve.common.grpc_utils import PdserveError, Unavailable
 from pdserve.common.grpc_utils.convert import finish_reason_name
 from pdserve.common.outputs import FinishReason, SequenceOutput
 from pdserve.common.sampling_params import SamplingParams
-from pdserve.common.worker_types import Role
 from pdserve.router.attempt import Attempt, Cut, Retry
+from pdserve.router.job import Job
 from pdserve.router.metrics import RouterMetrics
 from pdserve.router.output import OutputProcessor, TextOutput
-from pdserve.router.pd_policy import (
-    REMOTE,
-    DecodePlace,
-    PdDecision,
-    PrefillPlace,
-    decide_workers,
-    uncached_tokens,
-)
-from pdserve.router.policy import PrefillCandidate, pick_decode_workers, pick_prefill
-from pdserve.router.prefix_index import PrefixIndex
+from pdserve.router.placement import Placement
 from pdserve.router.settings import RouterSettings
 from pdserve.router.tokenization import Prompt
-from pdserve.router.worker_client import WorkerClient
 from pdserve.router.workers import WorkerRegistry
 
 log = logging.getLogger(__name__)
@@ -55,49 +45,6 @@ log = logging.getLogger(__name__)
 # request's deadline): a worker killed or drained under load can fail a request's first try and
 # a stalled peer its second; nothing has reached the client yet, so trying again is safe.
 MAX_ATTEMPTS = 4
-
-
-@dataclass
-class Job:
-    """A validated request, ready to run."""
-
-    request_id: str                  # as the client sees it
-    prompt: Prompt
-    sampling: SamplingParams         # max_tokens resolved: what the workers get
-    stop: tuple[str, ...] = ()
-    include_stop: bool = False
-    skip_special_tokens: bool = True
-    deadline: float | None = None    # time.monotonic()
-    deadline_unix_ms: int = 0
-    hash_chain: list[int] | None = None   # block hashes of the prompt, computed when needed
-    matched: dict[str, int] | None = None  # worker -> leading blocks it holds (one index match per try)
-    # Called once the request's first worker rpc is on its way (the servicer sends the client
-    # its response headers then, off the path of the first token); may be called again on a retry.
-    on_dispatch: Callable[[], None] | None = None
-    output: OutputProcessor | None = None  # made once the first worker rpc is sent (Flow._after_send)
-    origin: Job | None = None        # a migration's continuation: the request's first Job
-
-    def dispatched(self) -> None:
-        if self.on_dispatch is not None:
-            self.on_dispatch()
-
-    def chain(self, index: PrefixIndex, block_size: int) -> list[int]:
-        if self.hash_chain is None:
-            self.hash_chain = index.hasher.chain(self.prompt.token_ids, block_size) if block_size else []
-        return self.hash_chain
-
-    def match(self, index: PrefixIndex, block_size: int) -> dict[str, int]:
-        """Every worker's cached prefix of the prompt (``PrefixIndex.match``), once per try: the
-        decode pick and the prefill placement share it."""
-        if self.matched is None:
-            self.matched = index.match(self.chain(index, block_size)) if index else {}
-        return self.matched
-
-    def remaining(self) -> float | None:
-        return None if self.deadline is None else max(0.0, self.deadline - time.monotonic())
-
-    def expired(self) -> bool:
-        return self.deadline is not None and time.monotonic() >= self.deadline
 
 
 @dataclass
@@ -118,7 +65,7 @@ class Flow:
         self.tokenizer = tokenizer
         self.metrics = metrics
         self._ids = itertools.count(1)
-        self._turn = itertools.count()
+        self.placement = Placement(registry, settings)
         self._background: set[asyncio.Task] = set()
         self.inflight = 0
         self.draining = False
@@ -142,62 +89,6 @@ class Flow:
         self._background.add(task)
         task.add_done_callback(self._background.discard)
 
-    # ---- placement --------------------------------------------------------------------
-    def _choose(self, job: Job, excluded: set[str]) -> tuple[WorkerClient, WorkerClient | None, PdDecision]:
-        """The decode worker (pdserve.router.policy), then where to prefill (pdserve.router.pd_policy)."""
-        decoders = self.registry.decode_workers(excluded)
-        if not decoders:
-            known = [c for c in self.registry.clients.values() if c.can_decode or not c.info]
-            why = "; ".join(f"{c.key}: {c.last_error or 'down'}" for c in known[:4])
-            raise Unavailable("no decode worker is up" + (f" ({why})" if why else ""))
-        turn = next(self._turn)     # one per request: round-robin covers every worker of each pool
-        decode = self._choose_decode(job, decoders, turn)
-        prefillers = [c for c in self.registry.prefill_workers(excluded) if c is not decode]
-        decision = self._place_prefill(job, decode, prefillers, turn)
-        prefill = self.registry.clients[decision.prefill_key] if decision.prefill_key else None
-        return decode, prefill, decision
-
-    def _choose_decode(self, job: Job, decoders: list[WorkerClient], turn: int) -> WorkerClient:
-        """pdserve.router.policy over the decode workers' current figures. The prompt's block hashes
-        only matter when there is a choice: one decode worker is picked without them."""
-        if len(decoders) == 1:
-            return decoders[0]
-        bs = self.registry.block_size
-        matched = job.match(self.registry.prefix_index, bs)
-        key = pick_decode_workers(decoders, matched, len(job.prompt.token_ids), bs, self.settings.load_alpha, turn,
-                                  self.settings.routing)
-        if key is None:     # only without candidates, which _choose rules out
-            raise Unavailable("no decode worker is up")
-        return self.registry.clients[key]
-
-    def _place_prefill(self, job: Job, decode: WorkerClient, prefillers: list[WorkerClient],
-                       turn: int) -> PdDecision:
-        """Local or remote (pdserve.router.pd_policy), from the current figures of the decode worker
-        and the prefill-capable workers; the ``--routing`` baselines keep their own choice of the
-        prefill worker."""
-        cfg, bs, n = self.settings.pd, self.registry.block_size, len(job.prompt.token_ids)
-        index = self.registry.prefix_index
-        hashed = (index is not None and cfg.mode != "never"
-                  and (decode.kv_wanted or any(c.kv_wanted for c in prefillers)))
-        matches = job.match(index, bs) if hashed else {}
-
-        s = decode.stats
-        own = PrefillPlace(decode.key, uncached_tokens(n, matches.get(decode.key, 0), bs),
-                           decode.queued_prompt_tokens, decode.prefill_tokens_per_s)
-        d = DecodePlace(own, decode.role is Role.BOTH, s.decode_step_ms if s else 0.0,
-                        s.mixed_step_ms if s else 0.0, s.max_num_batched_tokens if s else 0,
-                        s.chunked_prefill if s else True, decode.prefill_rate())
-        decision = decide_workers(d, prefillers if cfg.mode != "never" else [], matches, n, bs, cfg,
-                                  self.settings.load_alpha, time.monotonic())
-        if decision.kind == REMOTE and self.settings.routing != "kv" and len(prefillers) > 1:
-            pc = [PrefillCandidate(c.key, 0, c.inflight_prompt_tokens, c.inflight, c.other_prompt_tokens)
-                  for c in prefillers]
-            key = pick_prefill(pc, n, bs, turn, self.settings.routing)
-            if key is not None:     # None only without candidates
-                decision = replace(decision, prefill_key=key,
-                                   prefill_tokens=uncached_tokens(n, matches.get(key, 0), bs))
-        return decision
-
     async def _start(self, job: Job, excluded: set[str] | None = None) -> tuple[Attempt, SequenceOutput]:
         """Start the request and wait for its first step; retried on other workers (each failed
         worker excluded) up to MAX_ATTEMPTS tries, while workers remain and the deadline allows."""
@@ -207,7 +98,7 @@ class Flow:
             job.matched = None          # the index may have changed since the last try
             try:
                 t0 = time.perf_counter()
-                decode, prefill, decision = self._choose(job, excluded)
+                decode, prefill, decision = self.placement.choose(job, excluded)
                 self.metrics.decision.observe(time.perf_counter() - t0)
                 self.metrics.pd.decided(decision.kind, decision.reason, decision.ttft_ms, decision.tpot_ms)
             except Unavailable:

@@ -13,7 +13,9 @@ def add_pd_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--pd-policy", choices=PD_MODES, default=env.get("ROUTER_PD_POLICY", d.mode),
                    help="adaptive: per request, prefill on the decode worker (local) or on another worker "
                         "(remote), whichever keeps the SLOs with more headroom; always: remote whenever a "
-                        "prefill-capable worker is up; never: always local (env PDSERVE_ROUTER_PD_POLICY)")
+                        "prefill-capable worker is up; never: always local; fleet: the decode worker and the "
+                        "prefill worker both chosen per request from all workers, for workers of role both "
+                        "that run the TPOT guard (--tpot-target-ms) (env PDSERVE_ROUTER_PD_POLICY)")
     g.add_argument("--slo-ttft-ms", type=float, default=env.get_float("ROUTER_SLO_TTFT_MS", d.slo_ttft_ms),
                    help="time-to-first-token objective the policy keeps (env PDSERVE_ROUTER_SLO_TTFT_MS)")
     g.add_argument("--slo-tpot-ms", type=float, default=env.get_float("ROUTER_SLO_TPOT_MS", d.slo_tpot_ms),

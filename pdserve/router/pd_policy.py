@@ -67,7 +67,7 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
-PD_MODES = ("adaptive", "always", "never")
+PD_MODES = ("adaptive", "always", "never", "fleet")   # fleet: pdserve/router/fleet_policy.py picks D and P
 LOCAL, REMOTE = "local", "remote"
 DEFAULT_PREFILL_TOKENS_PER_S = 8000.0   # unmeasured and no measured peer: a mid-size model on one GPU
 DEFAULT_DECODE_STEP_MS = 10.0           # unmeasured decode step

@@ -30,6 +30,7 @@ class WorkerLoad:
         self.inflight = 0
         self.inflight_tokens = 0        # decode: prompt + tokens generated so far
         self.inflight_prompt_tokens = 0 # prefill: prompts being prefilled
+        self.decoding = 0               # requests this router has decoding here (or about to)
         # Other routers' load, from the last GetStats (see the module docstring).
         self.other_tokens = 0
         self.other_prompt_tokens = 0
@@ -63,9 +64,12 @@ class WorkerLoad:
         self.total_blocks = s.num_total_blocks if s is not None else 0
         self.prefill_tokens_per_s = s.prefill_tokens_per_s if s is not None else 0.0
 
-    def add_load(self, requests: int = 0, tokens: int = 0, prompt_tokens: int = 0, computed: int = 0) -> None:
-        """``computed``: prompt tokens this router just gave the worker to compute (its prefill rate)."""
+    def add_load(self, requests: int = 0, tokens: int = 0, prompt_tokens: int = 0, computed: int = 0,
+                 decoding: int = 0) -> None:
+        """``computed``: prompt tokens this router just gave the worker to compute (its prefill rate);
+        ``decoding``: requests that now decode here (+1) or stopped (-1)."""
         self.inflight += requests
+        self.decoding += decoding
         self.inflight_tokens += tokens
         self.inflight_prompt_tokens += prompt_tokens
         self.load_tokens += tokens

@@ -1,0 +1,106 @@
+"""Placement over a fleet of workers that all serve both phases (``--pd-policy fleet``): per request,
+the worker that decodes it (``D``) and the worker that prefills it (``P``), chosen from all
+decode-capable workers, so the split between prefill and decode emerges from the load. ``P == D``
+is a local prefill (Submit); otherwise the router reserves on ``D`` and ships the KV from ``P``.
+
+It relies on each worker's TPOT guard (pdserve/common/engine/tpot_guard.py): a worker with decode
+rows carries only the prompt tokens that keep their TPOT, and one without decode rows prefills in
+full-size steps. So prefill on a decoding worker costs its rows time but never their SLO, and a
+worker with no decode rows is the fastest place to prefill. Pure functions over snapshots
+(:class:`FleetWorker`); the formulas, per worker ``w`` (ms; ``U_w`` the request's prompt tokens
+``w`` lacks, ``Q_w`` prompt tokens queued there, ``R_w`` its measured prefill rate in tokens/s,
+``rows_w`` its decode rows, ``t_w`` its decode step, ``c_w`` the extra ms per prompt token of
+its mixed steps, ``W_w`` the prompt tokens this router gave it lately)::
+
+    lean        = the worker with the largest W (only with two or more workers)
+    D           = among the others, the fewest rows whose t_w <= lean_share * slo_tpot, fewer U
+                  breaking ties; none fits: the fewest rows of all (then fewer U, then the key)
+    b_w         = the guard's budget at slo_tpot (tpot_guard.prompt_budget, ceiling B_w)
+    rate_w      = R_w                              if rows_w == 0 (a prefill-sized step)
+                = 1000 * b_w / (t_w + c_w * b_w)   otherwise (guarded mixed steps)
+    ttft_w      = 1000 * (Q_w + U_w) / rate_w  (+ remote_overhead_ms + U_D * transfer_us / 1000 if w != D)
+    cost_w      = ttft_w + rows_w * U_w * c_w     (this request's wait + each decode row's wait)
+    P           = the lowest cost among the workers with ttft_w <= ttft_share * slo_ttft;
+                  none: the lowest ttft (ties: the key)
+
+Unmeasured figures: ``R`` is the mean of the measured ones, else DEFAULT_PREFILL_TOKENS_PER_S;
+``t`` is DEFAULT_DECODE_STEP_MS; ``c`` is ``1000 / R``; ``b`` is ``B`` when ``c`` or ``t`` is
+unmeasured. The lean worker is where prefill concentrates under prefill-heavy load (it keeps few
+decode rows, so its steps stay prefill-sized); under decode-heavy load every worker's decode step
+grows past ``lean_share`` of the SLO and decodes spread over all of them.
+"""
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from pdserve.common.engine.tpot_guard import prompt_budget
+from pdserve.router.pd_policy import DEFAULT_DECODE_STEP_MS, LOCAL, REMOTE, PdConfig, PdDecision, _mean_measured
+
+LEAN_SHARE = 0.7    # a decode worker has room while its decode step is under this share of the TPOT SLO
+TTFT_SHARE = 0.6    # a prefill place keeps the TTFT SLO while its estimate is under this share of it
+GUARD_MARGIN = 0.1  # the workers' default --tpot-margin (the budget the router expects of them)
+
+
+@dataclass(frozen=True, slots=True)
+class FleetWorker:
+    """One worker as the fleet policy sees it (module docstring's symbols)."""
+    key: str
+    uncached_tokens: int            # U
+    queued_tokens: int = 0          # Q
+    tokens_per_s: float = 0.0       # R; 0 = unmeasured
+    decode_rows: int = 0            # rows
+    decode_step_ms: float = 0.0     # t; 0 = unmeasured
+    ms_per_prompt_token: float = 0.0  # c; 0 = unmeasured
+    max_num_batched_tokens: int = 0   # B; 0 = unknown
+    recent_tokens: float = 0.0      # W
+    can_decode: bool = True         # role both or decode (a candidate for D)
+    can_prefill: bool = True        # role both or prefill (a candidate for P; D may always prefill its own)
+
+
+def pick_decode(workers: Sequence[FleetWorker], slo_tpot_ms: float) -> FleetWorker:
+    """D (module docstring) among the workers that can decode (at least one)."""
+    decoders = [w for w in workers if w.can_decode]
+    lean = max(decoders, key=lambda w: (w.recent_tokens, w.key)) if len(decoders) > 1 else None
+    room = [w for w in decoders
+            if w is not lean and (w.decode_rows == 0 or _step_ms(w) <= LEAN_SHARE * slo_tpot_ms)]
+    return min(room or decoders, key=lambda w: (w.decode_rows, w.uncached_tokens, w.key))
+
+
+def prefill_rate(w: FleetWorker, slo_tpot_ms: float, fallback: float) -> float:
+    """rate_w: prompt tokens per second ``w`` computes for its queue (module docstring)."""
+    r = w.tokens_per_s if w.tokens_per_s > 0 else fallback
+    if w.decode_rows == 0:
+        return r
+    t = _step_ms(w)
+    c = w.ms_per_prompt_token if w.ms_per_prompt_token > 0 else 1000.0 / r
+    ceiling = w.max_num_batched_tokens or 512
+    b = prompt_budget(slo_tpot_ms, GUARD_MARGIN, w.decode_step_ms, w.ms_per_prompt_token, ceiling)
+    return min(r, 1000.0 * b / (t + c * b))
+
+
+def decide(workers: Sequence[FleetWorker], cfg: PdConfig) -> tuple[str, PdDecision]:
+    """(D's key, the decision: local on D, or remote with P's key) for one request; ``workers``
+    holds at least one that can decode. Reason ``fleet`` on every decision."""
+    d = pick_decode(workers, cfg.slo_tpot_ms)
+    fallback = _mean_measured([w.tokens_per_s for w in workers])
+    transfer = cfg.remote_overhead_ms + d.uncached_tokens * cfg.transfer_us_per_token / 1000.0
+    options = []
+    for w in workers:
+        if not (w.can_prefill or w is d):
+            continue
+        r = w.tokens_per_s if w.tokens_per_s > 0 else fallback
+        c = w.ms_per_prompt_token if w.ms_per_prompt_token > 0 else 1000.0 / r
+        ttft = 1000.0 * (w.queued_tokens + w.uncached_tokens) / prefill_rate(w, cfg.slo_tpot_ms, fallback)
+        ttft += 0.0 if w is d else transfer
+        options.append((ttft, ttft + w.decode_rows * w.uncached_tokens * c, w))
+    keeps = [o for o in options if o[0] <= TTFT_SHARE * cfg.slo_ttft_ms]
+    ttft, _, p = min(keeps, key=lambda o: (o[1], o[2].key)) if keeps else min(options, key=lambda o: (o[0], o[2].key))
+    tpot = _step_ms(d)
+    if p is d:
+        return d.key, PdDecision(LOCAL, None, "fleet", ttft, tpot, d.uncached_tokens)
+    return d.key, PdDecision(REMOTE, p.key, "fleet", ttft, tpot, p.uncached_tokens)
+
+
+def _step_ms(w: FleetWorker) -> float:
+    return w.decode_step_ms if w.decode_step_ms > 0 else DEFAULT_DECODE_STEP_MS

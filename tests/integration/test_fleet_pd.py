@@ -1,0 +1,108 @@
+"""``--pd-policy fleet`` as separate processes on the CPU (embedded model, Gloo): a router in front
+of two workers of role both, each running the TPOT guard. Per request the router picks the worker
+that decodes and the worker that prefills: a prompt no worker holds is prefilled where it decodes
+(local), and a prompt whose long prefix the other worker holds is prefilled there and its KV shipped
+(cross-worker). Greedy outputs equal the offline engine's, and both pools end whole, also after a
+cancel in each path.
+"""
+from __future__ import annotations
+
+import re
+
+import pytest
+
+from bench import deployment as services
+from pdserve.common.engine import LLM, SamplingParams
+from pdserve.v1 import common_pb2, router_pb2
+
+MAX_TOKENS = 10
+SYSTEM = ("You are a careful expert in glacier physics; answer briefly, cite sources on ice flow exactly, and "
+          "when unsure about crevasses, moraines or basal sliding say so plainly. ") * 3
+QUESTIONS = ["Where do I start?", "What is a moraine?", "How fast do glaciers move?", "Why do crevasses form?"]
+
+
+@pytest.fixture(scope="module")
+def offline():
+    return LLM("default", device="cpu", num_kv_blocks=1024)
+
+
+@pytest.fixture(scope="module")
+def prompts(offline) -> list[list[int]]:
+    return [offline.apply_chat_template([{"role": "system", "content": SYSTEM}, {"role": "user", "content": q}])
+            for q in QUESTIONS]
+
+
+@pytest.fixture(scope="module")
+def deployment(tmp_path_factory):
+    dep = services.start(tmp_path_factory.mktemp("logs"), decode_role="both", num_decode=2, num_prefill=0,
+                         metrics=True, extra_worker_args=["--tpot-target-ms", "500"],
+                         router_args=["--pd-policy", "fleet", "--slo-tpot-ms", "500"])
+    yield dep
+    dep.stop()
+
+
+def _request(tokens: list[int], max_tokens: int = MAX_TOKENS) -> router_pb2.GenerateRequest:
+    return router_pb2.GenerateRequest(token_ids=router_pb2.TokenIds(ids=tokens),
+                                      params=common_pb2.SamplingParams(temperature=0, max_tokens=max_tokens))
+
+
+def _stream(dep, tokens: list[int], max_tokens: int = MAX_TOKENS) -> list[int]:
+    return [t for msg in dep.router_stub().Generate(_request(tokens, max_tokens), timeout=180) for t in msg.token_ids]
+
+
+def _decisions(dep, kind: str) -> float:
+    total = 0.0
+    for line in dep.scrape("router").splitlines():
+        m = re.match(r'pdserve_router_pd_decisions_total\{(.*)\} (\S+)$', line)
+        if m and f'kind="{kind}"' in m.group(1) and 'reason="fleet"' in m.group(1):
+            total += float(m.group(2))
+    return total
+
+
+def _transfers(dep) -> int:
+    return sum(dep.stats(w).num_kv_transfers for w in dep.decode)
+
+
+def _whole(dep) -> None:
+    for w in dep.decode:
+        dep.wait_whole(w)
+
+
+def test_local_and_cross_worker_prefill_match_offline_and_pools_whole(deployment, offline, prompts):
+    expected = [o.token_ids for o in offline.generate(prompts[:2], SamplingParams(temperature=0, max_tokens=MAX_TOKENS),
+                                                      use_tqdm=False)]
+    # first: nothing cached anywhere, no decode rows: prefilled where it decodes
+    assert _stream(deployment, prompts[0]) == expected[0]
+    assert _decisions(deployment, "local") == 1 and _transfers(deployment) == 0
+    # second: the worker that computed the first leans to prefill and holds the system prompt, so
+    # the request decodes on the other worker and is prefilled on the first, its KV shipped over
+    assert _stream(deployment, prompts[1]) == expected[1]
+    assert _decisions(deployment, "remote") == 1
+    sent = sum(deployment.stats(w).kv_transfer_bytes for w in deployment.decode)
+    assert _transfers(deployment) == 2 and sent > 0          # a both worker counts a send and a receive
+    _whole(deployment)
+
+
+def _cancel_after_tokens(dep, tokens: list[int], n: int = 3) -> int:
+    call = dep.router_stub().Generate(_request(tokens, max_tokens=400), timeout=120)
+    got = 0
+    for msg in call:
+        got += len(msg.token_ids)
+        if got >= n:
+            call.cancel()
+            break
+    return got
+
+
+def test_cancel_in_each_path_leaves_both_pools_whole(deployment, offline, prompts):
+    # a prompt nobody holds (local), then one whose system prompt only that worker holds (cross-worker)
+    system = SYSTEM.replace("glacier physics", "harbour logistics")
+    first, second = (offline.apply_chat_template([{"role": "system", "content": system},
+                                                  {"role": "user", "content": q}]) for q in QUESTIONS[2:])
+    paths = []
+    for tokens in (first, second):
+        local = _decisions(deployment, "local")
+        assert _cancel_after_tokens(deployment, tokens) >= 3
+        paths.append("local" if _decisions(deployment, "local") > local else "remote")
+        _whole(deployment)
+    assert paths == ["local", "remote"]

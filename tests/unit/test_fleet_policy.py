@@ -1,0 +1,86 @@
+"""``--pd-policy fleet`` (pdserve/router/fleet_policy.py): the decode pick and the prefill place,
+with hand-computed cases of the module docstring's formulas."""
+from __future__ import annotations
+
+import pytest
+
+from pdserve.router.fleet_policy import LEAN_SHARE, FleetWorker, decide, pick_decode, prefill_rate
+from pdserve.router.pd_policy import LOCAL, REMOTE, PdConfig
+
+CFG = PdConfig(mode="fleet", slo_ttft_ms=1000.0, slo_tpot_ms=12.0, remote_overhead_ms=2.0,
+               transfer_us_per_token=1.0)
+
+
+def w(key: str, u: int = 1000, **kw) -> FleetWorker:
+    return FleetWorker(key, u, **{"tokens_per_s": 40_000.0, **kw})
+
+
+def test_decode_goes_to_the_worker_that_is_not_leaning_to_prefill():
+    a, b = w("a", recent_tokens=9000.0), w("b", recent_tokens=100.0, decode_rows=5, decode_step_ms=6.0)
+    assert pick_decode([a, b], 12.0) is b                 # a is lean; b has room (6 <= 0.7 * 12)
+
+
+def test_decode_spills_to_the_fewest_rows_when_no_other_has_room():
+    a = w("a", recent_tokens=9000.0, decode_rows=2, decode_step_ms=5.0)
+    b = w("b", decode_rows=40, decode_step_ms=LEAN_SHARE * 12.0 + 0.1)
+    assert pick_decode([a, b], 12.0) is a
+    # a worker without rows always has room, whatever its last decode step was
+    assert pick_decode([a, w("b", decode_step_ms=50.0)], 12.0).key == "b"
+
+
+def test_decode_ties_go_to_the_cached_prefix_then_the_key():
+    a, b, c = w("a", recent_tokens=5.0), w("b", u=200), w("c", u=900)
+    assert pick_decode([a, b, c], 12.0) is b
+    assert pick_decode([w("x", recent_tokens=5.0), w("z"), w("y")], 12.0).key == "y"
+
+
+def test_prefill_rate_by_hand():
+    # no rows: the measured rate
+    assert prefill_rate(w("a"), 12.0, 8000.0) == 40_000.0
+    # rows: guard budget at 12 ms, margin 0.1: (10.8 - 4.8) / 0.02 = 300 tokens a step of 4.8 + 6 = 10.8 ms
+    busy = w("a", decode_rows=8, decode_step_ms=4.8, ms_per_prompt_token=0.02, max_num_batched_tokens=4096)
+    assert prefill_rate(busy, 12.0, 8000.0) == pytest.approx(1000.0 * 300 / 10.8)
+
+
+def test_local_when_the_decode_worker_is_the_fastest_place():
+    a, b = w("a", recent_tokens=9000.0), w("b")
+    d, dec = decide([a, b], CFG)
+    assert d == "b" and dec.kind == LOCAL and dec.prefill_key is None
+    assert dec.ttft_ms == pytest.approx(25.0)             # 1000 tokens at 40k/s
+    assert dec.prefill_tokens == 1000
+
+
+def test_remote_where_the_prefix_is_cached():
+    # b decodes (a leans); a holds all but 100 of the prompt's tokens
+    a, b = w("a", u=100, recent_tokens=9000.0), w("b", u=2100)
+    d, dec = decide([a, b], CFG)
+    # a: 100 / 40k = 2.5 ms + 2 ms + 2100 tokens * 1 us = 6.6 ms; b: 2100 / 40k = 52.5 ms
+    assert d == "b" and dec.kind == REMOTE and dec.prefill_key == "a"
+    assert dec.ttft_ms == pytest.approx(6.6) and dec.prefill_tokens == 100
+
+
+def test_decode_rows_wait_counts_against_a_local_prefill():
+    # b decodes 20 rows at 0.02 ms a prompt token: a local 1000-token prompt costs them 400 ms of waiting
+    a = w("a", recent_tokens=9000.0)
+    b = w("b", decode_rows=20, decode_step_ms=5.0, ms_per_prompt_token=0.02, max_num_batched_tokens=4096)
+    d, dec = decide([a, b], CFG)
+    assert d == "b" and dec.kind == REMOTE and dec.prefill_key == "a"
+    assert dec.ttft_ms == pytest.approx(25.0 + 2.0 + 1.0)
+
+
+def test_over_the_ttft_share_the_fastest_wins():
+    # a's queue is long: 30k tokens at 40k/s = 750 ms > 0.6 s; b has rows but a short queue
+    a = w("a", recent_tokens=9000.0, queued_tokens=30_000)
+    b = w("b", decode_rows=20, decode_step_ms=5.0, ms_per_prompt_token=0.02, max_num_batched_tokens=4096)
+    d, dec = decide([a, b], CFG)
+    assert d == "b" and dec.kind == LOCAL     # b: (10.8 - 5) / 0.02 = 290 a 10.8 ms step -> 1000 in ~37 ms
+
+
+def test_prefill_only_workers_never_decode_and_decode_only_never_prefill_for_others():
+    p = w("p", can_decode=False, recent_tokens=0.0)
+    d_only = w("d", can_prefill=False, recent_tokens=9000.0)
+    both = w("b", decode_rows=30, decode_step_ms=11.0)
+    d, dec = decide([p, d_only, both], CFG)
+    assert d in {"d", "b"} and dec.prefill_key in {None, "p"}
+    d, dec = decide([p, w("d", can_prefill=False, decode_rows=3, decode_step_ms=6.0)], CFG)
+    assert d == "d" and dec.kind == REMOTE and dec.prefill_key == "p"
