@@ -13,7 +13,7 @@ import argparse
 from pdserve.common import env
 from pdserve.router.settings import DEFAULT_PORT as ROUTER_PORT
 
-DATASETS = ("random", "w-nano", "shared-prefix", "multi-turn", "prefill-heavy", "decode-heavy", "jsonl")
+DATASETS = ("random", "w-nano", "shared-prefix", "multi-turn", "prefill-heavy", "decode-heavy", "jsonl", "phases")
 
 
 def add_workload_arguments(p: argparse.ArgumentParser) -> None:
@@ -22,7 +22,8 @@ def add_workload_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--dataset", choices=DATASETS, default="random", help="workload (docs/benchmarks.md)")
     g.add_argument("--dataset-path", default=None, help="jsonl: the file")
     g.add_argument("--num-prompts", type=int, default=None,
-                   help="requests per run (default: random/mixes 200, w-nano 256, jsonl every line)")
+                   help="requests per run (default: random/mixes 200, w-nano 256, jsonl every line, phases the "
+                        "arrivals of --phase-cycles cycles)")
     g.add_argument("--input-len", default=None,
                    help="prompt length N or range LO:HI (shared-prefix: the suffix length)")
     g.add_argument("--output-len", default=None, help="max_tokens N or range LO:HI")
@@ -43,8 +44,19 @@ def add_workload_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--same-prompts", action="store_true",
                    help="every run of a sweep or search sends the same prompts (default: each run its own "
                         "variant of the dataset, so that no run finds an earlier run's prompts cached)")
+    ph = p.add_argument_group("phases (--dataset phases, pdserve/loadtest/phases.py)")
+    ph.add_argument("--phase-seconds", type=float, default=45.0,
+                    help="length of each phase window (s); the windows run prefill-heavy, shared-prefix, "
+                         "decode-heavy, repeating")
+    ph.add_argument("--phase-rates", default="1,3,2",
+                    help="rate multipliers of the prefill-heavy, shared-prefix and decode-heavy phases "
+                         "(x --request-rate, the base rate)")
+    ph.add_argument("--phase-cycles", type=int, default=None,
+                    help="stop after this many full cycles of the three phases (default: 1 without "
+                         "--num-prompts; with it, as many as its requests need)")
     a = p.add_argument_group("arrivals")
-    a.add_argument("--request-rate", default="inf", help="comma list of rates (req/s), 'inf' = all at once")
+    a.add_argument("--request-rate", default="inf",
+                   help="comma list of rates (req/s), 'inf' = all at once; phases: the finite base rate")
     a.add_argument("--burstiness", type=float, default=1.0,
                    help="gamma shape of the intervals: 1 = Poisson, <1 burstier, >1 more regular, inf = fixed")
     a.add_argument("--max-concurrency", default=None,

@@ -10,14 +10,20 @@ older ``yield`` then ``sleep`` order). ``normalize=True`` rescales the times so 
 request goes at ``(n - 1) / rate`` exactly (newer vLLM does this to steady throughput numbers
 across seeds; off by default).
 
+``window_times`` restarts such a process at the start of a time window and keeps the arrivals
+before its end; a phased workload (pdserve/loadtest/phases.py) strings windows of different rates.
+
 A fixed concurrency (``max_concurrency``, a semaphore in the client) combines with any of
 these: rate ``inf`` + ``max_concurrency`` N is a closed loop of N requests in flight.
 """
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 
 import numpy as np
+
+Seed = int | Sequence[int] | np.random.Generator   # what numpy.random.default_rng takes
 
 
 def parse_rate(value: str | float) -> float:
@@ -42,8 +48,9 @@ def rate_label(rate: float) -> str:
     return "inf" if math.isinf(rate) else f"{rate:g}"
 
 
-def intervals(n: int, rate: float, burstiness: float = 1.0, seed: int = 0) -> np.ndarray:
-    """``n`` gamma intervals (s) of mean ``1/rate``; all 0 at rate inf, all ``1/rate`` at burstiness inf."""
+def intervals(n: int, rate: float, burstiness: float = 1.0, seed: Seed = 0) -> np.ndarray:
+    """``n`` gamma intervals (s) of mean ``1/rate``; all 0 at rate inf, all ``1/rate`` at burstiness inf.
+    ``seed`` may be a Generator, which the draws then advance."""
     if not burstiness > 0:
         raise ValueError(f"burstiness must be > 0, not {burstiness}")
     if math.isinf(rate):
@@ -66,6 +73,24 @@ def arrival_times(n: int, rate: float, burstiness: float = 1.0, seed: int = 0,
     if normalize and not math.isinf(rate) and n > 1 and times[-1] > 0:
         times *= ((n - 1) / rate) / times[-1]
     return times
+
+
+def window_times(start: float, end: float, rate: float, burstiness: float = 1.0, seed: Seed = 0) -> np.ndarray:
+    """Arrival times in ``[start, end)`` of the process of :func:`intervals` started afresh at
+    ``start`` (the first arrival one interval after it): at burstiness 1 the Poisson process of
+    ``rate`` on that window, whatever came before. ``rate`` must be finite; seeded like ``intervals``."""
+    if not (0 < rate < math.inf):
+        raise ValueError(f"a window's rate must be finite and > 0, not {rate}")
+    rng = np.random.default_rng(seed)
+    mean = rate * max(end - start, 0.0)
+    chunk = int(mean + 4 * math.sqrt(mean)) + 8
+    parts, t = [], float(start)
+    while True:
+        times = t + np.cumsum(intervals(chunk, rate, burstiness, rng))
+        parts.append(times[times < end])
+        if times[-1] >= end:
+            return np.concatenate(parts)
+        t = float(times[-1])
 
 
 def split_concurrency(limit: int | None, num_procs: int) -> list[int | None]:

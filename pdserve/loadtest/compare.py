@@ -17,10 +17,11 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
-from pdserve.loadtest import arrivals, capacity, datasets, metrics, ports, procs
+from pdserve.loadtest import arrivals, capacity, datasets, metrics, phases, ports, procs, schedule
 from pdserve.loadtest.runner import (
     RunOptions,
     Workload,
+    check_phases,
     git_commit,
     host_info,
     model_info,
@@ -111,19 +112,28 @@ CAPACITY_KEYS = ("slo_attainment", "itl_p99_ms", "itl_p99_ok", "request_throughp
                  "p90_ttft_ms", "p90_tpot_ms")
 
 
+def capacity_point(res: dict[str, Any], min_attainment: float) -> tuple[bool, dict[str, Any]]:
+    """Whether a run held (as a whole: ``capacity.holds``) and what the search keeps of it; a
+    phased run also keeps each phase's attainment (``phases.attainment``)."""
+    info = {k: res[k] for k in CAPACITY_KEYS if k in res}
+    if "phases" in res:
+        info["phases"] = phases.attainment(res["phases"], min_attainment)
+    return capacity.holds(res, min_attainment), info
+
+
 def run_capacity(address: str, requests: Workload, opts, search: capacity.CapacitySearch,
                  name: str, on_point) -> tuple[capacity.Capacity, list[dict]]:
-    """The bisection of one deployment's SLO capacity, its k-th run (from 1) on ``requests(k)``;
+    """The bisection of one deployment's SLO capacity, its k-th run (from 1) on ``requests(k, rate)``;
     every run's result, by rate."""
     results: list[dict] = []
 
     def run(rate: float) -> tuple[bool, dict[str, Any]]:
         k = len(results) + 1
-        res, _ = run_point(address, requests(k), rate, None, opts, desc=f"{name} rate {rate:g}", variant=k)
+        res, _ = run_point(address, requests(k, rate), rate, None, opts, desc=f"{name} rate {rate:g}", variant=k)
         results.append(res)
         results.sort(key=lambda r: r["request_rate"])
         on_point(results, None)
-        return capacity.holds(res, search.min_attainment), {k: res[k] for k in CAPACITY_KEYS if k in res}
+        return capacity_point(res, search.min_attainment)
 
     cap = capacity.find_capacity(search, run)
     print(f"[{name}] SLO capacity {cap.capacity:g} req/s" + ("" if cap.bounded else " (lower bound)"), flush=True)
@@ -239,6 +249,13 @@ def _plots(payload: dict[str, Any], series: Sequence[tuple[str, Sequence[dict[st
         payload["plots"]["capacity"] = cpng.name
 
 
+def _first_rate(points: Sequence[tuple[float, int | None]], search: capacity.CapacitySearch | None) -> float:
+    """The rate of the first run: the warm-up and the dataset summary use the schedule at that rate."""
+    if search is None:
+        return points[0][0]
+    return search.bracket[0] if search.bracket is not None else min(search.rates)
+
+
 def run_compare(args: argparse.Namespace) -> int:
     """``pdserve bench compare``."""
     if bool(args.targets) == bool(args.launch):
@@ -246,12 +263,14 @@ def run_compare(args: argparse.Namespace) -> int:
     opts = opts_from_args(args)
     search = _capacity_search(args, opts)
     points = sweep_points(arrivals.parse_rates(args.request_rate), parse_concurrency(args.max_concurrency))
+    check_phases(args, [r for r, _ in points] if search is None else [])
     configs = _deployment_configs(args)
     stem = result_stem(args, prefix="compare")
     json_path = stem.parent / f"{stem.name}.json"
     log_dir = Path(tempfile.mkdtemp(prefix="pdserve-compare-"))
     payload = _payload(args, opts)
     requests: Workload | None = None
+    first: list[datasets.BenchRequest] = []      # the warm-up's requests (run 0 at the first rate)
     series: list[tuple[str, list[dict]]] = []
     capacities: list[tuple[str, capacity.Capacity]] = []
     for config in configs:
@@ -259,9 +278,10 @@ def run_compare(args: argparse.Namespace) -> int:
         with _deployment(args, config, log_dir) as address:
             info = model_info(address, args.ready_timeout)
             if requests is None:
-                requests = workload(args, info)
-                payload["dataset"] = datasets.summary(requests(0))
-            warmup(address, requests(0), args.num_warmups, opts.request_timeout)
+                requests = workload(args, info, opts)
+                sched0 = requests(0, _first_rate(points, search))
+                payload["dataset"], first = schedule.summary(sched0), sched0.requests
+            warmup(address, first, args.num_warmups, opts.request_timeout)
             dep: dict[str, Any] = {"name": name, "router": address, "up_args": up_args, "model_info": info,
                                    "results": []}
             payload["deployments"].append(dep)

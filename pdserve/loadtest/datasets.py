@@ -4,7 +4,8 @@
 random ids, 100-1024 output tokens, temperature 0.6, ignore_eos, ``random.seed(0)``),
 ``shared-prefix``, ``multi-turn``, ``prefill-heavy``, ``decode-heavy`` and ``jsonl`` (a file).
 Synthetic prompts are token ids, or with ``prompt_format="text"`` English words of about one
-token each (the router's ``usage.prompt_tokens`` gives the real count).
+token each (the router's ``usage.prompt_tokens`` gives the real count). The ``phases`` workload
+(pdserve/loadtest/phases.py) strings three of these together with arrival times of its own.
 
 ``variant`` k > 0 draws the same workload with other prompts: every request keeps its lengths,
 its shared system prompt (``shared-prefix``, ``multi-turn``) and its place in its conversation,

@@ -1,6 +1,8 @@
 """A serving run = a workload + an arrival process + a rate; a sweep = one run per rate (and per
-concurrency limit). Writes ``<result-dir>/<name>.json`` (rewritten after every point) and two
-PNGs beside it (latency CDFs, throughput and goodput against the rate).
+concurrency limit). A run sends the :class:`~pdserve.loadtest.schedule.Schedule` its workload
+builds for it (requests and send offsets; metrics per phase too when the schedule has phases).
+Writes ``<result-dir>/<name>.json`` (rewritten after every point) and two PNGs beside it
+(latency CDFs, throughput and goodput against the rate).
 """
 from __future__ import annotations
 
@@ -15,13 +17,14 @@ import socket
 import subprocess
 import sys
 import time
-from collections.abc import Callable, Collection, Sequence
+from collections.abc import Collection, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from pdserve.loadtest import arrivals, datasets, metrics
+from pdserve.loadtest import arrivals, datasets, metrics, phases, schedule
 from pdserve.loadtest.client import run_load
+from pdserve.loadtest.schedule import Schedule, Workload
 
 log = logging.getLogger(__name__)
 
@@ -93,9 +96,6 @@ def model_info(router: str, timeout: float = 60.0) -> dict[str, Any]:
     raise RuntimeError(f"router {router} not ready in {timeout:.0f} s: {last}")
 
 
-Workload = Callable[[int], list[datasets.BenchRequest]]
-
-
 def build_requests(args: argparse.Namespace, info: dict[str, Any], variant: int = 0) -> list[datasets.BenchRequest]:
     vocab = args.vocab_size or int(info.get("vocab_size") or 10000)
     requests = datasets.build(
@@ -111,15 +111,34 @@ def build_requests(args: argparse.Namespace, info: dict[str, Any], variant: int 
     return requests
 
 
-def workload(args: argparse.Namespace, info: dict[str, Any]) -> Workload:
-    """The requests of the warm-up (``workload(0)``) and of the k-th run of a sweep or capacity
-    search (``workload(k)``, k >= 1): variant k of the dataset (datasets module docstring), so
-    that no run finds an earlier run's prompts cached; with ``--same-prompts`` variant 0 for all."""
+def workload(args: argparse.Namespace, info: dict[str, Any], opts: RunOptions) -> Workload:
+    """The schedules of the warm-up (``workload(0, rate)``) and of the k-th run of a sweep or
+    capacity search (``workload(k, rate)``, k >= 1): variant k of the dataset (datasets module
+    docstring), so that no run finds an earlier run's prompts cached (``--same-prompts``: variant 0
+    for all), sent with the arrival process of ``opts`` at the rate; ``--dataset phases``: the
+    phased run of pdserve/loadtest/phases.py at that base rate."""
+    if args.dataset == "phases":
+        vocab = args.vocab_size or int(info.get("vocab_size") or 10000)
+        return phases.workload_from_args(args, vocab, int(info.get("max_model_len") or 0) or None)
     first = build_requests(args, info)
 
-    def at(k: int) -> list[datasets.BenchRequest]:
-        return first if k == 0 or getattr(args, "same_prompts", False) else build_requests(args, info, variant=k)
+    def at(k: int, rate: float) -> Schedule:
+        reqs = first if k == 0 or getattr(args, "same_prompts", False) else build_requests(args, info, variant=k)
+        return schedule.spaced(reqs, rate, opts.burstiness, opts.seed, opts.normalize_arrivals)
     return at
+
+
+def check_phases(args: argparse.Namespace, rates: Sequence[float]) -> None:
+    """Refuses, before any deployment starts, ``--dataset phases`` with a flag it does not take
+    (``phases.check_args``) or with a sweep over ``rates`` that is not finite (they are base rates)."""
+    if args.dataset != "phases":
+        return
+    try:
+        phases.check_args(args)
+    except ValueError as e:
+        raise SystemExit(str(e)) from None
+    if not all(math.isfinite(r) for r in rates):
+        raise SystemExit("--dataset phases: --request-rate is the base rate of the phases and must be finite")
 
 
 def sweep_points(rates: Sequence[float], concurrencies: Sequence[int | None]) -> list[tuple[float, int | None]]:
@@ -166,11 +185,12 @@ def warmup(router: str, requests: Sequence[datasets.BenchRequest], n: int, timeo
         raise RuntimeError(f"warm-up request failed: {bad[0].status} {bad[0].error}")
 
 
-def run_point(router: str, requests: Sequence[datasets.BenchRequest], rate: float, concurrency: int | None,
+def run_point(router: str, sched: Schedule, rate: float, concurrency: int | None,
               opts: RunOptions, desc: str = "", variant: int = 0) -> tuple[dict[str, Any], dict[str, list[float]]]:
-    """One run at one rate: its result dict (vLLM keys + config + client + the prompts'
-    ``variant``) and latency samples."""
-    offsets = arrivals.arrival_times(len(requests), rate, opts.burstiness, opts.seed, opts.normalize_arrivals)
+    """One run of ``sched`` (built for ``rate``): its result dict (vLLM keys + config + client +
+    the prompts' ``variant``; ``phases``, the same metrics per phase, when the schedule has
+    phases) and latency samples."""
+    requests, offsets = sched.requests, sched.offsets
     pbar = None
     if not opts.disable_tqdm:
         from tqdm import tqdm
@@ -187,6 +207,8 @@ def run_point(router: str, requests: Sequence[datasets.BenchRequest], rate: floa
                            "max_concurrency": concurrency, "prompt_variant": variant}
     res.update(metrics.compute_metrics(result.records, result.duration, opts.percentiles, opts.slo or None,
                                        opts.itl_mode))
+    if sched.windows:
+        res["phases"] = phases.phase_metrics(result.records, sched, opts.percentiles, opts.slo or None, opts.itl_mode)
     res["client"] = result.client
     if result.client["max_cpu_util"] > 0.8:
         res["client_warning"] = (f"a client process used {result.client['max_cpu_util']:.0%} of a core: "
@@ -198,6 +220,8 @@ def run_point(router: str, requests: Sequence[datasets.BenchRequest], rate: floa
     if not opts.quiet:
         title = f" rate {arrivals.rate_label(rate)}" + (f", concurrency {concurrency}" if concurrency else "") + " "
         print(metrics.format_table(res, opts.percentiles, title=title), flush=True)
+        if "phases" in res:
+            print(phases.format_phases(res["phases"], opts.percentiles), flush=True)
     return res, metrics.latency_samples(result.records)
 
 
@@ -207,7 +231,7 @@ def run_sweep(router: str, requests: Workload, points: Sequence[tuple[float, int
     results, samples = [], []
     for k, (rate, conc) in enumerate(points, start=1):
         desc = (f"{label} " if label else "") + f"rate {arrivals.rate_label(rate)}" + (f" conc {conc}" if conc else "")
-        res, smp = run_point(router, requests(k), rate, conc, opts, desc, variant=k)
+        res, smp = run_point(router, requests(k, rate), rate, conc, opts, desc, variant=k)
         results.append(res)
         samples.append(smp)
         if on_point is not None:
@@ -265,6 +289,7 @@ def run_serve(args: argparse.Namespace) -> int:
     """``pdserve bench serve``."""
     opts = opts_from_args(args)
     rates = arrivals.parse_rates(args.request_rate)
+    check_phases(args, rates)
     points = sweep_points(rates, parse_concurrency(args.max_concurrency))
     target = args.router
     if getattr(args, "backend", "grpc") == "openai":
@@ -279,15 +304,16 @@ def run_serve(args: argparse.Namespace) -> int:
                         args.num_client_procs)
     else:
         info = model_info(args.router, args.ready_timeout)
-    requests = workload(args, info)
-    warmup(args.router, requests(0), args.num_warmups, opts.request_timeout, opts.http)
+    requests = workload(args, info, opts)
+    first = requests(0, rates[0])
+    warmup(args.router, first.requests, args.num_warmups, opts.request_timeout, opts.http)
     stem = result_stem(args)
     json_path = stem.parent / f"{stem.name}.json"
     payload: dict[str, Any] = {
         "benchmark": "pdserve bench serve", "label": args.label or args.dataset,
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(), "command": " ".join(sys.argv),
         "commit": git_commit(), "host": host_info(), "router": target, "model_info": info,
-        "config": run_config(args), "options": _redacted(asdict(opts)), "dataset": datasets.summary(requests(0)),
+        "config": run_config(args), "options": _redacted(asdict(opts)), "dataset": schedule.summary(first),
         "results": []}
 
     def checkpoint(results, samples) -> None:
@@ -297,7 +323,7 @@ def run_serve(args: argparse.Namespace) -> int:
     results, samples = run_sweep(args.router, requests, points, opts, checkpoint)
     if not args.no_plots:
         payload["plots"] = write_plots(stem, results, samples,
-                                       f"{payload['label']} via {target} ({len(requests(0))} requests)")
+                                       f"{payload['label']} via {target} ({len(first.requests)} requests)")
     write_json(json_path, payload)
     print(f"results: {json_path}" + (f" (+ {', '.join(payload['plots'].values())})" if "plots" in payload else ""))
     return 0 if all(r["completed"] for r in results) else 1
