@@ -8,7 +8,7 @@ import logging
 import time
 
 from pdserve.common.engine.handoff import OutOfBlocks
-from pdserve.common.engine.llm_engine import DuplicateRequest
+from pdserve.common.engine.llm_engine import DuplicateRequest, LLMEngine
 from pdserve.common.grpc_utils.errors import AlreadyExists, FailedPrecondition, NotFound, ResourceExhausted
 from pdserve.common.kv_transfer import KvReceiver, KvTransferError
 from pdserve.common.sampling_params import SamplingParams
@@ -63,8 +63,9 @@ class KvImport:
 
     async def push_kv(self, request_id: str, block_ids: list[int], first_token: int, logprob: float,
                       prefill_worker_id: str, epoch: int, on_channel: bool, secret: str) -> None:
-        """Post the receive of a reservation's blocks; the request joins the batch when they land."""
-        await self._call(lambda e: self.state.start_receive(e, request_id, block_ids))
+        """Post the receive of a reservation's blocks; the request joins the batch when they land.
+        A PushKV that does not match its reservation ends it (FAILED_PRECONDITION, blocks freed)."""
+        await self._call(lambda e: self._start_receive(e, request_id, block_ids))
         loop = self.runtime.loop
         if not block_ids:
             loop.call(lambda e: self.state.finish_receive(e, request_id, first_token, logprob, None, None))
@@ -79,6 +80,20 @@ class KvImport:
             raise FailedPrecondition(str(e)) from e
         future.add_done_callback(self.runtime.metrics.watch_receive(request_id))
         future.add_done_callback(lambda f: resolve_receive(loop, self.state, request_id, first_token, logprob, f))
+
+    def _start_receive(self, engine: LLMEngine, request_id: str, block_ids: list[int]) -> None:
+        """On the engine thread: move the reservation to RECEIVING, or end it if the PushKV
+        does not match it (BadTransfer re-raised)."""
+        try:
+            self.state.start_receive(engine, request_id, block_ids)
+        except BadTransfer as e:
+            self.state.refuse_push(engine, request_id, str(e))
+            raise
+
+    async def refuse_push(self, request_id: str, error: str) -> bool:
+        """A PushKV refused before anything was posted (a bad field): end the request's
+        reservation, freeing its blocks; False when it had none (or is past it)."""
+        return await self.runtime.call(lambda e: self.state.refuse_push(e, request_id, error))
 
     async def cancel_router(self, router_id: str) -> int:
         """End every request of a router that left; how many there were."""

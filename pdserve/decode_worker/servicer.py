@@ -3,10 +3,15 @@
 
 A worker of role both also serves Prefill for other workers (``export``:
 pdserve.prefill_worker.export), so it receives KV (Reserve + PushKV), sends it, and prefills
-locally (Submit)."""
+locally (Submit).
+
+Every request is checked as if from a stranger (pdserve.decode_worker.validation) before a block
+moves; a PushKV refused for a bad field also ends its reservation, so its blocks are freed at once.
+"""
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 
 from pdserve.common import telemetry
 from pdserve.common.grpc_utils.convert import sampling_params_for_prompt, sequence_output_to_proto
@@ -15,7 +20,9 @@ from pdserve.common.outputs import SequenceOutput
 from pdserve.common.serving.worker_runtime import WorkerRuntime
 from pdserve.common.serving.worker_servicer import BaseWorkerServicer, Handoff
 from pdserve.decode_worker.kv_import import KvImport
+from pdserve.decode_worker.validation import check_push_kv, check_reserve, check_submit
 from pdserve.prefill_worker.export import KvExport
+from pdserve.prefill_worker.validation import Limits, check_prefill
 from pdserve.v1 import worker_pb2
 
 logger = logging.getLogger(__name__)
@@ -27,6 +34,7 @@ class DecodeServicer(BaseWorkerServicer):
         super().__init__(runtime, sides)
         self.kv_import = kv_import
         self.export = export            # role both: Prefill for other workers
+        self.limits = Limits.of(runtime.engine)
 
     def close(self) -> None:
         super().close()
@@ -34,9 +42,11 @@ class DecodeServicer(BaseWorkerServicer):
         if self.export is not None:
             self.export.close()
 
-    def _admit(self, request) -> float | None:
-        """The base checks plus this worker's: the request's router must be subscribed here."""
+    def _admit(self, request, check: Callable[..., None]) -> float | None:
+        """The base checks, the request's fields (``check``), then this worker's state: the
+        request's router must be subscribed here."""
         deadline = self.admit(request.request_id, request.token_ids, request.deadline_unix_ms)
+        check(request, self.limits)
         if not self.runtime.outputs.has(request.router_id):
             raise FailedPrecondition(f"router {request.router_id!r} has no open Subscribe stream on this worker")
         return deadline
@@ -47,7 +57,7 @@ class DecodeServicer(BaseWorkerServicer):
     # ---- rpcs -------------------------------------------------------------------------------
     async def Reserve(self, request, context) -> worker_pb2.ReserveResponse:
         telemetry.bind_request(request.request_id)
-        deadline = self._admit(request)
+        deadline = self._admit(request, check_reserve)
         block_ids, cached, lease_expires = await self.kv_import.reserve(
             request.request_id, list(request.token_ids), self._params(request), request.lease_ms, deadline,
             request.router_id)
@@ -57,23 +67,19 @@ class DecodeServicer(BaseWorkerServicer):
 
     async def PushKV(self, request, context) -> worker_pb2.PushKVResponse:
         telemetry.bind_request(request.request_id)
-        block_ids = list(request.block_ids)
-        if request.num_blocks != len(block_ids):
-            raise InvalidArgument("num_blocks", f"{request.num_blocks} != len(block_ids) {len(block_ids)}")
-        expected_bytes = len(block_ids) * self.runtime.engine.model_runner.block_bytes
-        if request.num_bytes and request.num_bytes != expected_bytes:
-            raise InvalidArgument("num_bytes", f"{request.num_bytes} != {expected_bytes} for {len(block_ids)} "
-                                               f"blocks of this worker's geometry")
-        if request.first_token_on_channel and not block_ids:
-            raise InvalidArgument("first_token_on_channel", "needs at least one block to follow")
-        await self.kv_import.push_kv(request.request_id, block_ids, request.first_token_id,
+        try:
+            check_push_kv(request, self.limits)
+        except InvalidArgument as e:
+            await self.kv_import.refuse_push(request.request_id, str(e))
+            raise
+        await self.kv_import.push_kv(request.request_id, list(request.block_ids), request.first_token_id,
                                      request.first_token_logprob, request.prefill_worker_id, request.channel_epoch,
                                      request.first_token_on_channel, request.pair_secret)
         return worker_pb2.PushKVResponse()
 
     async def Submit(self, request, context) -> worker_pb2.SubmitResponse:
         telemetry.bind_request(request.request_id)
-        deadline = self._admit(request)
+        deadline = self._admit(request, check_submit)
         await self.kv_import.submit(request.request_id, list(request.token_ids), self._params(request), deadline,
                                     request.router_id)
         return worker_pb2.SubmitResponse(worker_id=self.runtime.worker_id)
@@ -82,6 +88,7 @@ class DecodeServicer(BaseWorkerServicer):
         if self.export is None:
             self._refuse("Prefill")
         deadline = self.admit(request.request_id, request.token_ids, request.deadline_unix_ms)
+        check_prefill(request, self.limits)
         async for msg in self.export.prefill(request, deadline):
             yield msg
 

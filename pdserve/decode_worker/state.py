@@ -14,6 +14,7 @@ from concurrent.futures import Future
 from dataclasses import dataclass
 from enum import Enum
 
+from pdserve.common.engine.handoff import InvalidFirstToken
 from pdserve.common.engine.llm_engine import LLMEngine, StepOutput
 from pdserve.common.engine.sequence import Sequence
 from pdserve.common.outputs import FinishReason, SequenceOutput
@@ -85,7 +86,8 @@ class DecodeState:
         self.tracker.begin(request_id, KIND_LOCAL, "Submit")
 
     def start_receive(self, engine: LLMEngine, request_id: str, block_ids: list[int]) -> Tracked:
-        """Check a PushKV against its reservation and move it to RECEIVING."""
+        """Check a PushKV against its reservation and move it to RECEIVING (BadTransfer when the
+        block ids do not match it: the reservation stays; NoSuchRequest when there is none)."""
         t = self.tracked.get(request_id)
         if t is None or t.phase is not Phase.RESERVED:
             raise NoSuchRequest(f"request {request_id!r} has no live reservation here")
@@ -96,9 +98,21 @@ class DecodeState:
         t.lease_expires = None
         return t
 
+    def refuse_push(self, engine: LLMEngine, request_id: str, error: str) -> bool:
+        """A PushKV for ``request_id`` was refused before anything was posted: end its
+        reservation (blocks freed, ERROR output). A request past RESERVED is not touched (a
+        receive may be writing its blocks); False when nothing was ended."""
+        t = self.tracked.get(request_id)
+        if t is None or t.phase is not Phase.RESERVED:
+            return False
+        self._drop(engine, t, FinishReason.ERROR, f"PushKV refused: {error}")
+        return True
+
     def finish_receive(self, engine: LLMEngine, request_id: str, first_token: int, logprob: float,
                        event, error: BaseException | None, num_bytes: int = 0) -> None:
-        """The KV landed (or failed): admit the sequence with its first token, or drop it."""
+        """The KV landed (or failed): admit the sequence with its first token, or drop it. A
+        first token the engine refuses (outside the vocabulary) drops the request with an error
+        before it joins the batch; the other requests never see it."""
         t = self.tracked.get(request_id)
         if t is None:
             return
@@ -108,6 +122,12 @@ class DecodeState:
             return
         if event is not None:
             event.wait()   # the decode stream waits for the scatter; no host sync
+        try:
+            engine.kv_handoff.check_first_token(first_token, logprob)
+        except InvalidFirstToken as e:
+            logger.warning("request %s: KV transfer refused: %s", request_id, e)
+            self._drop(engine, t, FinishReason.ERROR, f"KV transfer refused: {e}")
+            return
         self.num_transfers += 1
         self.transfer_bytes += num_bytes
         t.advance(Phase.ACTIVE)

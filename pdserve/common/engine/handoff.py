@@ -5,10 +5,12 @@ token with its blocks kept (:meth:`KvHandoff.hold`) until :meth:`KvHandoff.relea
 send may read them until then. Import (decode worker): :meth:`KvHandoff.reserve` takes blocks
 for a prompt whose KV arrives from elsewhere; :meth:`KvHandoff.admit` puts it in the decode batch
 with its first token once the KV landed. ``LLMEngine.abort`` ends a held or reserved request too.
-Engine thread only.
+The first token comes from another worker (a PushKV field or the transfer's last message): admit
+checks it against this engine's vocabulary before anything changes. Engine thread only.
 """
 from __future__ import annotations
 
+import math
 from typing import TYPE_CHECKING
 
 from pdserve.common.engine.sequence import Sequence, SequenceStatus
@@ -21,6 +23,11 @@ if TYPE_CHECKING:
 
 class OutOfBlocks(RuntimeError):
     """The KV pool cannot hold the request now."""
+
+
+class InvalidFirstToken(ValueError):
+    """A first token from another worker that this engine cannot take (outside the vocabulary,
+    or a NaN log-probability); nothing was changed."""
 
 
 class KvHandoff:
@@ -41,9 +48,20 @@ class KvHandoff:
         bm.allocate(seq, register=False)
         return seq
 
+    def check_first_token(self, token_id: int, logprob: float | None) -> None:
+        """Raise InvalidFirstToken unless ``token_id`` is in this engine's vocabulary and
+        ``logprob`` is a number (or None)."""
+        vocab = self.engine.source.config.vocab_size
+        if not 0 <= token_id < vocab:
+            raise InvalidFirstToken(f"first token id {token_id} is outside the vocabulary [0, {vocab})")
+        if logprob is not None and math.isnan(logprob):
+            raise InvalidFirstToken("first token log-probability is NaN")
+
     def admit(self, seq: Sequence, first_token_id: int, logprob: float | None) -> bool:
         """The prompt's KV has landed: append the first token and join the decode batch; False
-        if that token already finished the request (blocks freed)."""
+        if that token already finished the request (blocks freed). Raises InvalidFirstToken
+        (:meth:`check_first_token`) before any change: the caller still owns the blocks."""
+        self.check_first_token(first_token_id, logprob)
         engine = self.engine
         seq.num_cached_tokens = seq.num_tokens
         engine.block_manager.register_blocks(seq)

@@ -82,6 +82,7 @@ class BaseWorkerServicer(worker_pb2_grpc.WorkerServicer):
 
     async def Prefill(self, request, context):
         self._refuse("Prefill")
+        yield  # unreachable: makes this an async generator, as a server-streaming rpc must be
 
     async def PushKV(self, request, context):
         self._refuse("PushKV")
@@ -91,6 +92,7 @@ class BaseWorkerServicer(worker_pb2_grpc.WorkerServicer):
 
     async def Subscribe(self, request, context):
         self._refuse("Subscribe")
+        yield  # unreachable: makes this an async generator, as a server-streaming rpc must be
 
     # ---- endings --------------------------------------------------------------------------
     async def Cancel(self, request, context) -> worker_pb2.CancelResponse:

@@ -1,0 +1,53 @@
+"""The decode worker's checks of Reserve, Submit and PushKV, made as if each came from a
+stranger (see pdserve.prefill_worker.validation, whose :class:`Limits` and prompt checks these
+build on). A bad field raises InvalidArgument naming it, before any block moves; what needs the
+request's state (the reservation's block ids, the channel's epoch) is checked with that state.
+"""
+from __future__ import annotations
+
+import math
+
+from pdserve.common.grpc_utils.errors import InvalidArgument
+from pdserve.prefill_worker.validation import Limits, check_params, check_token_id, check_token_ids, check_worker_id
+
+#: Longest reservation lease accepted (ms): blocks pinned longer than this are a bug or an attack.
+MAX_LEASE_MS = 3_600_000
+
+
+def check_reserve(request, limits: Limits) -> None:
+    """A ReserveRequest: prompt, params, lease."""
+    check_token_ids("token_ids", request.token_ids, limits)
+    check_params(request.params, limits)
+    if request.lease_ms > MAX_LEASE_MS:
+        raise InvalidArgument("lease_ms", f"{request.lease_ms} is over the maximum of {MAX_LEASE_MS}")
+
+
+def check_submit(request, limits: Limits) -> None:
+    """A SubmitRequest: prompt, params."""
+    check_token_ids("token_ids", request.token_ids, limits)
+    check_params(request.params, limits)
+
+
+def check_push_kv(request, limits: Limits) -> None:
+    """A PushKVRequest: the sender's id, the block list against the pool, the byte count
+    against this worker's block geometry, and the first token when it travels in the call
+    (one that travels on the channel is checked when it lands: DecodeState.finish_receive)."""
+    check_worker_id("prefill_worker_id", request.prefill_worker_id)
+    block_ids = request.block_ids
+    if request.num_blocks != len(block_ids):
+        raise InvalidArgument("num_blocks", f"{request.num_blocks} != len(block_ids) {len(block_ids)}")
+    if len(block_ids) > limits.num_blocks:
+        raise InvalidArgument("block_ids", f"{len(block_ids)} ids for a pool of {limits.num_blocks} blocks")
+    if block_ids and max(block_ids) >= limits.num_blocks:
+        raise InvalidArgument("block_ids", f"id {max(block_ids)} is outside the pool [0, {limits.num_blocks})")
+    expected_bytes = len(block_ids) * limits.block_bytes
+    if request.num_bytes and request.num_bytes != expected_bytes:
+        raise InvalidArgument("num_bytes", f"{request.num_bytes} != {expected_bytes} for {len(block_ids)} "
+                                           f"blocks of this worker's geometry")
+    if request.first_token_on_channel:
+        if not block_ids:
+            raise InvalidArgument("first_token_on_channel", "needs at least one block to follow")
+        return
+    check_token_id("first_token_id", request.first_token_id, limits)
+    if math.isnan(request.first_token_logprob):
+        raise InvalidArgument("first_token_logprob", "must be a number, got NaN")
