@@ -6,6 +6,7 @@ Used by the integration tests and by the GPU disaggregation check (bench/disagg_
 """
 from __future__ import annotations
 
+import secrets
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -27,6 +28,7 @@ class Deployment:
     log_dir: Path | None = None
     http: str | None = None           # the router's OpenAI HTTP API, e.g. http://127.0.0.1:8000/v1
     metrics: dict[str, str] = field(default_factory=dict)   # service name -> host:port of its /metrics
+    internal_token: str = ""          # the workers' internal token (start_up's), sent by stats()
 
     def scrape(self, name: str) -> str:
         """The text of service ``name``'s /metrics (started with ``metrics=True``)."""
@@ -38,8 +40,10 @@ class Deployment:
         return router_pb2_grpc.GenerationStub(grpc.insecure_channel(self.router))
 
     def stats(self, address: str) -> worker_pb2.WorkerStats:
+        metadata = (("authorization", f"Bearer {self.internal_token}"),) if self.internal_token else ()
         with grpc.insecure_channel(address) as ch:
-            return worker_pb2_grpc.WorkerStub(ch).GetStats(worker_pb2.GetStatsRequest(), timeout=10)
+            return worker_pb2_grpc.WorkerStub(ch).GetStats(worker_pb2.GetStatsRequest(), timeout=10,
+                                                           metadata=metadata)
 
     def wait_whole(self, address: str, tries: int = 100) -> worker_pb2.WorkerStats:
         """Poll GetStats (bounded) until no block is referenced and nothing is in flight."""
@@ -135,6 +139,10 @@ def start_up(log_dir: Path, up_args: list[str] = (), timeout: float = 240.0) -> 
         up_args += ["--http-port", str(free_port())]
     http_port = int(up_args[up_args.index("--http-port") + 1])
     dep.http = f"http://127.0.0.1:{http_port}/v1" if http_port else None
+    if not {"--internal-token-file", "--no-internal-auth"} & set(up_args):    # up's workers want a token
+        dep.internal_token = secrets.token_hex(16)
+        (log_dir / "internal-token").write_text(dep.internal_token + "\n")
+        up_args += ["--internal-token-file", str(log_dir / "internal-token")]
     _start(dep, "up", procs.pdserve_cmd("up", "--router-port", str(router_port), "--base-port", str(base), *up_args),
            dep.router)
     _wait(dep, timeout, 1, 1)

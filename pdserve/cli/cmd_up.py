@@ -4,19 +4,29 @@
 Worker i takes gRPC port ``--base-port + 2i`` (a decode worker ``+ 1`` for its KV store) and
 metrics port M + 1 + i. Every port is checked before anything starts; ``up`` stops all services
 (the router first) as soon as one exits.
+
+Security (pdserve.common.security.deployment): unless ``--internal-token-file``, ``--internal-tls-*``
+or ``--no-internal-auth`` is given, ``up`` makes a random internal token for the deployment (a
+0600 file, removed at exit) that every service sends and requires on the internal API; each
+service gets the internal flags, the router also ``--auth-tokens-file``. ``up``'s own readiness
+calls use the credentials each port expects (never plaintext to a TLS port).
 """
 from __future__ import annotations
 
 import argparse
+import asyncio
 import logging
 import signal
 import socket
 import sys
 import time
-from dataclasses import dataclass
+from collections.abc import Awaitable, Sequence
+from dataclasses import dataclass, field
 
 from pdserve.common import env
 from pdserve.common.grpc_utils.errors import Unavailable
+from pdserve.common.security.config import ClientSecurity
+from pdserve.common.security.deployment import DeploymentSecurity, add_deployment_arguments, deployment_security
 from pdserve.common.serving.worker_args import DEFAULT_BUDGET, ENGINE_DEFAULTS
 from pdserve.loadtest import procs
 from pdserve.router.settings import DEFAULT_PORT as ROUTER_PORT
@@ -72,16 +82,19 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--demo", action="store_true", help="stream answers to sample prompts, then stop")
     p.add_argument("--startup-timeout", type=float, default=600.0,
                    help="seconds to wait for every service to be SERVING (model loading included)")
+    add_deployment_arguments(p)
 
 
 @dataclass(frozen=True)
 class Child:
-    """One service to start: its name in messages, command line, GPU, gRPC address, ports."""
+    """One service to start: its name in messages, command line, GPU, gRPC address, ports, and
+    how to call that address (its port's credentials)."""
     name: str
     cmd: list[str]
     gpu: str | None                 # CUDA_VISIBLE_DEVICES; None = this process's
     address: str
     ports: dict[int, str]           # port -> the flag that sets it (for the port-in-use error)
+    client: ClientSecurity = field(default_factory=ClientSecurity)
 
     def service(self) -> procs.Service:
         """Run here as ``up`` itself runs (directory, environment), the output on this terminal."""
@@ -103,9 +116,10 @@ def _passed(args: argparse.Namespace) -> list[str]:
     return out
 
 
-def _worker_cmd(kind: str, port: int, index: int, args: argparse.Namespace) -> list[str]:
+def _worker_cmd(kind: str, port: int, index: int, args: argparse.Namespace,
+                security: DeploymentSecurity) -> list[str]:
     decode = kind == "decode"
-    extra = ["--model", args.model, "--device", args.device, *_passed(args),
+    extra = ["--model", args.model, "--device", args.device, *_passed(args), *security.internal_flags(),
              *(["--enforce-eager"] if args.enforce_eager else []), *args.extra_worker_args.split(),
              *(args.extra_decode_args if decode else args.extra_prefill_args).split()]
     return procs.worker_cmd(kind, port, metrics_port=_metrics_port(args, index), kv_port=port + 1 if decode else None,
@@ -117,8 +131,10 @@ def _gpu(gpus: str, index: int) -> str | None:
     return ids[index % len(ids)] if ids else None
 
 
-def plan(args: argparse.Namespace) -> list[Child]:
-    """The services to start, workers first, the router last."""
+def plan(args: argparse.Namespace, security: DeploymentSecurity | None = None) -> list[Child]:
+    """The services to start, workers first, the router last, with ``security`` (default: as
+    the flags give it, no token made)."""
+    security = security if security is not None else DeploymentSecurity.from_args(args)
     children: list[Child] = []
     addresses: dict[str, list[str]] = {"decode": [], "prefill": []}
     port = args.base_port
@@ -129,18 +145,19 @@ def plan(args: argparse.Namespace) -> list[Child]:
             if args.metrics_port:
                 ports[args.metrics_port + 1 + index] = "--metrics-port"
             gpus = args.decode_gpus if kind == "decode" else args.prefill_gpus
-            children.append(Child(f"{kind} worker {i}", _worker_cmd(kind, port, 1 + index, args), _gpu(gpus, i),
-                                  f"127.0.0.1:{port}", ports))
+            children.append(Child(f"{kind} worker {i}", _worker_cmd(kind, port, 1 + index, args, security),
+                                  _gpu(gpus, i), f"127.0.0.1:{port}", ports, security.internal_client()))
             addresses[kind].append(f"127.0.0.1:{port}")
             port += 2
     block = ["--block-size", str(args.block_size)] if hasattr(args, "block_size") else []
     router = procs.router_cmd(args.router_port, model=args.model, decode=addresses["decode"],
                               prefill=addresses["prefill"], metrics_port=_metrics_port(args, 0),
-                              extra=[*block, "--http-port", str(args.http_port), *args.extra_router_args.split()])
+                              extra=[*block, "--http-port", str(args.http_port), *security.router_flags(),
+                                     *args.extra_router_args.split()])
     ports = {args.router_port: "--router-port"} | ({args.http_port: "--http-port"} if args.http_port else {})
     if args.metrics_port:
         ports[args.metrics_port] = "--metrics-port"
-    children.append(Child("router", router, None, f"127.0.0.1:{args.router_port}", ports))
+    children.append(Child("router", router, None, f"127.0.0.1:{args.router_port}", ports, security.public_client()))
     return children
 
 
@@ -157,38 +174,112 @@ def check_ports(children: list[Child]) -> None:
                                       f"pass another {flag}") from None
 
 
-def wait_started(services: list[procs.Service], args: argparse.Namespace) -> None:
+def _check_alive(services: Sequence[procs.Service]) -> None:
+    for svc in services:
+        if not svc.alive():
+            raise svc.exited()
+
+
+async def _watching(main: Awaitable[None], services: Sequence[procs.Service]) -> None:
+    """``main``, given up with :class:`procs.ServiceExited` as soon as one of ``services`` exits."""
+    task = asyncio.ensure_future(main)
+    try:
+        while not task.done():
+            _check_alive(services)
+            await asyncio.wait({task}, timeout=0.2)
+        task.result()
+    finally:
+        task.cancel()
+        await asyncio.gather(task, return_exceptions=True)
+
+
+async def _serving(child: Child, timeout: float) -> None:
+    """Until ``child``'s gRPC health says SERVING, asked with its port's credentials."""
+    from pdserve.common.grpc_utils.server import wait_ready
+    try:
+        await wait_ready(child.address, timeout, security=child.client)
+    except Unavailable as e:
+        raise TimeoutError(f"{child.name}: {e}") from None
+
+
+async def _workers_seen(router: Child, num_prefill: int, num_decode: int, timeout: float) -> None:
+    """Until the router reports at least the given healthy workers (GetModelInfo, with its token)."""
+    import grpc
+
+    from pdserve.common.grpc_utils.server import client_channel
+    from pdserve.v1 import router_pb2, router_pb2_grpc
+    end, last = time.monotonic() + timeout, None
+    async with client_channel(router.address, security=router.client) as channel:
+        stub = router_pb2_grpc.GenerationStub(channel)
+        while time.monotonic() < end:
+            try:
+                last = await stub.GetModelInfo(router_pb2.GetModelInfoRequest(), timeout=2.0)
+                if last.num_prefill_workers >= num_prefill and last.num_decode_workers >= num_decode:
+                    return
+            except grpc.aio.AioRpcError:
+                pass
+            await asyncio.sleep(0.1)
+    seen = f"{last.num_prefill_workers} prefill / {last.num_decode_workers} decode" if last else "no answer"
+    raise TimeoutError(f"router {router.address} did not report {num_prefill} prefill / {num_decode} decode "
+                       f"workers in {timeout:.0f} s (it reports {seen})")
+
+
+async def _started(children: list[Child], num_prefill: int, num_decode: int, timeout: float) -> None:
+    await asyncio.gather(*(_serving(child, timeout) for child in children))
+    await asyncio.sleep(procs.EXIT_SETTLE_S)    # a child that failed to bind has exited by now
+    await _workers_seen(children[-1], num_prefill, num_decode, timeout)
+
+
+def wait_started(children: list[Child], services: list[procs.Service], args: argparse.Namespace) -> None:
     """Everything SERVING and the router seeing every worker, or Unavailable when a service exits
-    or the startup timeout passes (a worker of role both counts as prefill-capable too)."""
+    or the startup timeout passes (a worker of role both counts as prefill-capable too). Each
+    port is asked with its own credentials (mutual TLS, tokens), as its peers ask it."""
     num_prefill = args.prefill + (args.decode if args.role == "both" else 0)
     try:
-        procs.wait_started(services, services[-1].address, num_prefill, args.decode, args.startup_timeout)
+        asyncio.run(_watching(_started(children, num_prefill, args.decode, args.startup_timeout), services))
     except (procs.ServiceExited, TimeoutError) as e:
         raise Unavailable(str(e)) from None
 
 
-def _demo(router: str) -> None:
-    from pdserve.client import stream_generate
+def _demo(router: str, metadata: Sequence[tuple[str, str]] = ()) -> None:
+    """Stream the answers to DEMO_PROMPTS; ``metadata``: the public API's token, if it wants one."""
+    import grpc
+
+    from pdserve.client import build_request
+    from pdserve.common.grpc_utils.errors import from_rpc_error
     from pdserve.common.sampling_params import SamplingParams
-    for prompt in DEMO_PROMPTS:
-        sys.stdout.write(f"\n>>> {prompt}\n")
-        for delta in stream_generate(router, prompt, SamplingParams(temperature=0.0, max_tokens=64)):
-            sys.stdout.write(delta)
-            sys.stdout.flush()
-        sys.stdout.write("\n")
+    from pdserve.v1 import router_pb2_grpc
+    with grpc.insecure_channel(router) as channel:
+        stub = router_pb2_grpc.GenerationStub(channel)
+        for prompt in DEMO_PROMPTS:
+            sys.stdout.write(f"\n>>> {prompt}\n")
+            try:
+                for resp in stub.Generate(build_request(prompt, SamplingParams(temperature=0.0, max_tokens=64)),
+                                          timeout=120.0, metadata=tuple(metadata)):
+                    sys.stdout.write(resp.text)
+                    sys.stdout.flush()
+            except grpc.RpcError as e:
+                raise from_rpc_error(e) from None
+            sys.stdout.write("\n")
 
 
 def run(args: argparse.Namespace) -> int:
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))    # stop the services on SIGTERM too
-    children = plan(args)
+    with deployment_security(args) as security:
+        return _run(args, security)
+
+
+def _run(args: argparse.Namespace, security: DeploymentSecurity) -> int:
+    children = plan(args, security)
     check_ports(children)
+    logger.info("%s", security.describe())
     services = [child.service().start() for child in children]
     try:
-        wait_started(services, args)
+        wait_started(children, services, args)
         logger.info("all services are SERVING; router at %s (gRPC)%s", children[-1].address,
                     f", http://127.0.0.1:{args.http_port}/v1 (OpenAI API)" if args.http_port else "")
         if args.demo:
-            _demo(children[-1].address)
+            _demo(children[-1].address, security.public_metadata())
             return 0
         while all(svc.alive() for svc in services):
             time.sleep(0.5)

@@ -147,6 +147,118 @@ def test_internal_mtls_and_token(pki):
     asyncio.run(main())
 
 
+ECHO = "pdserve.test.Echo"
+CALL_KINDS = ("unary_unary", "unary_stream", "stream_unary", "stream_stream")
+
+
+async def _check_caller(context) -> None:
+    """The caller's own metadata arrives beside the token."""
+    if ("x-caller", "kept") not in tuple(context.invocation_metadata()):
+        await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "the caller's metadata was lost")
+
+
+async def _echo_unary(request: bytes, context) -> bytes:
+    await _check_caller(context)
+    return request
+
+
+async def _echo_unary_stream(request: bytes, context):
+    await _check_caller(context)
+    for _ in range(2):
+        yield request
+
+
+async def _echo_stream_unary(requests, context) -> bytes:
+    await _check_caller(context)
+    return b"".join([r async for r in requests])
+
+
+async def _echo_stream_stream(requests, context):
+    await _check_caller(context)
+    async for r in requests:
+        yield r
+
+
+def _add_echo(servicer, server: grpc.aio.Server) -> None:
+    """One method of each call kind, on raw bytes (no serializers)."""
+    server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(ECHO, {
+        "unary_unary": grpc.unary_unary_rpc_method_handler(_echo_unary),
+        "unary_stream": grpc.unary_stream_rpc_method_handler(_echo_unary_stream),
+        "stream_unary": grpc.stream_unary_rpc_method_handler(_echo_stream_unary),
+        "stream_stream": grpc.stream_stream_rpc_method_handler(_echo_stream_stream),
+    }),))
+
+
+async def _requests():
+    for part in (b"a", b"b"):
+        yield part
+
+
+async def _call_kind(channel: grpc.aio.Channel, kind: str) -> grpc.StatusCode:
+    """One call of ``kind`` on ``channel``, read to its end (with a caller's own metadata)."""
+    method = getattr(channel, kind)(f"/{ECHO}/{kind}")
+    md = (("x-caller", "kept"),)
+    try:
+        if kind == "unary_unary":
+            assert await method(b"x", timeout=5, metadata=md) == b"x"
+        elif kind == "unary_stream":
+            assert [r async for r in method(b"x", timeout=5, metadata=md)] == [b"x", b"x"]
+        elif kind == "stream_unary":
+            assert await method(_requests(), timeout=5, metadata=md) == b"ab"
+        else:
+            assert [r async for r in method(_requests(), timeout=5, metadata=md)] == [b"a", b"b"]
+        return grpc.StatusCode.OK
+    except grpc.aio.AioRpcError as e:
+        return e.code()
+
+
+async def _refused_code(channel: grpc.aio.Channel, kind: str) -> grpc.StatusCode:
+    """The status of a call of ``kind`` that writes no stream message (a write racing a refusal
+    can turn its status into INTERNAL on the client: grpc/grpc#36066)."""
+    method = getattr(channel, kind)(f"/{ECHO}/{kind}")
+    call = method(b"x", timeout=5) if kind.startswith("unary") else method(timeout=5)
+    return await call.code()
+
+
+async def _kinds(address: str, security: ClientSecurity, refused: bool = False) -> dict[str, grpc.StatusCode]:
+    async with client_channel(address, security=security) as ch:
+        return {kind: await (_refused_code(ch, kind) if refused else _call_kind(ch, kind)) for kind in CALL_KINDS}
+
+
+@pytest.mark.parametrize("transport", ["plaintext", "tls"])
+def test_internal_token_reaches_every_call_kind(pki, transport):
+    """The client side sends the internal token on unary-unary, unary-stream (Subscribe,
+    Prefill, StreamKvEvents), stream-unary and stream-stream calls alike: by interceptors on a
+    plaintext channel, as call credentials on a TLS one; without it each kind is refused."""
+    async def main():
+        cert, key = pki["server"]
+        tls = TlsFiles(cert, key) if transport == "tls" else None
+        server = build_server("127.0.0.1:0", [Service(ECHO, _add_echo, None)],
+                              security=ServerSecurity(tls=tls, tokens_file=pki["tokens"], reflection=False))
+        await server.start()
+        addr = f"127.0.0.1:{server.port}"
+        client_tls = TlsFiles(ca=pki["ca"].path) if transport == "tls" else None
+        try:
+            assert await _kinds(addr, ClientSecurity(tls=client_tls, token_file=pki["tokens"])) \
+                == dict.fromkeys(CALL_KINDS, grpc.StatusCode.OK)
+            assert await _kinds(addr, ClientSecurity(tls=client_tls), refused=True) \
+                == dict.fromkeys(CALL_KINDS, grpc.StatusCode.UNAUTHENTICATED)
+        finally:
+            await server.stop_now()
+    asyncio.run(main())
+
+
+def test_token_interceptors_one_per_call_kind():
+    """grpc.aio files an interceptor under the first kind it is an instance of; each of ours is
+    an instance of exactly one, so each kind gets its own."""
+    from pdserve.common.security.auth import token_client_interceptors
+    kinds = (grpc.aio.UnaryUnaryClientInterceptor, grpc.aio.UnaryStreamClientInterceptor,
+             grpc.aio.StreamUnaryClientInterceptor, grpc.aio.StreamStreamClientInterceptor)
+    interceptors = token_client_interceptors("t")
+    assert [[isinstance(i, k) for k in kinds].count(True) for i in interceptors] == [1, 1, 1, 1]
+    assert all(any(isinstance(i, k) for i in interceptors) for k in kinds)
+
+
 def _served_serial(port: int, ca: Path, client: tuple[Path, Path]) -> int:
     ctx = ssl.create_default_context(cafile=str(ca))
     ctx.load_cert_chain(str(client[0]), str(client[1]))
@@ -296,3 +408,100 @@ def test_client_channels_follow_rotated_credentials(pki, tmp_path):
             await channels.close()
             await server.stop_now()
     asyncio.run(main())
+
+
+# ---- pdserve up: the deployment's security ---------------------------------------------------
+
+def _up(*flags: str):
+    from pdserve import cli
+    return cli.build_parser().parse_args(["up", *flags])
+
+
+def _value(cmd: list[str], flag: str) -> str | None:
+    return cmd[cmd.index(flag) + 1] if flag in cmd else None
+
+
+def test_up_passes_security_flags_by_role(pki):
+    """Every service gets the internal flags (a worker: its port and its channels to other
+    workers; the router: its channels to workers), the router also the public tokens; user extras
+    come after them; up's own calls use each port's credentials."""
+    from pdserve.cli import cmd_up
+    cert, key = pki["server"]
+    args = _up("--internal-token-file", str(pki["tokens"]), "--internal-tls-cert", str(cert),
+               "--internal-tls-key", str(key), "--internal-tls-ca", str(pki["ca"].path),
+               "--internal-tls-server-name", "pdserve-internal", "--auth-tokens-file", str(pki["tokens"]),
+               "--extra-router-args=--reflection off")
+    *workers, router = cmd_up.plan(args)
+    internal = {"--internal-token-file": str(pki["tokens"]), "--internal-tls-cert": str(cert),
+                "--internal-tls-key": str(key), "--internal-tls-ca": str(pki["ca"].path),
+                "--internal-tls-server-name": "pdserve-internal"}
+    for child in (*workers, router):
+        assert {flag: _value(child.cmd, flag) for flag in internal} == internal, child.name
+    assert all("--auth-tokens-file" not in w.cmd for w in workers)
+    assert _value(router.cmd, "--auth-tokens-file") == str(pki["tokens"])
+    assert router.cmd.index("--reflection") > router.cmd.index("--auth-tokens-file")     # extras win
+    assert all(w.client.tls is not None and w.client.server_name == "pdserve-internal" for w in workers)
+    assert router.client.tls is None and router.client.token_file == pki["tokens"]     # the public port
+    plain = cmd_up.plan(_up("--no-internal-auth"))
+    assert not [f for c in plain for f in c.cmd if f.startswith(("--internal-", "--auth-tokens"))]
+
+
+def test_up_makes_a_token_per_deployment(pki):
+    """Without internal credentials `up` makes a random token (a 0600 file in a 0700 directory,
+    removed at the end) that every service gets by its path, never on a command line; not with
+    --no-internal-auth, nor when mutual TLS is given."""
+    from pdserve.cli import cmd_up
+    from pdserve.common.security.deployment import deployment_security
+    args = _up()
+    with deployment_security(args) as first, deployment_security(args) as second:
+        path = first.token_file
+        assert path is not None and second.token_file is not None
+        token = path.read_text().strip()
+        assert len(token) >= 32 and token != second.token_file.read_text().strip()
+        assert (path.stat().st_mode & 0o777, path.parent.stat().st_mode & 0o777) == (0o600, 0o700)
+        children = cmd_up.plan(args, first)
+        assert all(_value(c.cmd, "--internal-token-file") == str(path) for c in children)
+        assert not [c for c in children if any(token in part for part in c.cmd)]
+        assert children[0].client.token_file == path and children[-1].client.token_file is None
+    assert not path.exists() and not path.parent.exists()
+    with deployment_security(_up("--no-internal-auth")) as off:
+        assert off.token_file is None and not off.internal_auth
+    cert, key = pki["server"]
+    with deployment_security(_up("--internal-tls-cert", str(cert), "--internal-tls-key", str(key),
+                                 "--internal-tls-ca", str(pki["ca"].path))) as mtls:
+        assert mtls.token_file is None and mtls.tls is not None
+
+
+def test_up_security_flag_errors(pki, tmp_path):
+    from pdserve.common.security.deployment import DeploymentSecurity
+    cert, key = pki["server"]
+    for flags in (["--no-internal-auth", "--internal-token-file", str(pki["tokens"])],
+                  ["--no-internal-auth", "--internal-tls-cert", str(cert), "--internal-tls-key", str(key),
+                   "--internal-tls-ca", str(pki["ca"].path)],
+                  ["--internal-tls-cert", str(cert), "--internal-tls-key", str(key)],
+                  ["--internal-tls-server-name", "x"],
+                  ["--internal-token-file", str(tmp_path / "missing")],
+                  ["--auth-tokens-file", str(tmp_path / "missing")]):
+        with pytest.raises(ValueError):
+            DeploymentSecurity.from_args(_up(*flags))
+
+
+def test_open_internal_port_beyond_loopback_warns_once(pki, caplog):
+    import argparse
+    import logging
+
+    from pdserve.common.security.args import add_internal_arguments, internal_server_security
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--host")
+    add_internal_arguments(parser)
+
+    def warnings(*flags: str) -> int:
+        caplog.clear()
+        with caplog.at_level(logging.WARNING, logger="pdserve.common.security.args"):
+            internal_server_security(parser.parse_args(list(flags)))
+        return len([r for r in caplog.records if r.levelno == logging.WARNING])
+
+    assert warnings("--host", "0.0.0.0") == 1
+    assert warnings("--host", "10.1.2.3") == 1
+    assert warnings("--host", "127.0.0.1") == warnings("--host", "localhost") == warnings("--host", "::1") == 0
+    assert warnings("--host", "0.0.0.0", "--internal-token-file", str(pki["tokens"])) == 0

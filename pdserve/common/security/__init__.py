@@ -1,6 +1,7 @@
 """Transport security and authentication of pdserve's services (docs/design.md, "Security"):
 bearer tokens (:mod:`.tokens`), TLS files (:mod:`.tls`), the auth interceptors (:mod:`.auth`),
-per-port and per-process settings (:mod:`.config`) and their flags (:mod:`.args`).
+per-port and per-process settings (:mod:`.config`), their flags (:mod:`.args`), and a whole
+``pdserve up`` deployment's (:mod:`.deployment`: its flags, its per-deployment internal token).
 """
 from pdserve.common.security.config import (
                                     ClientSecurity,

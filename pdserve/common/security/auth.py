@@ -133,24 +133,39 @@ def _with_token(details: grpc.aio.ClientCallDetails, value: str) -> grpc.aio.Cli
                                       details.credentials, details.wait_for_ready)
 
 
-class TokenClientInterceptor(grpc.aio.UnaryUnaryClientInterceptor,
-                             grpc.aio.UnaryStreamClientInterceptor,
-                             grpc.aio.StreamUnaryClientInterceptor,
-                             grpc.aio.StreamStreamClientInterceptor):
-    """Adds ``authorization: Bearer <token>`` to every call of a plaintext channel (a TLS
-    channel carries the token as call credentials instead)."""
+class _TokenInterceptor:
+    """Adds ``authorization: Bearer <token>`` to the metadata of the calls it intercepts."""
 
     def __init__(self, token: str) -> None:
         self.value = f"Bearer {token}"
 
+
+class _UnaryUnaryToken(_TokenInterceptor, grpc.aio.UnaryUnaryClientInterceptor):
     async def intercept_unary_unary(self, continuation, client_call_details, request):
         return await continuation(_with_token(client_call_details, self.value), request)
 
+
+class _UnaryStreamToken(_TokenInterceptor, grpc.aio.UnaryStreamClientInterceptor):
     async def intercept_unary_stream(self, continuation, client_call_details, request):
         return await continuation(_with_token(client_call_details, self.value), request)
 
+
+class _StreamUnaryToken(_TokenInterceptor, grpc.aio.StreamUnaryClientInterceptor):
     async def intercept_stream_unary(self, continuation, client_call_details, request_iterator):
         return await continuation(_with_token(client_call_details, self.value), request_iterator)
 
+
+class _StreamStreamToken(_TokenInterceptor, grpc.aio.StreamStreamClientInterceptor):
     async def intercept_stream_stream(self, continuation, client_call_details, request_iterator):
         return await continuation(_with_token(client_call_details, self.value), request_iterator)
+
+
+def token_client_interceptors(token: str) -> list[grpc.aio.ClientInterceptor]:
+    """The interceptors that add ``authorization: Bearer <token>`` to every call of a plaintext
+    channel, one per call kind (a TLS channel carries the token as call credentials instead).
+
+    One per kind because grpc.aio files each interceptor under the first of the four kinds it is
+    an instance of (unary-unary before the others): a single class of all four kinds would reach
+    unary-unary calls only, and every streaming call would go out without the token.
+    """
+    return [cls(token) for cls in (_UnaryUnaryToken, _UnaryStreamToken, _StreamUnaryToken, _StreamStreamToken)]

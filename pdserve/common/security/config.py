@@ -1,6 +1,7 @@
 """What one gRPC port (:class:`ServerSecurity`) and one process's channels to workers
 (:class:`ClientSecurity`, set once at start-up) apply: TLS, tokens, reflection. All off by
-default: plaintext without authentication.
+default for a service started alone: plaintext without authentication (``pdserve up`` makes an
+internal token per deployment: :mod:`.deployment`).
 """
 from __future__ import annotations
 
@@ -11,7 +12,7 @@ from typing import Any
 
 import grpc
 
-from pdserve.common.security.auth import AuthInterceptor, TokenClientInterceptor
+from pdserve.common.security.auth import AuthInterceptor, token_client_interceptors
 from pdserve.common.security.tls import ReloadingServerCredentials, TlsFiles, channel_credentials
 from pdserve.common.security.tokens import BearerTokens
 
@@ -114,10 +115,11 @@ class ClientSecurity:
         return creds
 
     def interceptors(self) -> list[grpc.aio.ClientInterceptor]:
-        """Plaintext with a token: the interceptor that adds it (the token file read now)."""
+        """Plaintext with a token: the interceptors that add it, one per call kind (the token file
+        read now)."""
         self._read_token()
         if self.tls is None and self._token is not None:
-            return [TokenClientInterceptor(self._token)]
+            return token_client_interceptors(self._token)
         return []
 
 
