@@ -14,13 +14,12 @@ calls use the credentials each port expects (never plaintext to a TLS port).
 from __future__ import annotations
 
 import argparse
-import asyncio
 import logging
 import signal
 import socket
 import sys
 import time
-from collections.abc import Awaitable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from pdserve.common import env
@@ -99,7 +98,8 @@ class Child:
     def service(self) -> procs.Service:
         """Run here as ``up`` itself runs (directory, environment), the output on this terminal."""
         gpu = {"CUDA_VISIBLE_DEVICES": self.gpu} if self.gpu is not None else {}
-        return procs.Service(self.name, self.cmd, self.address, extra_env=gpu, from_source=False, inherit_output=True)
+        return procs.Service(self.name, self.cmd, self.address, extra_env=gpu, from_source=False, inherit_output=True,
+                             client=self.client)
 
 
 def _metrics_port(args: argparse.Namespace, index: int) -> int:
@@ -174,69 +174,16 @@ def check_ports(children: list[Child]) -> None:
                                       f"pass another {flag}") from None
 
 
-def _check_alive(services: Sequence[procs.Service]) -> None:
-    for svc in services:
-        if not svc.alive():
-            raise svc.exited()
-
-
-async def _watching(main: Awaitable[None], services: Sequence[procs.Service]) -> None:
-    """``main``, given up with :class:`procs.ServiceExited` as soon as one of ``services`` exits."""
-    task = asyncio.ensure_future(main)
-    try:
-        while not task.done():
-            _check_alive(services)
-            await asyncio.wait({task}, timeout=0.2)
-        task.result()
-    finally:
-        task.cancel()
-        await asyncio.gather(task, return_exceptions=True)
-
-
-async def _serving(child: Child, timeout: float) -> None:
-    """Until ``child``'s gRPC health says SERVING, asked with its port's credentials."""
-    from pdserve.common.grpc_utils.server import wait_ready
-    try:
-        await wait_ready(child.address, timeout, security=child.client)
-    except Unavailable as e:
-        raise TimeoutError(f"{child.name}: {e}") from None
-
-
-async def _workers_seen(router: Child, num_prefill: int, num_decode: int, timeout: float) -> None:
-    """Until the router reports at least the given healthy workers (GetModelInfo, with its token)."""
-    import grpc
-
-    from pdserve.common.grpc_utils.server import client_channel
-    from pdserve.v1 import router_pb2, router_pb2_grpc
-    end, last = time.monotonic() + timeout, None
-    async with client_channel(router.address, security=router.client) as channel:
-        stub = router_pb2_grpc.GenerationStub(channel)
-        while time.monotonic() < end:
-            try:
-                last = await stub.GetModelInfo(router_pb2.GetModelInfoRequest(), timeout=2.0)
-                if last.num_prefill_workers >= num_prefill and last.num_decode_workers >= num_decode:
-                    return
-            except grpc.aio.AioRpcError:
-                pass
-            await asyncio.sleep(0.1)
-    seen = f"{last.num_prefill_workers} prefill / {last.num_decode_workers} decode" if last else "no answer"
-    raise TimeoutError(f"router {router.address} did not report {num_prefill} prefill / {num_decode} decode "
-                       f"workers in {timeout:.0f} s (it reports {seen})")
-
-
-async def _started(children: list[Child], num_prefill: int, num_decode: int, timeout: float) -> None:
-    await asyncio.gather(*(_serving(child, timeout) for child in children))
-    await asyncio.sleep(procs.EXIT_SETTLE_S)    # a child that failed to bind has exited by now
-    await _workers_seen(children[-1], num_prefill, num_decode, timeout)
-
-
 def wait_started(children: list[Child], services: list[procs.Service], args: argparse.Namespace) -> None:
     """Everything SERVING and the router seeing every worker, or Unavailable when a service exits
     or the startup timeout passes (a worker of role both counts as prefill-capable too). Each
-    port is asked with its own credentials (mutual TLS, tokens), as its peers ask it."""
+    port is asked with its own credentials (mutual TLS, tokens), as its peers ask it
+    (:func:`pdserve.loadtest.procs.wait_started`; each service's ``client``)."""
     num_prefill = args.prefill + (args.decode if args.role == "both" else 0)
+    router = children[-1]
     try:
-        asyncio.run(_watching(_started(children, num_prefill, args.decode, args.startup_timeout), services))
+        procs.wait_started(services, router.address, num_prefill, args.decode, args.startup_timeout,
+                           security=router.client)
     except (procs.ServiceExited, TimeoutError) as e:
         raise Unavailable(str(e)) from None
 

@@ -18,7 +18,10 @@ import time
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import IO, Any
+from typing import IO, TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from pdserve.common.security.config import ClientSecurity
 
 ROOT = Path(__file__).resolve().parents[2]
 STOP_GRACE_S = 30.0       # SIGTERM -> SIGKILL: as long as a service's own default drain grace
@@ -54,7 +57,8 @@ class ServiceExited(RuntimeError):
 @dataclass
 class Service:
     """One service as a child process (see the module doc). ``address``: the host:port whose gRPC
-    health says when it is ready ("" = none)."""
+    health says when it is ready ("" = none); ``client``: the credentials that port expects
+    (None: this process's default, plaintext unless set)."""
     name: str
     cmd: list[str]
     address: str
@@ -62,6 +66,7 @@ class Service:
     extra_env: dict[str, str] = field(default_factory=dict)   # e.g. CUDA_VISIBLE_DEVICES
     from_source: bool = True          # run in ROOT with ROOT on PYTHONPATH; False: here, as this process
     inherit_output: bool = False      # without log_path: to this process's terminal (else dropped)
+    client: ClientSecurity | None = None    # how to call ``address`` (mutual TLS, a token)
     proc: subprocess.Popen | None = field(default=None, repr=False)
 
     def start(self) -> Service:
@@ -191,7 +196,7 @@ async def _serving(svc: Service, timeout: float) -> None:
     from pdserve.common.grpc_utils.errors import Unavailable
     from pdserve.common.grpc_utils.server import wait_ready as health_serving
     try:
-        await health_serving(svc.address, timeout)
+        await health_serving(svc.address, timeout, security=svc.client)
     except Unavailable as e:
         raise TimeoutError(f"{svc.name}: {e}\n{svc.log_tail()}".rstrip()) from None
 
@@ -213,7 +218,8 @@ def wait_ready(services: Sequence[Service], timeout: float = 120.0) -> None:
     _check_running(services)
 
 
-async def _workers_seen(router: str, num_prefill: int, num_decode: int, timeout: float) -> dict:
+async def _workers_seen(router: str, num_prefill: int, num_decode: int, timeout: float,
+                        security: ClientSecurity | None) -> dict:
     import grpc
     from google.protobuf.json_format import MessageToDict
 
@@ -221,7 +227,7 @@ async def _workers_seen(router: str, num_prefill: int, num_decode: int, timeout:
     from pdserve.v1 import router_pb2, router_pb2_grpc
     end = time.monotonic() + timeout
     last = None
-    async with client_channel(router) as channel:
+    async with client_channel(router, security=security) as channel:
         stub = router_pb2_grpc.GenerationStub(channel)
         while time.monotonic() < end:
             try:
@@ -237,19 +243,22 @@ async def _workers_seen(router: str, num_prefill: int, num_decode: int, timeout:
 
 
 def wait_workers(router: str, num_prefill: int, num_decode: int, timeout: float = 60.0,
-                 check: Callable[[], None] | None = None) -> dict:
+                 check: Callable[[], None] | None = None, security: ClientSecurity | None = None) -> dict:
     """Until the router reports at least the given healthy workers; its ModelInfo as a dict.
-    ``check()`` (optional) is called between polls and may raise to give up early."""
-    result: dict = _run(_first(_workers_seen(router, num_prefill, num_decode, timeout), check))
+    ``check()`` (optional) is called between polls and may raise to give up early; ``security``:
+    the router port's credentials (None: this process's default)."""
+    result: dict = _run(_first(_workers_seen(router, num_prefill, num_decode, timeout, security), check))
     return result
 
 
 def wait_started(services: Sequence[Service], router: str, num_prefill: int, num_decode: int,
-                 timeout: float) -> dict:
-    """:func:`wait_ready`, then :func:`wait_workers` of the router at ``router`` (each phase within
+                 timeout: float, security: ClientSecurity | None = None) -> dict:
+    """:func:`wait_ready` (each service asked with its own ``client`` credentials), then
+    :func:`wait_workers` of the router at ``router`` with ``security`` (each phase within
     ``timeout``), failing fast with :class:`ServiceExited` when any of ``services`` exits."""
     wait_ready(services, timeout)
-    return wait_workers(router, num_prefill, num_decode, timeout, check=lambda: _check_running(services))
+    return wait_workers(router, num_prefill, num_decode, timeout, check=lambda: _check_running(services),
+                        security=security)
 
 
 # ---- command lines ----------------------------------------------------------------------------

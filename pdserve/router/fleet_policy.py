@@ -23,6 +23,14 @@ its mixed steps, ``W_w`` the prompt tokens this router gave it lately)::
     P           = the lowest cost among the workers with ttft_w <= ttft_share * slo_ttft;
                   none: the lowest ttft (ties: the key)
 
+Moving decodes (:func:`pick_moves`, run every ``--pd-move-interval-s``): a worker whose decode
+rows alone take the guard's whole target (``t_w > (1 - GUARD_MARGIN) * slo_tpot``: the guard can
+no longer keep their TPOT) and that holds at least two rows more than the decode-capable worker
+with the fewest rows moves ``min((rows_src - rows_dst) // 2, MAX_MOVES_PER_ROUND)`` of them
+there, when that worker has room (no rows, or ``t_dst <= LEAN_SHARE * slo_tpot``). A moved
+decode is continued on ``dst`` from its prompt and the tokens already sent, prefilled on ``src``
+(whose prefix cache holds all of its full blocks) and its KV shipped like any remote prefill.
+
 Unmeasured figures: ``R`` is the mean of the measured ones, else DEFAULT_PREFILL_TOKENS_PER_S;
 ``t`` is DEFAULT_DECODE_STEP_MS; ``c`` is ``1000 / R``; ``b`` is ``B`` when ``c`` or ``t`` is
 unmeasured. The lean worker is where prefill concentrates under prefill-heavy load (it keeps few
@@ -40,6 +48,7 @@ from pdserve.router.pd_policy import DEFAULT_DECODE_STEP_MS, LOCAL, REMOTE, PdCo
 LEAN_SHARE = 0.7    # a decode worker has room while its decode step is under this share of the TPOT SLO
 TTFT_SHARE = 0.6    # a prefill place keeps the TTFT SLO while its estimate is under this share of it
 GUARD_MARGIN = 0.1  # the workers' default --tpot-margin (the budget the router expects of them)
+MAX_MOVES_PER_ROUND = 4   # decodes one worker gives away per round of pick_moves
 
 
 @dataclass(frozen=True, slots=True)
@@ -104,3 +113,22 @@ def decide(workers: Sequence[FleetWorker], cfg: PdConfig) -> tuple[str, PdDecisi
 
 def _step_ms(w: FleetWorker) -> float:
     return w.decode_step_ms if w.decode_step_ms > 0 else DEFAULT_DECODE_STEP_MS
+
+
+def pick_moves(workers: Sequence[FleetWorker], slo_tpot_ms: float) -> list[tuple[str, str, int]]:
+    """(source key, destination key, how many decodes) to move now (module docstring); at most one
+    move per source, each destination used once, the most loaded sources first."""
+    decoders = sorted((w for w in workers if w.can_decode), key=lambda w: (-w.decode_rows, w.key))
+    moves: list[tuple[str, str, int]] = []
+    taken: set[str] = set()
+    for src in decoders:
+        if src.decode_rows < 2 or _step_ms(src) <= (1.0 - GUARD_MARGIN) * slo_tpot_ms or src.key in taken:
+            continue
+        room = [w for w in decoders if w is not src and w.key not in taken and w.decode_rows <= src.decode_rows - 2
+                and (w.decode_rows == 0 or _step_ms(w) <= LEAN_SHARE * slo_tpot_ms)]
+        if not room:
+            continue
+        dst = min(room, key=lambda w: (w.decode_rows, w.key))
+        moves.append((src.key, dst.key, min((src.decode_rows - dst.decode_rows) // 2, MAX_MOVES_PER_ROUND)))
+        taken.update((src.key, dst.key))
+    return moves

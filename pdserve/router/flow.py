@@ -30,9 +30,11 @@ from pdserve.common.grpc_utils import PdserveError, Unavailable
 from pdserve.common.grpc_utils.convert import finish_reason_name
 from pdserve.common.outputs import FinishReason, SequenceOutput
 from pdserve.common.sampling_params import SamplingParams
+from pdserve.router.admission import AdmissionGate
 from pdserve.router.attempt import Attempt, Cut, Retry
 from pdserve.router.job import Job
 from pdserve.router.metrics import RouterMetrics
+from pdserve.router.mover import Mover
 from pdserve.router.output import OutputProcessor, TextOutput
 from pdserve.router.placement import Placement
 from pdserve.router.settings import RouterSettings
@@ -47,15 +49,27 @@ log = logging.getLogger(__name__)
 MAX_ATTEMPTS = 4
 
 
-@dataclass
+@dataclass(eq=False)
 class _Run:
-    """One request's attempts as :meth:`Flow.generate` runs them: the first, then any migrations."""
+    """One request's attempts as :meth:`Flow.generate` runs them: the first, then any migrations
+    or moves (pdserve.router.mover reads and marks it)."""
 
+    job: Job
     att: Attempt | None = None       # the attempt now running (None: closed by a migration)
     cancel_workers: bool = True      # closing it cancels the request there (not once they finished it)
     generated: list[int] = field(default_factory=list)  # every token sent so far (a migration's prompt tail)
     migrations: int = 0
     cached: int | None = None        # the first attempt's, once a migration replaced it
+    move_to: str | None = None       # a worker the mover wants it to go on at (set by the mover)
+    moves: int = 0
+
+    @property
+    def decode_key(self) -> str | None:
+        return self.att.decode.key if self.att is not None else None
+
+    @property
+    def tokens_left(self) -> int:
+        return self.job.sampling.max_tokens - len(self.generated)
 
 
 class Flow:
@@ -66,6 +80,9 @@ class Flow:
         self.metrics = metrics
         self._ids = itertools.count(1)
         self.placement = Placement(registry, settings)
+        self.mover = Mover(self.placement.fleet_workers, settings.pd.slo_tpot_ms,
+                           settings.pd.move_interval_s if settings.pd.mode == "fleet" else 0.0)
+        self.admission = AdmissionGate(registry, settings, metrics)
         self._background: set[asyncio.Task] = set()
         self.inflight = 0
         self.draining = False
@@ -89,16 +106,18 @@ class Flow:
         self._background.add(task)
         task.add_done_callback(self._background.discard)
 
-    async def _start(self, job: Job, excluded: set[str] | None = None) -> tuple[Attempt, SequenceOutput]:
+    async def _start(self, job: Job, excluded: set[str] | None = None,
+                     forced: tuple[str, str] | None = None) -> tuple[Attempt, SequenceOutput]:
         """Start the request and wait for its first step; retried on other workers (each failed
-        worker excluded) up to MAX_ATTEMPTS tries, while workers remain and the deadline allows."""
+        worker excluded) up to MAX_ATTEMPTS tries, while workers remain and the deadline allows.
+        ``forced``: (decode worker, prefill worker) of the first try (a move)."""
         excluded = set() if excluded is None else excluded
         last: Retry | None = None
         for attempt_no in range(MAX_ATTEMPTS):
             job.matched = None          # the index may have changed since the last try
             try:
                 t0 = time.perf_counter()
-                decode, prefill, decision = self.placement.choose(job, excluded)
+                decode, prefill, decision = self.placement.choose(job, excluded, forced if not attempt_no else None)
                 self.metrics.decision.observe(time.perf_counter() - t0)
                 self.metrics.pd.decided(decision.kind, decision.reason, decision.ttft_ms, decision.tpot_ms)
             except Unavailable:
@@ -163,12 +182,15 @@ class Flow:
         pdserve.common.grpc_utils domain errors (or a worker's rpc error)."""
         if self.draining:
             raise Unavailable("the router is shutting down")
+        waiting = self.admission.admit(method)     # Overloaded (RESOURCE_EXHAUSTED) over a bound
         started = time.monotonic()
         status = "UNKNOWN"
-        run = _Run()
+        run = _Run(job)
         self.inflight += 1
         try:
             run.att, step = await self._start(job)
+            waiting.close()
+            self.mover.track(run)
             out = self._open_output(job)     # made by _after_send, normally
             first = True
             while True:
@@ -202,6 +224,7 @@ class Flow:
             status = e.code().name
             raise
         finally:
+            waiting.close()
             self._end_request(job, run, method, status, started)
 
     def _count_finish(self, resp: TextOutput) -> None:
@@ -213,6 +236,10 @@ class Flow:
         """The request's next step: from its attempt, or, when the attempt's stream was cut after
         its first token, from a migration to other workers (which replaces ``run.att``)."""
         assert run.att is not None
+        if run.move_to is not None:
+            dst, run.move_to = run.move_to, None
+            if _can_continue(job, run.generated):
+                return await self._move(job, run, dst)
         try:
             return await run.att.next()
         except Cut as cut:
@@ -227,6 +254,7 @@ class Flow:
 
     def _end_request(self, job: Job, run: _Run, method: str, status: str, started: float) -> None:
         """The request's end, however it ended: its attempt closed, its metrics counted."""
+        self.mover.untrack(run)
         if run.att is not None:
             run.att.close(cancel_workers=run.cancel_workers)
         self.inflight -= 1
@@ -237,23 +265,32 @@ class Flow:
         self.metrics.e2e.observe(time.monotonic() - started)
 
     def _can_migrate(self, job: Job, generated: list[int], migrations: int) -> bool:
-        """A stream cut after its first token may go on elsewhere: within the limit and the
-        deadline, with tokens left to make, and only when continuing from prompt + output is
-        the same request (presence / frequency penalties count output tokens only)."""
-        s = job.sampling
-        return (migrations < self.settings.migration_limit and not job.expired()
-                and len(generated) < s.max_tokens and s.presence_penalty == 0.0 and s.frequency_penalty == 0.0)
+        """A stream cut after its first token may go on elsewhere: within the limit and
+        :func:`_can_continue`."""
+        return migrations < self.settings.migration_limit and _can_continue(job, generated)
 
     async def _migrate(self, job: Job, generated: list[int], cut: Cut) -> tuple[Attempt, SequenceOutput]:
-        """The rest of ``job`` on other workers: its prompt followed by the tokens already sent as
-        the new prompt, the tokens left as its budget; the output processor goes on as it was."""
+        """The rest of ``job`` on other workers (:func:`_continuation`)."""
         log.info("request %s: %s after %d tokens; continuing on another worker", job.request_id,
                  cut.cause.message, len(generated))
         self.metrics.migrations.inc()
-        rest = replace(job, prompt=Prompt(job.prompt.token_ids + generated, job.prompt.field),
-                       sampling=replace(job.sampling, max_tokens=job.sampling.max_tokens - len(generated)),
-                       hash_chain=None, matched=None, on_dispatch=None, origin=job.origin or job)
-        return await self._start(rest, {cut.worker_key})
+        return await self._start(_continuation(job, generated), {cut.worker_key})
+
+    async def _move(self, job: Job, run: _Run, dst: str) -> SequenceOutput:
+        """Go on with ``run`` on worker ``dst`` (pdserve.router.mover): the attempt on its decode
+        worker ends (cancelled there), and the continuation is prefilled on that worker, whose
+        prefix cache holds the request's blocks, and decoded on ``dst``; falls back to the
+        placement's own choice when either worker is gone."""
+        assert run.att is not None
+        src = run.att.decode.key
+        run.moves += 1
+        run.cached = run.att.cached_tokens if run.cached is None else run.cached
+        run.att.close(cancel_workers=True)
+        run.att = None
+        log.info("request %s: moving its decode from %s to %s after %d tokens", job.request_id, src, dst,
+                 len(run.generated))
+        run.att, step = await self._start(_continuation(job, run.generated), forced=(dst, src))
+        return step
 
     def _respond(self, job: Job, out: OutputProcessor, cached_tokens: int, step: SequenceOutput
                  ) -> tuple[TextOutput, bool, bool] | None:
@@ -287,3 +324,20 @@ class Flow:
         end = time.monotonic() + grace_s
         while self.inflight and time.monotonic() < end:
             await asyncio.sleep(0.05)
+
+
+def _continuation(job: Job, generated: list[int]) -> Job:
+    """The rest of ``job``: its prompt followed by the tokens already sent as the new prompt, the
+    tokens left as its budget; the output processor goes on as it was."""
+    return replace(job, prompt=Prompt(job.prompt.token_ids + generated, job.prompt.field),
+                   sampling=replace(job.sampling, max_tokens=job.sampling.max_tokens - len(generated)),
+                   hash_chain=None, matched=None, on_dispatch=None, origin=job.origin or job)
+
+
+def _can_continue(job: Job, generated: list[int]) -> bool:
+    """Whether ``job`` may go on from its prompt + ``generated`` elsewhere: within the deadline,
+    with tokens left to make, and only when that is the same request (presence / frequency
+    penalties count output tokens only)."""
+    s = job.sampling
+    return (not job.expired() and len(generated) < s.max_tokens
+            and s.presence_penalty == 0.0 and s.frequency_penalty == 0.0)

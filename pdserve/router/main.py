@@ -17,6 +17,7 @@ from collections.abc import Callable, Coroutine
 from typing import TYPE_CHECKING, Any
 
 from pdserve.common import env
+from pdserve.router.admission import AdmissionConfig
 from pdserve.router.pd_args import add_pd_arguments, pd_config_from_args
 from pdserve.router.settings import DEFAULT_METRICS_PORT, DEFAULT_PORT, RouterSettings
 
@@ -38,6 +39,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     _add_worker_arguments(p, d)
     _add_routing_arguments(p, d)
     add_pd_arguments(p)
+    _add_admission_arguments(p, d)
     _add_lifecycle_arguments(p, d)
     from pdserve.common.security.args import add_internal_arguments, add_public_arguments
     add_public_arguments(p)
@@ -94,6 +96,26 @@ def _add_routing_arguments(p: argparse.ArgumentParser, d: RouterSettings) -> Non
                    help="times a stream cut after its first token (its worker died) is continued on another "
                         "worker: prompt + the tokens sent so far as its new prompt; 0 = fail it "
                         "(env PDSERVE_ROUTER_MIGRATION_LIMIT)")
+
+
+def _add_admission_arguments(p: argparse.ArgumentParser, d: RouterSettings) -> None:
+    """When a new request is refused at once (RESOURCE_EXHAUSTED / HTTP 429 with Retry-After)
+    instead of queued (pdserve.router.admission); each bound 0 = off."""
+    a = d.admission
+    g = p.add_argument_group("admission control (pdserve.router.admission)")
+    g.add_argument("--max-queued-prompt-tokens", type=int,
+                   default=env.get_int("ROUTER_MAX_QUEUED_PROMPT_TOKENS", a.max_queued_prompt_tokens),
+                   help="refuse a new request while every worker that could prefill it has at least this many "
+                        "prompt tokens queued; 0 = no bound (env PDSERVE_ROUTER_MAX_QUEUED_PROMPT_TOKENS)")
+    g.add_argument("--max-waiting-requests", type=int,
+                   default=env.get_int("ROUTER_MAX_WAITING_REQUESTS", a.max_waiting_requests),
+                   help="refuse a new request while this many requests per prefill-capable worker wait for "
+                        "their first token; 0 = no bound (env PDSERVE_ROUTER_MAX_WAITING_REQUESTS)")
+    g.add_argument("--admission-slo-multiple", type=float,
+                   default=env.get_float("ROUTER_ADMISSION_SLO_MULTIPLE", a.slo_multiple),
+                   help="refuse a new request whose estimated queue wait on the least busy worker (queued "
+                        "prompt tokens / its prefill rate) exceeds this multiple of --slo-ttft-ms; 0 = off "
+                        "(env PDSERVE_ROUTER_ADMISSION_SLO_MULTIPLE)")
 
 
 def _add_lifecycle_arguments(p: argparse.ArgumentParser, d: RouterSettings) -> None:
@@ -153,7 +175,12 @@ def _router_settings(args: argparse.Namespace) -> RouterSettings:
         router_id=args.router_id or f"router-{uuid.uuid4().hex[:8]}", block_size=args.block_size,
         lease_ms=args.lease_ms, worker_timeout_s=args.worker_timeout_s, dns_refresh_s=args.dns_refresh_s,
         load_alpha=args.load_alpha, drain_grace_s=args.drain_grace_s, routing=args.routing,
-        migration_limit=args.migration_limit, pd=pd_config_from_args(args))
+        migration_limit=args.migration_limit, pd=pd_config_from_args(args), admission=_admission_config(args))
+
+
+def _admission_config(args: argparse.Namespace) -> AdmissionConfig:
+    return AdmissionConfig(max_queued_prompt_tokens=args.max_queued_prompt_tokens,
+                           max_waiting_requests=args.max_waiting_requests, slo_multiple=args.admission_slo_multiple)
 
 
 async def _load_model(model: str, router_id: str) -> tuple[ModelSpec, RouterTokenizer | None]:

@@ -7,6 +7,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, star
 
 from pdserve.common.grpc_utils.errors import status_for
 from pdserve.common.serving.metrics import OneWriterHistogram
+from pdserve.router.admission import REASONS as REFUSAL_REASONS
 from pdserve.router.pd_metrics import PdMetrics
 
 log = logging.getLogger(__name__)
@@ -57,6 +58,11 @@ class RouterMetrics:
         for route in ROUTES:        # every series present from the start (dashboards, rate())
             self.route_ttft.labels(route)
             self.route_itl.labels(route)
+        self.refusals = Counter("pdserve_router_requests_refused", "Requests refused by admission control "
+                                "(RESOURCE_EXHAUSTED / HTTP 429) by the bound that refused them "
+                                "(pdserve.router.admission)", ["reason"], registry=r)
+        for reason in REFUSAL_REASONS:
+            self.refusals.labels(reason)
         self.finish = Counter("pdserve_router_finish_reasons", "Finished requests by finish reason",
                               ["reason"], registry=r)
         self.pd = PdMetrics(r)     # prefill placement: decisions, estimates vs what happened
@@ -65,6 +71,11 @@ class RouterMetrics:
         """Count a request refused before it ran (validation, tokenization, context) by its status."""
         mapped = status_for(exc)
         self.requests.labels(method, mapped[0].name if mapped else "INTERNAL").inc()
+
+    def refused(self, method: str, reason: str) -> None:
+        """Count a request refused by admission control (also under its method's RESOURCE_EXHAUSTED)."""
+        self.refusals.labels(reason).inc()
+        self.requests.labels(method, "RESOURCE_EXHAUSTED").inc()
 
     def serve(self, port: int, host: str = "0.0.0.0") -> None:
         if port:

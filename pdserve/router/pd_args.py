@@ -36,6 +36,11 @@ def add_pd_arguments(p: argparse.ArgumentParser) -> None:
                    help="time constant of the prompt tokens a worker was given lately: its prefill rate "
                         "(local vs remote) and its recent work (which prefill worker) "
                         "(env PDSERVE_ROUTER_PD_RATE_WINDOW_S)")
+    g.add_argument("--pd-move-interval-s", type=float,
+                   default=env.get_float("ROUTER_PD_MOVE_INTERVAL_S", d.move_interval_s),
+                   help="--pd-policy fleet: how often running decodes may be moved off a worker whose decode "
+                        "rows alone break the TPOT objective (pdserve.router.fleet_policy); 0 = never "
+                        "(env PDSERVE_ROUTER_PD_MOVE_INTERVAL_S)")
 
 
 def pd_config_from_args(args: argparse.Namespace) -> PdConfig:
@@ -45,4 +50,5 @@ def pd_config_from_args(args: argparse.Namespace) -> PdConfig:
                     local_max_tokens=getattr(args, "pd_local_max_tokens", d.local_max_tokens),
                     remote_overhead_ms=getattr(args, "pd_remote_overhead_ms", d.remote_overhead_ms),
                     transfer_us_per_token=getattr(args, "pd_transfer_us_per_token", d.transfer_us_per_token),
-                    rate_window_s=getattr(args, "pd_rate_window_s", d.rate_window_s))
+                    rate_window_s=getattr(args, "pd_rate_window_s", d.rate_window_s),
+                    move_interval_s=getattr(args, "pd_move_interval_s", d.move_interval_s))

@@ -84,6 +84,7 @@ class PdConfig:
     remote_overhead_ms: float = 2.0    # Reserve round trip + PushKV + the transfer's start
     transfer_us_per_token: float = 1.0 # KV bytes per token / link bandwidth (~150 KB at ~150 GB/s)
     rate_window_s: float = 2.0         # time constant of lam_D (pdserve.router.worker_client)
+    move_interval_s: float = 1.0       # fleet: period of the decode moves (fleet_policy.pick_moves); 0 = off
 
     def __post_init__(self) -> None:
         if self.mode not in PD_MODES:
@@ -91,7 +92,7 @@ class PdConfig:
         for name in ("slo_ttft_ms", "slo_tpot_ms", "rate_window_s"):
             if not getattr(self, name) > 0:
                 raise ValueError(f"{name} must be > 0, not {getattr(self, name)}")
-        for name in ("local_max_tokens", "remote_overhead_ms", "transfer_us_per_token"):
+        for name in ("local_max_tokens", "remote_overhead_ms", "transfer_us_per_token", "move_interval_s"):
             if getattr(self, name) < 0:
                 raise ValueError(f"{name} must be >= 0, not {getattr(self, name)}")
 

@@ -38,8 +38,12 @@ class Placement:
         self.settings = settings
         self._turn = itertools.count()
 
-    def choose(self, job: Job, excluded: set[str]) -> tuple[WorkerClient, WorkerClient | None, PdDecision]:
-        """The decode worker (pdserve.router.policy), then where to prefill (pdserve.router.pd_policy)."""
+    def choose(self, job: Job, excluded: set[str], forced: tuple[str, str] | None = None
+               ) -> tuple[WorkerClient, WorkerClient | None, PdDecision]:
+        """The decode worker (pdserve.router.policy), then where to prefill (pdserve.router.pd_policy);
+        ``forced``: (decode worker, prefill worker) of a decode move, taken while both are usable."""
+        if forced is not None and (moved := self._forced(job, *forced)) is not None:
+            return moved
         decoders = self.registry.decode_workers(excluded)
         if not decoders:
             known = [c for c in self.registry.clients.values() if c.can_decode or not c.info]
@@ -68,6 +72,26 @@ class Placement:
         d_key, decision = fleet_policy.decide(snaps, cfg)
         prefill = clients[decision.prefill_key] if decision.prefill_key else None
         return clients[d_key], prefill, decision
+
+    def _forced(self, job: Job, decode_key: str, prefill_key: str
+                ) -> tuple[WorkerClient, WorkerClient | None, PdDecision] | None:
+        """A move's placement (reason ``move``): None when either worker is not usable now."""
+        decode, prefill = self.registry.clients.get(decode_key), self.registry.clients.get(prefill_key)
+        if decode is None or prefill is None or not (decode.usable and decode.can_decode and prefill.usable):
+            return None
+        if prefill.role is Role.DECODE:
+            return None
+        bs, n = self.registry.block_size, len(job.prompt.token_ids)
+        matches = job.match(self.registry.prefix_index, bs)
+        return decode, prefill, PdDecision(REMOTE, prefill_key, "move", 0.0, 0.0,
+                                           uncached_tokens(n, matches.get(prefill_key, 0), bs))
+
+    def fleet_workers(self) -> list[fleet_policy.FleetWorker]:
+        """Every usable worker as the fleet policy reads it, without a request (``U`` = 0)."""
+        clients = {c.key: c for c in self.registry.decode_workers()}
+        clients.update((c.key, c) for c in self.registry.prefill_workers())
+        now, window = time.monotonic(), self.settings.pd.rate_window_s
+        return [_fleet_worker(c, 0, now, window) for c in clients.values()]
 
     def _choose_decode(self, job: Job, decoders: list[WorkerClient], turn: int) -> WorkerClient:
         """pdserve.router.policy over the decode workers' current figures. The prompt's block hashes

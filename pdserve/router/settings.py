@@ -3,6 +3,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from pdserve.router.admission import AdmissionConfig
 from pdserve.router.pd_policy import PdConfig
 
 # The router's ports unless flags say otherwise (its gRPC API; Prometheus /metrics).
@@ -54,6 +55,7 @@ class RouterSettings:
     routing: str = "kv"            # placement: kv | least-loaded | round-robin (see pdserve.router.policy)
     migration_limit: int = 0       # times a stream cut after its first token is continued elsewhere (flow.py)
     pd: PdConfig = PdConfig()      # local vs remote prefill, SLOs (see pdserve.router.pd_policy)
+    admission: AdmissionConfig = AdmissionConfig()   # when a new request is refused (pdserve.router.admission)
 
     def __post_init__(self) -> None:
         if self.migration_limit < 0:

@@ -142,7 +142,8 @@ def render(renderer: list[str] | None, name: str) -> list[dict]:
 
 @functools.cache
 def design_ports() -> dict[str, dict[str, int]]:
-    """{role: {"grpc": .., "metrics": .., ["kv": ..]}} from the Ports table of docs/design.md."""
+    """{role: {"grpc": .., "metrics": .., ["kv": ..], ["health": ..]}} from the Ports table of
+    docs/design.md (health: the plaintext health-only port the manifests' probes use)."""
     text = DESIGN.read_text()
     m = re.search(r"^## Ports.*?\n(.*?)(?=^## |\Z)", text, re.M | re.S)
     assert m, f"no '## Ports' section in {DESIGN}"
@@ -157,8 +158,11 @@ def design_ports() -> dict[str, dict[str, int]]:
         ports[role] = {"grpc": int(cells[1]), "metrics": int(cells[2])}
         if len(cells) > 3 and re.match(r"\d+", cells[3]):
             ports[role]["kv"] = int(re.match(r"\d+", cells[3]).group(0))
+        if len(cells) > 4 and re.match(r"\d+", cells[4]):
+            ports[role]["health"] = int(re.match(r"\d+", cells[4]).group(0))
     assert set(ports) == set(ROLES), f"Ports table of {DESIGN} lists {sorted(ports)}"
     assert "kv" in ports["decode"], "Ports table: decode worker's TCPStore port not found"
+    assert all("health" in p for p in ports.values()), "Ports table: a health port (probes) not found"
     return ports
 
 

@@ -88,17 +88,22 @@ def test_namespace_agnostic_and_common_labels(renderer, name):
 # ----------------------------------------------------------------------------- probes, ports, draining
 
 @pytest.mark.parametrize("name", list(KUSTOMIZATIONS))
-def test_grpc_probes_on_grpc_port(renderer, name):
-    for role, dep in deployments(render(renderer, name)).items():
+def test_grpc_probes_on_health_port(renderer, name):
+    """Native gRPC probes on the plaintext health-only port (``--health-port``), never on the gRPC
+    port, which may speak TLS (the kubelet's probes cannot; test_deploy_tls.py renders TLS on)."""
+    objs = render(renderer, name)
+    for role, dep in deployments(objs).items():
         for c in pod_spec(dep)["containers"]:
-            grpc_port = named_port(c, "grpc")
+            health_port = named_port(c, "health")
+            assert health_port != named_port(c, "grpc")
+            assert flag(resolved_args(c, objs), "health-port") == str(health_port)
             for kind in ("startupProbe", "readinessProbe", "livenessProbe"):
                 probe = c.get(kind)
                 assert probe, f"{role}/{c['name']}: no {kind}"
                 assert set(probe) & {"grpc", "httpGet", "tcpSocket", "exec"} == {"grpc"}, \
                     f"{role}: {kind} must be a gRPC probe"
-                assert probe["grpc"]["port"] == grpc_port, \
-                    f"{role}: {kind} probes {probe['grpc']['port']}, gRPC is {grpc_port}"
+                assert probe["grpc"]["port"] == health_port, \
+                    f"{role}: {kind} probes {probe['grpc']['port']}, the health port is {health_port}"
                 assert probe["grpc"].get("service", "") == "", f"{role}: {kind} must check the server's overall health"
             startup = c["startupProbe"]
             budget = startup.get("failureThreshold", 3) * startup.get("periodSeconds", 10)
@@ -117,6 +122,8 @@ def test_ports_agree_with_design(renderer, name):
         assert named_port(c, "metrics") == ports[role]["metrics"]
         assert flag(args, "port") == str(ports[role]["grpc"])
         assert flag(args, "metrics-port") == str(ports[role]["metrics"])
+        assert named_port(c, "health") == ports[role]["health"]
+        assert flag(args, "health-port") == str(ports[role]["health"])
         if "kv" in ports[role]:
             assert named_port(c, "kv-store") == ports[role]["kv"]
             assert flag(args, "kv-port") == str(ports[role]["kv"])
@@ -248,6 +255,7 @@ def test_args_parse_with_the_real_cli(renderer, name, role):
     ports = design_ports()[role]
     assert parsed.port == ports["grpc"]
     assert parsed.metrics_port == ports["metrics"]
+    assert parsed.health_port == ports["health"]
     if role == "decode":
         assert parsed.kv_port == ports["kv"]
     if role in WORKERS:

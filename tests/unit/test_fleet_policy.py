@@ -4,7 +4,15 @@ from __future__ import annotations
 
 import pytest
 
-from pdserve.router.fleet_policy import LEAN_SHARE, FleetWorker, decide, pick_decode, prefill_rate
+from pdserve.router.fleet_policy import (
+    LEAN_SHARE,
+    MAX_MOVES_PER_ROUND,
+    FleetWorker,
+    decide,
+    pick_decode,
+    pick_moves,
+    prefill_rate,
+)
 from pdserve.router.pd_policy import LOCAL, REMOTE, PdConfig
 
 CFG = PdConfig(mode="fleet", slo_ttft_ms=1000.0, slo_tpot_ms=12.0, remote_overhead_ms=2.0,
@@ -84,3 +92,30 @@ def test_prefill_only_workers_never_decode_and_decode_only_never_prefill_for_oth
     assert d in {"d", "b"} and dec.prefill_key in {None, "p"}
     d, dec = decide([p, w("d", can_prefill=False, decode_rows=3, decode_step_ms=6.0)], CFG)
     assert d == "d" and dec.kind == REMOTE and dec.prefill_key == "p"
+
+
+def test_moves_off_a_worker_whose_rows_break_the_tpot():
+    # a: 10 rows at 11 ms (> 0.9 * 12 = 10.8), b: 2 rows at 6 ms (room: <= 0.7 * 12) -> (10 - 2) // 2 = 4
+    a = w("a", decode_rows=10, decode_step_ms=11.0)
+    b = w("b", decode_rows=2, decode_step_ms=6.0)
+    assert pick_moves([a, b], 12.0) == [("a", "b", 4)]
+    # capped per round
+    big = w("a", decode_rows=30, decode_step_ms=11.0)
+    assert pick_moves([big, w("b")], 12.0) == [("a", "b", MAX_MOVES_PER_ROUND)]
+
+
+def test_no_move_without_risk_room_or_a_gap():
+    assert pick_moves([w("a", decode_rows=10, decode_step_ms=10.0), w("b")], 12.0) == []     # TPOT kept
+    assert pick_moves([w("a", decode_rows=10, decode_step_ms=11.0),
+                       w("b", decode_rows=3, decode_step_ms=9.0)], 12.0) == []               # b has no room
+    assert pick_moves([w("a", decode_rows=2, decode_step_ms=11.0),
+                       w("b", decode_rows=1, decode_step_ms=5.0)], 12.0) == []               # gap under 2
+    assert pick_moves([w("a", decode_rows=8, decode_step_ms=11.0),
+                       w("p", can_decode=False)], 12.0) == []                                # p never decodes
+
+
+def test_each_worker_is_in_one_move_per_round():
+    a = w("a", decode_rows=12, decode_step_ms=11.0)
+    b = w("b", decode_rows=10, decode_step_ms=11.0)
+    c, d = w("c"), w("d", decode_rows=1, decode_step_ms=4.0)
+    assert pick_moves([a, b, c, d], 12.0) == [("a", "c", 4), ("b", "d", 4)]

@@ -19,6 +19,10 @@ class PdserveError(Exception):
         super().__init__(message)
         self.message = message
 
+    def trailing_metadata(self) -> tuple[tuple[str, str], ...]:
+        """Trailing metadata sent with the status (the error interceptor's), none by default."""
+        return ()
+
 
 class InvalidArgument(PdserveError):
     """A request field is wrong; the message names the field (``"<field>: <message>"``)."""
@@ -49,9 +53,21 @@ class FailedPrecondition(PdserveError):
 
 
 class ResourceExhausted(PdserveError):
-    """Out of a resource (KV blocks, queue slots); retrying later may succeed."""
+    """Out of a resource (KV blocks, queue slots); retrying later may succeed. With
+    ``retry_after_s`` set, the status carries when (:data:`RETRY_AFTER_KEY`, seconds, as HTTP's
+    header; and gRPC's own server pushback, which a client retry policy honours)."""
 
     code = grpc.StatusCode.RESOURCE_EXHAUSTED
+    retry_after_s: int = 0
+
+    def trailing_metadata(self) -> tuple[tuple[str, str], ...]:
+        if not self.retry_after_s:
+            return ()
+        return (RETRY_AFTER_KEY, str(self.retry_after_s)), (PUSHBACK_KEY, str(self.retry_after_s * 1000))
+
+
+RETRY_AFTER_KEY = "retry-after"
+PUSHBACK_KEY = "grpc-retry-pushback-ms"   # gRFC A6: a retry policy waits this long before its next try
 
 
 class Unavailable(PdserveError):
@@ -68,6 +84,9 @@ class PeerUnavailable(Unavailable):
     def __init__(self, message: str, peer: str) -> None:
         super().__init__(message)
         self.peer = peer
+
+    def trailing_metadata(self) -> tuple[tuple[str, str], ...]:
+        return ((PEER_METADATA_KEY, self.peer),)
 
 
 PEER_METADATA_KEY = "pdserve-unavailable-peer"

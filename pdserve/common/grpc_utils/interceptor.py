@@ -1,10 +1,10 @@
 """The one server interceptor of pdserve: domain exceptions -> gRPC statuses.
 
 :class:`ErrorInterceptor` wraps every handler: PdserveError / ValueError -> the mapped status
-(DEBUG log; a PeerUnavailable adds its peer to the trailing metadata); a downstream AioRpcError
-keeps its status (WARNING); NotImplementedError -> UNIMPLEMENTED; anything else -> INTERNAL
-(ERROR, traceback); ``context.abort`` and cancellation pass through; undecodable request bytes
--> INVALID_ARGUMENT before the handler runs.
+(DEBUG log; with the error's trailing metadata: a PeerUnavailable's peer, a ResourceExhausted's
+retry-after); a downstream AioRpcError keeps its status (WARNING); NotImplementedError ->
+UNIMPLEMENTED; anything else -> INTERNAL (ERROR, traceback); ``context.abort`` and cancellation
+pass through; undecodable request bytes -> INVALID_ARGUMENT before the handler runs.
 """
 from __future__ import annotations
 
@@ -17,7 +17,7 @@ from typing import Any
 import grpc
 import grpc.aio
 
-from pdserve.common.grpc_utils.errors import PEER_METADATA_KEY, PeerUnavailable, status_for
+from pdserve.common.grpc_utils.errors import PdserveError, status_for
 
 log = logging.getLogger(__name__)
 
@@ -79,7 +79,7 @@ async def _abort(exc: Exception, context: grpc.aio.ServicerContext, method: str)
         code, details = mapped
         level = logging.WARNING if isinstance(exc, grpc.aio.AioRpcError) else logging.DEBUG
         log.log(level, "%s -> %s: %s", method, code.name, details)
-    trailing = ((PEER_METADATA_KEY, exc.peer),) if isinstance(exc, PeerUnavailable) else ()
+    trailing = exc.trailing_metadata() if isinstance(exc, PdserveError) else ()
     try:
         await context.abort(code, details, trailing_metadata=trailing)
     except (grpc.aio.AbortError, grpc.aio.UsageError):   # aborted; or aborted twice: a bug, surfaced

@@ -3,8 +3,11 @@
 ``build_server`` gives every server message size limits, the error interceptor,
 ``grpc.health.v1`` (NOT_SERVING until :meth:`GrpcServer.set_serving`), reflection (v1 and
 v1alpha) and optional security (:mod:`pdserve.common.security`; without it a port is plaintext
-and says so in the log). ``serve`` shuts down on SIGTERM/SIGINT: NOT_SERVING -> ``drain`` ->
-stop (a second signal stops at once). Clients use :func:`client_channel` and :func:`wait_ready`.
+and says so in the log), and with ``security.health_port`` a second, plaintext port that serves
+the same health service and nothing else (for the kubelet's ``grpc:`` probes, which cannot speak
+TLS): no other service, no reflection, no authentication; it stops after the main port.
+``serve`` shuts down on SIGTERM/SIGINT: NOT_SERVING -> ``drain`` -> stop (a second signal stops
+at once). Clients use :func:`client_channel` and :func:`wait_ready`.
 """
 from __future__ import annotations
 
@@ -83,15 +86,19 @@ class Service:
 
 
 class GrpcServer:
-    """A built (not yet started) grpc.aio server with its health servicer."""
+    """A built (not yet started) grpc.aio server with its health servicer (and, optionally, the
+    plaintext health-only server that shares it)."""
 
     def __init__(self, server: grpc.aio.Server, health_servicer: health.aio.HealthServicer,
-                 service_names: list[str], address: str, port: int) -> None:
+                 service_names: list[str], address: str, port: int,
+                 health_server: grpc.aio.Server | None = None, health_port: int = 0) -> None:
         self.server = server
         self.health = health_servicer
         self.service_names = service_names
         self.address = address
         self.port = port  # the bound port (useful with ":0")
+        self.health_server = health_server
+        self.health_port = health_port  # the health-only port's bound port (0: none)
         self._shutdown = asyncio.Event()
         self._stopped = False
 
@@ -99,6 +106,8 @@ class GrpcServer:
         """Start serving; health reports NOT_SERVING until :meth:`set_serving`."""
         await self.set_serving(False)
         await self.server.start()
+        if self.health_server is not None:
+            await self.health_server.start()
         log.info("gRPC server listening on %s (port %d): %s", self.address, self.port,
                  ", ".join(self.service_names))
 
@@ -129,12 +138,18 @@ class GrpcServer:
                 log.exception("drain failed")
         remaining = max(0.0, grace_s - (time.monotonic() - started))
         await self.server.stop(remaining)
+        await self._stop_health()
         log.info("gRPC server on port %d stopped", self.port)
 
     async def stop_now(self) -> None:
         """Stop at once, cancelling every call in flight."""
         self._stopped = True
         await self.server.stop(0)
+        await self._stop_health()
+
+    async def _stop_health(self) -> None:
+        if self.health_server is not None:
+            await self.health_server.stop(0)
 
 
 def _register_reflection_v1() -> None:
@@ -209,7 +224,27 @@ def build_server(
         raise Unavailable(f"cannot bind {address}")
     log.info("%s %s: %s; max message %d bytes", security.label, address, security.describe(),
              max_message_bytes)
-    return GrpcServer(server, health_servicer, names, address, port)
+    health_server, health_port = None, 0
+    if security.health_port:
+        health_server, health_port = _health_only_server(address, security.health_port, health_servicer)
+    return GrpcServer(server, health_servicer, names, address, port, health_server, health_port)
+
+
+def _health_only_server(address: str, port: int, health_servicer: health.aio.HealthServicer
+                        ) -> tuple[grpc.aio.Server, int]:
+    """A plaintext server on ``port`` of ``address``'s host with ``health_servicer`` alone (the
+    main server's: one status for both ports)."""
+    host = address.rsplit(":", 1)[0]
+    server = grpc.aio.server(options=[*_size_options(64 * 1024), *_SERVER_KEEPALIVE])
+    health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
+    try:
+        bound = server.add_insecure_port(f"{host}:{port}")
+    except RuntimeError as e:
+        raise Unavailable(f"cannot bind the health port {host}:{port}: {e}") from e
+    if bound == 0:
+        raise Unavailable(f"cannot bind the health port {host}:{port}")
+    log.info("health port %s:%d: plaintext, grpc.health.v1 only (for probes)", host, bound)
+    return server, bound
 
 
 async def serve(

@@ -1,6 +1,7 @@
 """Security flags of the router and the workers (each with a ``PDSERVE_*`` environment default):
 ``--tls-*``/``--auth-tokens-file`` for the router's public port, ``--internal-*`` for the
-internal API (mutual TLS with a CA, or a shared token), and ``--reflection``. A worker whose
+internal API (mutual TLS with a CA, or a shared token), ``--reflection`` and ``--health-port``
+(a plaintext port with health only, for probes). A worker whose
 internal port is open (no token, no mutual TLS) and listens beyond loopback says so in one
 WARNING at start.
 """
@@ -54,13 +55,22 @@ def add_internal_tls_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def add_internal_arguments(p: argparse.ArgumentParser) -> None:
-    """The internal-API flags (router and workers) and --reflection."""
+    """The internal-API flags (router and workers), --reflection and --health-port."""
     add_internal_tls_arguments(p)
     p.add_argument("--internal-token-file", default=env.get("INTERNAL_TOKEN_FILE"),
                    help="internal API token(s), one per line: the first is sent, any is accepted "
                         "(env PDSERVE_INTERNAL_TOKEN_FILE)")
     p.add_argument("--reflection", choices=("on", "off"), default=env.get("REFLECTION", "on"),
                    help="serve gRPC server reflection (env PDSERVE_REFLECTION)")
+    add_health_port_argument(p)
+
+
+def add_health_port_argument(p: argparse.ArgumentParser) -> None:
+    """``--health-port``: the plaintext health-only port (the router's and the workers')."""
+    p.add_argument("--health-port", type=int, default=env.get_int("HEALTH_PORT", 0),
+                   help="also serve grpc.health.v1, and nothing else, in plaintext on this port, for probes "
+                        "that cannot speak the gRPC port's TLS (the kubelet's grpc probes); 0 = off "
+                        "(env PDSERVE_HEALTH_PORT)")
 
 
 def internal_tls(args: argparse.Namespace) -> TlsFiles | None:
@@ -81,7 +91,8 @@ def public_server_security(args: argparse.Namespace) -> ServerSecurity:
     tls = TlsFiles(cert, key, client_ca) if cert or key else None
     return ServerSecurity(tls=tls, require_client_cert=client_ca is not None,
                           tokens_file=_path(args.auth_tokens_file),
-                          reflection=args.reflection == "on", label="public port")
+                          reflection=args.reflection == "on", label="public port",
+                          health_port=getattr(args, "health_port", 0))
 
 
 def internal_server_security(args: argparse.Namespace) -> ServerSecurity:
@@ -89,7 +100,8 @@ def internal_server_security(args: argparse.Namespace) -> ServerSecurity:
     tls = internal_tls(args)
     security = ServerSecurity(tls=tls, require_client_cert=tls is not None,
                               tokens_file=_path(args.internal_token_file), accept_peer_cert=tls is not None,
-                              reflection=args.reflection == "on", label="internal port")
+                              reflection=args.reflection == "on", label="internal port",
+                              health_port=getattr(args, "health_port", 0))
     warn_if_open(security, getattr(args, "host", None))
     return security
 

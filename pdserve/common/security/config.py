@@ -23,7 +23,9 @@ log = logging.getLogger(__name__)
 class ServerSecurity:
     """Security of one listening port: ``tls`` files; ``require_client_cert`` (mutual TLS with
     ``tls.ca``); ``tokens_file`` (accepted bearer tokens); ``accept_peer_cert`` (a verified client
-    certificate instead of a token: the internal API); ``reflection``."""
+    certificate instead of a token: the internal API); ``reflection``; ``health_port``: a second,
+    plaintext port that serves ``grpc.health.v1`` and nothing else, for probes that cannot speak
+    this port's TLS or present its client certificate (the kubelet's ``grpc:`` probes); 0 = none."""
 
     tls: TlsFiles | None = None
     require_client_cert: bool = False
@@ -31,12 +33,15 @@ class ServerSecurity:
     accept_peer_cert: bool = False
     reflection: bool = True
     label: str = "gRPC"
+    health_port: int = 0
 
     def __post_init__(self) -> None:
         if self.tls is not None and not self.tls.has_identity:
             raise ValueError(f"{self.label}: TLS needs a certificate and a key")
         if self.require_client_cert and (self.tls is None or self.tls.ca is None):
             raise ValueError(f"{self.label}: client certificates need TLS and a CA file")
+        if not 0 <= self.health_port <= 65535:
+            raise ValueError(f"{self.label}: health port {self.health_port} is not a port number")
         if self.tokens_file is not None:
             object.__setattr__(self, "tokens_file", Path(self.tokens_file))
             BearerTokens.from_file(self.tokens_file)  # fail at start-up, not at the first call

@@ -3,7 +3,10 @@
 Each inference request is converted (pdserve.router.kserve.convert) into a pdserve.v1
 GenerateRequest and takes Generate's own path. Errors are domain exceptions mapped by the error
 interceptor; on ModelStreamInfer a request's error is sent as ``error_message``
-(``"<STATUS>: <details>"``) and the stream goes on. Readiness is the server's health status.
+(``"<STATUS>: <details>"``) and the stream goes on. A request refused by admission control is
+RESOURCE_EXHAUSTED with ``retry-after`` trailing metadata (seconds) on ModelInfer, as on Generate;
+on ModelStreamInfer its error response carries the parameter ``retry_after`` (seconds) instead.
+Readiness is the server's health status.
 """
 from __future__ import annotations
 
@@ -33,6 +36,7 @@ MODEL_VERSION = "1"
 PLATFORM = "pdserve"
 EXTENSIONS = ("parameters", "model_stream_infer")
 _DONE = object()    # a stream task finished
+RETRY_AFTER = "retry_after"     # parameter of a ModelStreamInfer error refused by admission control (s)
 
 
 class KServeServicer(pb_grpc.GRPCInferenceServiceServicer):
@@ -168,6 +172,9 @@ class KServeServicer(pb_grpc.GRPCInferenceServiceServicer):
             error = pb.ModelStreamInferResponse(error_message=message)
             error.infer_response.model_name = self.model
             error.infer_response.id = request.id
+            retry_after = getattr(e, "retry_after_s", 0)    # refused by admission control
+            if retry_after:
+                error.infer_response.parameters[RETRY_AFTER].int64_param = retry_after
             queue.put_nowait(error)
 
 

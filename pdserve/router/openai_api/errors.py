@@ -43,6 +43,7 @@ class ApiError(Exception):
     type: str = "invalid_request_error"
     param: str | None = None
     code: str | None = None
+    retry_after_s: int = 0      # Retry-After of a 429 / 503 (0: 1 s)
 
     def __post_init__(self) -> None:
         super().__init__(self.message)
@@ -54,8 +55,9 @@ class ApiError(Exception):
         return json.dumps(self.body()).encode()
 
     def headers(self) -> dict[str, str]:
-        """Retry-After on overload answers (the SDKs honour it when they retry)."""
-        return {"retry-after": "1"} if self.status in (429, 503) else {}
+        """Retry-After on overload answers (the SDKs honour it when they retry): the refusal's
+        own estimate (pdserve.router.admission), else 1 s."""
+        return {"retry-after": str(self.retry_after_s or 1)} if self.status in (429, 503) else {}
 
 
 def bad_request(param: str, message: str) -> ApiError:
@@ -89,7 +91,8 @@ def from_exception(exc: BaseException, prompt_field: str = "prompt", max_tokens_
         return bad_request(param, detail)
     if isinstance(exc, PdserveError):
         status, kind = _BY_CODE.get(exc.code, (500, "server_error"))
-        return ApiError(status, exc.message or type(exc).__name__, kind, code=exc.code.name.lower())
+        return ApiError(status, exc.message or type(exc).__name__, kind, code=exc.code.name.lower(),
+                        retry_after_s=getattr(exc, "retry_after_s", 0))
     if isinstance(exc, ValueError):
         return ApiError(400, str(exc) or "invalid request")
     if isinstance(exc, grpc.aio.AioRpcError):

@@ -1,0 +1,75 @@
+"""Decodes that move (``--pd-policy fleet``, pdserve/router/mover.py) as separate processes on the
+CPU (embedded model, Gloo): two workers of role both; while the second is down, two long greedy
+streams decode on the first; once the second is back, the first's decode step is over the TPOT
+objective (set far below a CPU step) with two rows against none, so the mover sends one of them
+over: it is prefilled again on the first worker (a prefix-cache hit on its own blocks), its KV
+shipped to the second, and it decodes on there. Both streams end with the offline engine's tokens,
+uninterrupted, and both pools end whole.
+"""
+from __future__ import annotations
+
+import re
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import pytest
+
+from bench import deployment as services
+from pdserve.common.engine import LLM, SamplingParams
+from pdserve.v1 import common_pb2, router_pb2
+
+MAX_TOKENS = 96
+QUESTIONS = ["Tell me a long story about a lighthouse keeper.", "Explain how glaciers carve valleys, in detail."]
+
+
+@pytest.fixture(scope="module")
+def offline():
+    return LLM("default", device="cpu", num_kv_blocks=1024)
+
+
+def _metric(dep, name: str, **labels: str) -> float:
+    total = 0.0
+    for line in dep.scrape("router").splitlines():
+        m = re.match(rf"{name}\{{(.*)\}} (\S+)$", line)
+        if m and all(f'{k}="{v}"' in m.group(1) for k, v in labels.items()):
+            total += float(m.group(2))
+    return total
+
+
+def _wait(cond, timeout: float = 60.0) -> None:
+    end = time.monotonic() + timeout
+    while not cond():
+        assert time.monotonic() < end, "timed out"
+        time.sleep(0.1)
+
+
+def _stream(dep, tokens: list[int]) -> list[list[int]]:
+    req = router_pb2.GenerateRequest(token_ids=router_pb2.TokenIds(ids=tokens),
+                                     params=common_pb2.SamplingParams(temperature=0, max_tokens=MAX_TOKENS,
+                                                                      ignore_eos=True))
+    return [list(msg.token_ids) for msg in dep.router_stub().Generate(req, timeout=300)]
+
+
+def test_a_decode_moves_to_the_idle_worker_and_its_output_is_unchanged(tmp_path, offline):
+    prompts = [offline.apply_chat_template([{"role": "user", "content": q}]) for q in QUESTIONS]
+    params = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True)
+    expected = [o.token_ids for o in offline.generate(prompts, params, use_tqdm=False)]
+    dep = services.start(tmp_path, decode_role="both", num_decode=2, num_prefill=0, metrics=True,
+                         extra_worker_args=["--tpot-target-ms", "500"],
+                         router_args=["--pd-policy", "fleet", "--slo-tpot-ms", "1", "--pd-move-interval-s", "0.3"])
+    try:
+        dep.kill("decode1")
+        _wait(lambda: _metric(dep, "pdserve_router_workers_up", role="ROLE_BOTH") == 1)
+        with ThreadPoolExecutor(2) as pool:
+            streams = [pool.submit(_stream, dep, p) for p in prompts]
+            _wait(lambda: dep.stats(dep.decode[0]).num_running == 2)
+            dep.restart("decode1")
+            got = [f.result() for f in streams]
+        assert [sum(msgs, []) for msgs in got] == expected
+        assert _metric(dep, "pdserve_router_pd_decisions_total", kind="remote", reason="move") >= 1
+        moved = dep.stats(dep.decode[1])
+        assert moved.num_kv_transfers >= 1 and moved.kv_transfer_bytes > 0
+        for w in dep.decode:
+            dep.wait_whole(w)
+    finally:
+        dep.stop()
