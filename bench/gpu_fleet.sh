@@ -19,6 +19,9 @@ OUT=${1:?usage: gpu_fleet.sh OUTDIR part...}; shift
 PARTS=${*:-check phases}
 SLO=${SLO:-ttft_ms=1000,tpot_ms=12,itl_p99_ms=30}
 ROUTER_SLO="--slo-ttft-ms 1000 --slo-tpot-ms 12"
+# Admission control off in every deployment: the comparison is of placements, and a refusal would
+# count as a missed SLO anyway.
+NOADM="--admission-slo-multiple 0"
 GPUS=${GPUS:-0,1}
 G0=${GPUS%%,*}; G1=${GPUS##*,}
 export PYTHONUNBUFFERED=1 PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
@@ -27,9 +30,9 @@ mkdir -p "$OUT"
 nvidia-smi --query-gpu=name,memory.total --format=csv,noheader 2>/dev/null
 
 declare -A UP=(
-  [disagg]="--prefill 1 --decode 1 --prefill-gpus $G0 --decode-gpus $G1 --extra-router-args='--pd-policy always'"
-  [colocated]="--prefill 0 --decode 2 --role both --decode-gpus $GPUS --extra-decode-args='--max-num-batched-tokens 512' --extra-router-args='--pd-policy never'"
-  [fleet]="--prefill 0 --decode 2 --role both --decode-gpus $GPUS --extra-decode-args='--tpot-target-ms 12' --extra-router-args='--pd-policy fleet $ROUTER_SLO'"
+  [disagg]="--prefill 1 --decode 1 --prefill-gpus $G0 --decode-gpus $G1 --extra-router-args='--pd-policy always $NOADM'"
+  [colocated]="--prefill 0 --decode 2 --role both --decode-gpus $GPUS --extra-decode-args='--max-num-batched-tokens 512' --extra-router-args='--pd-policy never $NOADM'"
+  [fleet]="--prefill 0 --decode 2 --role both --decode-gpus $GPUS --extra-decode-args='--tpot-target-ms 12' --extra-router-args='--pd-policy fleet $ROUTER_SLO $NOADM'"
 )
 ups=()
 for d in ${DEPLOYS:-disagg colocated fleet}; do ups+=(--up-config "$d=${UP[$d]}"); done

@@ -30,6 +30,7 @@ logger = logging.getLogger(__name__)
 class DuplicateRequest(ValueError):
     """A request id that is already in flight."""
 DEFAULT_MAX_MODEL_LEN = 8192
+STATS_LOG_INTERVAL_S = 10.0
 
 
 @dataclass
@@ -71,6 +72,7 @@ class LLMEngine:
         self.step_timer = StepTimer()
         self.tpot_guard = TpotGuard(self.step_timer, config.tpot_target_ms, config.tpot_margin)
         self.scheduler.prompt_budget = self.tpot_guard.budget
+        self._next_log = 0.0        # perf_counter of the next stats line (STATS_LOG_INTERVAL_S apart)
         self.overlap_enabled = self._overlap_enabled()
         self.requests: dict[str, Sequence] = {}   # queued, running or reserved
         self.kv_handoff = KvHandoff(self)         # reserve / admit (import), hold / release (export)
@@ -166,8 +168,22 @@ class LLMEngine:
     def step(self) -> StepOutput:
         start = time.perf_counter()
         out = self._step()
-        self.step_timer.record(time.perf_counter() - start, out.num_prefill_tokens, out.num_decode_rows)
+        end = time.perf_counter()
+        self.step_timer.record(end - start, out.num_prefill_tokens, out.num_decode_rows)
+        if end >= self._next_log and (out.num_prefill_tokens or out.num_decode_rows):
+            self._next_log = end + STATS_LOG_INTERVAL_S
+            self._log_stats()
         return out
+
+    def _log_stats(self) -> None:
+        """One INFO line of the step-time model the TPOT guard and the router read (vLLM logs its
+        throughput likewise)."""
+        t, sched = self.step_timer, self.scheduler
+        logger.info("engine: %d running, %d waiting (%d prompt tokens); decode step %.2f ms, mixed step %.2f ms "
+                    "with %.0f prompt tokens, %.4f ms a prompt token, prefill %.0f tokens/s; TPOT target %.1f ms",
+                    len(sched.running), len(sched.waiting), sched.num_waiting_prefill_tokens(), t.decode_step_ms,
+                    t.mixed_step_ms, t.mixed_prompt_tokens, t.ms_per_prompt_token, t.prefill_tokens_per_s,
+                    self.tpot_guard.target_ms)
 
     def _step(self) -> StepOutput:
         if self.pending is not None:
