@@ -37,7 +37,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from pdserve.common.engine.step_timer import StepTimer
-from pdserve.common.engine.tpot_guard import prompt_budget
+from pdserve.common.engine.tpot_guard import TpotGuard
 from pdserve.common.serving.worker_args import GUARDED_BUDGET
 from pdserve.loadtest import arrivals, capacity, datasets, phases
 from pdserve.router import fleet_policy
@@ -71,7 +71,10 @@ class GpuModel:
 
     A step's weights are read once for its decode rows and its prompt tokens together, so prompt
     tokens cost only what their compute exceeds the weight read by (a decode step reads the 16 GB
-    of weights; 512 prompt tokens of compute take ~12 ms)."""
+    of weights; 512 prompt tokens of compute take ~12 ms). Except with ``linear_mixed``: a step
+    with decode rows and prompt tokens takes its decode step plus ``ms_per_chunk_token`` a prompt
+    token, as the engine's step-time lines showed on two H100s (decode 9.66 ms, mixed 10.36 ms with
+    34 prompt tokens; decode 8.55, mixed 15.27 with 268: ~0.021-0.026 ms a token from the first)."""
     fixed_ms: float = 2.0
     per_seq_ms: float = 0.0                # a decode row's own work (attention launch share, sampling)
     weights_ms: float = 3.4                # 16.4 GB at ~4.8 TB/s
@@ -80,17 +83,22 @@ class GpuModel:
     ms_per_chunk_token: float = 0.028      # the same in the smaller GEMMs of a chunked step
     transfer_ms: float = 2.0
     transfer_us_per_token: float = 1.0
+    linear_mixed: bool = False
 
     @classmethod
     def named(cls, gpu: str) -> GpuModel:
         """``h200`` (the fitted model) or ``h100``: the same compute, the reads at 3.0 TB/s instead
-        of 4.8 (16.4 GB of weights: 5.5 ms; KV 0.043 ms per 1,000 tokens)."""
-        return cls() if gpu == "h200" else cls(weights_ms=5.5, kv_ms_per_ktok=0.043)
+        of 4.8 (16.4 GB of weights: 5.5 ms; KV 0.043 ms per 1,000 tokens), mixed steps linear at
+        0.024 ms a prompt token (the engine's step-time lines on two H100s)."""
+        return cls() if gpu == "h200" else cls(weights_ms=5.5, kv_ms_per_ktok=0.043, linear_mixed=True,
+                                               ms_per_chunk_token=0.024)
 
     def step_ms(self, rows: int, context_tokens: int, prompt_tokens: int, chunked: bool) -> float:
         per_token = self.ms_per_chunk_token if chunked else self.ms_per_prompt_token
-        return (self.fixed_ms + self.per_seq_ms * rows + max(self.weights_ms, prompt_tokens * per_token)
-                + self.kv_ms_per_ktok * context_tokens / 1000.0)
+        dense = max(self.weights_ms, prompt_tokens * per_token)
+        if self.linear_mixed and rows and prompt_tokens:
+            dense = self.weights_ms + prompt_tokens * self.ms_per_chunk_token
+        return self.fixed_ms + self.per_seq_ms * rows + dense + self.kv_ms_per_ktok * context_tokens / 1000.0
 
 
 @dataclass(eq=False)
@@ -101,6 +109,7 @@ class Req:
     prefix: int | None
     decode_worker: Worker | None = None
     tokens: list[float] = field(default_factory=list)      # times of its output tokens
+    tpot_slo_ms: float = 0.0                                # its own TPOT target (TpotGuard reads it)
 
 
 @dataclass(eq=False)
@@ -116,7 +125,7 @@ class Worker:
     counter: float = 0.0                        # prompt tokens given lately (decayed) ...
     counter_at: float = 0.0                     # ... as of this time
     busy: bool = False
-    guard_ms: float = 0.0                       # the TPOT guard's target; 0 = off
+    guard: TpotGuard | None = None              # the engine's TPOT guard (its own timer); None = off
 
     def give(self, tokens: int, now: float, window: float) -> None:
         self.counter = pd.decayed_rate(self.counter, self.counter_at, now, window) + tokens
@@ -158,8 +167,10 @@ class Lab:
     def __init__(self, roles: tuple[str, ...], mode: str, gpu: GpuModel, slo_ttft: float, slo_tpot: float,
                  both_budget: int, prefix_len: int, rule: str = "router", guard_ms: float = 0.0) -> None:
         budgets = {"prefill": 16384, "decode": 2048, "both": GUARDED_BUDGET if guard_ms else both_budget}
-        self.workers = [Worker(f"w{i}", r, budgets[r], guard_ms=guard_ms if r != "prefill" else 0.0)
-                        for i, r in enumerate(roles)]
+        self.workers = [Worker(f"w{i}", r, budgets[r]) for i, r in enumerate(roles)]
+        for w in self.workers:
+            if guard_ms and w.role != "prefill":
+                w.guard = TpotGuard(w.timer, guard_ms)
         self.fleet = mode == "fleet"
         self.cfg = pd.PdConfig(mode="never" if self.fleet else mode, slo_ttft_ms=slo_ttft, slo_tpot_ms=slo_tpot)
         self.gpu, self.prefix_len = gpu, prefix_len
@@ -279,9 +290,8 @@ class Lab:
         if w.role == "prefill":
             return w.budget
         room = w.budget - len(w.rows)
-        if w.guard_ms and w.rows:
-            t = w.timer
-            room = min(room, prompt_budget(w.guard_ms, 0.1, t.decode_step_ms, t.ms_per_prompt_token, room))
+        if w.guard is not None and w.rows:
+            room = min(room, w.guard.budget(w.rows, room))
         return room
 
     def start_step(self, w: Worker, now: float) -> None:
@@ -312,6 +322,8 @@ class Lab:
     def end_step(self, now: float, w: Worker, rows: list, chunk: list, ms: float, tokens: int) -> None:
         w.busy = False
         w.timer.record(ms / 1000.0, tokens, len(rows))
+        if w.guard is not None:
+            w.guard.observe(ms, len(rows))
         for x in rows:
             x.tokens.append(now)
             if len(x.tokens) >= x.out_len:
@@ -406,7 +418,7 @@ def main(argv: list[str] | None = None) -> None:
         cap = capacity.find_capacity(search, run)
         out[name] = cap.as_dict()
         print(f"{name:10s} capacity {cap.capacity:g} (failed at {cap.upper})  " + "  ".join(
-            f"{q['rate']:g}:{q['slo_attainment']:.2f}/{q['mean_tpot_ms']:.1f}ms/{q['mean_ttft_ms']:.0f}ms/"
+            f"{q['rate']:g}:{q['slo_attainment']:.2f}/{q['mean_tpot_ms']:.1f}ms/{q['mean_ttft_ms']:.0f}ms/itl{q['itl_p99_ms']:.0f}/"
             f"{q['local_share']:.0%}"
             for q in cap.points), flush=True)
     summary = {"workload": a.workload, "rule": a.rule, "capacity": {k: v["capacity"] for k, v in out.items()}}

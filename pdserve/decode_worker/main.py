@@ -52,8 +52,8 @@ async def _main(args: argparse.Namespace) -> None:
 
         runtime = await WorkerRuntime.create(args.role, worker_id, engine_config_from_args(args, args.role))
         receiver = KvReceiver(runtime.engine.model_runner.kv_cache, worker_id, store, timeout=args.kv_timeout_s)
-        kv_import = KvImport(runtime, DecodeState(runtime.outputs, args.lease_ms, runtime.requests), receiver,
-                             kv_address)
+        state = DecodeState(runtime.outputs, args.lease_ms, runtime.requests, runtime.loop, runtime.cancelled)
+        kv_import = KvImport(runtime, state, receiver, kv_address)
         export = None
         if args.role == "both":
             from pdserve.prefill_worker.export import KvExport

@@ -7,6 +7,13 @@ locally (Submit).
 
 Every request is checked as if from a stranger (pdserve.decode_worker.validation) before a block
 moves; a PushKV refused for a bad field also ends its reservation, so its blocks are freed at once.
+RenewLeases extends the leases of a router's reservations while their requests wait for their
+prefill (the router renews them until the KV has crossed).
+
+A router's Subscribe stream carries its requests' outputs; when it ends, or when the same router
+subscribes again (it reconnected: its requests on the old stream are gone for it), the router's
+requests here are cancelled. When the worker stops (the end of a drain) the stream ends after the
+outputs already queued went out.
 """
 from __future__ import annotations
 
@@ -65,6 +72,12 @@ class DecodeServicer(BaseWorkerServicer):
                                           kv_store_address=self.kv_import.kv_store_address,
                                           worker_id=self.runtime.worker_id, lease_expires_unix_ms=lease_expires)
 
+    async def RenewLeases(self, request, context) -> worker_pb2.RenewLeasesResponse:
+        if not request.router_id:
+            raise InvalidArgument("router_id", "must not be empty")
+        lost = await self.kv_import.renew(request.router_id, list(request.request_ids))
+        return worker_pb2.RenewLeasesResponse(lost=lost)
+
     async def PushKV(self, request, context) -> worker_pb2.PushKVResponse:
         telemetry.bind_request(request.request_id)
         try:
@@ -96,6 +109,12 @@ class DecodeServicer(BaseWorkerServicer):
         if not request.router_id:
             raise InvalidArgument("router_id", "must not be empty")
         router_id = request.router_id
+        if self.runtime.outputs.has(router_id):
+            # the router subscribes again: it reconnected, and what it had on the old stream failed
+            # on its side; nothing would ever cancel those requests here
+            n = await self.kv_import.cancel_router(router_id)
+            if n:
+                logger.info("router %s subscribed again: cancelled its %d earlier requests", router_id, n)
         queue = self.runtime.outputs.subscribe(router_id)
         await context.send_initial_metadata(())   # tells the router the stream is open
         step = 0
@@ -104,10 +123,13 @@ class DecodeServicer(BaseWorkerServicer):
                 items = [await queue.get()]
                 while not queue.empty():          # coalesce steps that queued up meanwhile
                     items.append(queue.get_nowait())
-                if any(item is None for item in items):
+                end = None in items
+                items = [item for item in items if item is not None]
+                if items:                         # what came before the end still goes out
+                    step += 1
+                    yield worker_pb2.StepOutputs(outputs=_merge(items), step=step)
+                if end:
                     return
-                step += 1
-                yield worker_pb2.StepOutputs(outputs=_merge(items), step=step)
         finally:
             if self.runtime.outputs.unsubscribe(router_id, queue):
                 n = await self.kv_import.cancel_router(router_id)

@@ -3,8 +3,15 @@
 A request's handoff moves RESERVED -> RECEIVING -> ACTIVE (:class:`Phase`; Submit starts at
 ACTIVE): RESERVED holds blocks under a lease until PushKV; RECEIVING while its blocks are
 written (a cancel then only marks it, the blocks are freed when the receive ends); ACTIVE in the
-engine's batch. Every method whose first argument is ``engine`` runs on the engine thread
-(through ``EngineLoop.call``), so the engine and ``tracked`` are only touched there.
+engine's batch. A reservation's lease follows its request: the router renews it (``renew``)
+while the request waits for its prefill, so only a reservation whose router stopped renewing
+(its KV will never come) expires.
+
+Every method whose first argument is ``engine`` runs under the engine's state lock
+(:class:`pdserve.common.serving.engine_loop.EngineLoop`): on the engine thread between steps
+(``EngineLoop.call``, the hooks) or off it (``EngineLoop.now``: Reserve, Submit, PushKV, Cancel,
+renewals), possibly while a step computes. Such a method never touches a sequence a step may
+hold: a request in the running batch is ended on the engine thread, after the step (``_end``).
 """
 from __future__ import annotations
 
@@ -16,15 +23,18 @@ from enum import Enum
 
 from pdserve.common.engine.handoff import InvalidFirstToken
 from pdserve.common.engine.llm_engine import LLMEngine, StepOutput
-from pdserve.common.engine.sequence import Sequence
+from pdserve.common.engine.sequence import Sequence, SequenceStatus
 from pdserve.common.outputs import FinishReason, SequenceOutput
 from pdserve.common.sampling_params import SamplingParams
 from pdserve.common.serving.broadcast import Broadcast
+from pdserve.common.serving.cancels import Tombstones
 from pdserve.common.serving.engine_loop import EngineLoop
 from pdserve.common.serving.metrics import KIND_LOCAL, KIND_REMOTE, RequestTracker, WorkerMetrics
 
 logger = logging.getLogger(__name__)
-
+# The error of a reservation whose lease ran out (the router reports it as RESOURCE_EXHAUSTED:
+# the blocks could not be held for the request, not a fault).
+LEASE_EXPIRED = "reservation lease expired"
 
 
 class Phase(Enum):
@@ -44,6 +54,10 @@ class BadTransfer(ValueError):
     """A PushKV that does not match its reservation."""
 
 
+class CancelledBefore(Exception):
+    """A request whose id a Cancel already named (the Cancel overtook it)."""
+
+
 @dataclass
 class Tracked:
     seq: Sequence
@@ -51,6 +65,7 @@ class Tracked:
     deadline: float | None         # Unix seconds
     lease_expires: float | None    # Unix seconds, while RESERVED
     phase: Phase
+    lease_s: float = 0.0           # how far a renewal extends the lease
     cancel_reason: FinishReason | None = None
     first_sent: bool = False
 
@@ -62,25 +77,37 @@ class Tracked:
 
 
 class DecodeState:
-    def __init__(self, outputs: Broadcast, default_lease_ms: int, tracker: RequestTracker | None = None) -> None:
+    """``loop``: the engine loop whose thread ends running requests (None: every method runs on
+    the engine thread, as in unit tests); ``cancelled``: ids a Cancel named (refused later)."""
+
+    def __init__(self, outputs: Broadcast, default_lease_ms: int, tracker: RequestTracker | None = None,
+                 loop: EngineLoop | None = None, cancelled: Tombstones | None = None) -> None:
         self.outputs = outputs
         self.tracker = tracker or RequestTracker(WorkerMetrics("decode"))   # metrics and spans per request
         self.default_lease_ms = default_lease_ms
+        self.loop = loop
+        self.cancelled = cancelled if cancelled is not None else Tombstones()
         self.tracked: dict[str, Tracked] = {}
         self.num_transfers = 0          # receives completed
         self.transfer_bytes = 0
 
+    def _check_new(self, request_id: str) -> None:
+        if request_id in self.cancelled:
+            raise CancelledBefore(f"request {request_id!r} was cancelled before it arrived")
+
     # ---- admission paths -------------------------------------------------------------
     def reserve(self, engine: LLMEngine, request_id: str, token_ids: list[int], params: SamplingParams,
                 lease_ms: int, deadline: float | None, router_id: str) -> tuple[list[int], int]:
+        self._check_new(request_id)
         seq = engine.kv_handoff.reserve(token_ids, params, request_id)
         lease = (lease_ms or self.default_lease_ms) / 1000.0
-        self.tracked[request_id] = Tracked(seq, router_id, deadline, time.time() + lease, Phase.RESERVED)
+        self.tracked[request_id] = Tracked(seq, router_id, deadline, time.time() + lease, Phase.RESERVED, lease)
         self.tracker.begin(request_id, KIND_REMOTE, "Reserve")
         return list(seq.block_table), seq.num_cached_tokens
 
     def submit(self, engine: LLMEngine, request_id: str, token_ids: list[int], params: SamplingParams,
                deadline: float | None, router_id: str) -> None:
+        self._check_new(request_id)
         seq = engine.add_request(token_ids, params, request_id)
         self.tracked[request_id] = Tracked(seq, router_id, deadline, None, Phase.ACTIVE)
         self.tracker.begin(request_id, KIND_LOCAL, "Submit")
@@ -97,6 +124,19 @@ class DecodeState:
         t.advance(Phase.RECEIVING)
         t.lease_expires = None
         return t
+
+    def renew(self, engine: LLMEngine, router_id: str, request_ids: list[str]) -> list[str]:
+        """Extend the leases of ``router_id``'s reservations ``request_ids`` (each by its own
+        lease); the ids of those it no longer has (expired, cancelled, finished or unknown).
+        Requests past RESERVED have no lease and are simply still held."""
+        now, lost = time.time(), []
+        for rid in request_ids:
+            t = self.tracked.get(rid)
+            if t is None or t.router_id != router_id:
+                lost.append(rid)
+            elif t.phase is Phase.RESERVED:
+                t.lease_expires = now + t.lease_s
+        return lost
 
     def refuse_push(self, engine: LLMEngine, request_id: str, error: str) -> bool:
         """A PushKV for ``request_id`` was refused before anything was posted: end its
@@ -140,14 +180,31 @@ class DecodeState:
 
     # ---- endings ---------------------------------------------------------------------
     def cancel(self, engine: LLMEngine, request_id: str, reason: FinishReason = FinishReason.CANCELLED) -> bool:
+        """End a request: its blocks freed now, or (a receive writing them, or a step that may be
+        computing it) as soon as that ends. False when it is not here."""
         t = self.tracked.get(request_id)
         if t is None:
             return False
         if t.phase is Phase.RECEIVING:       # blocks are being written: free them when the receive ends
             t.cancel_reason = reason
             return True
-        self._drop(engine, t, reason)
+        if t.phase is Phase.ACTIVE and t.seq.status is SequenceStatus.RUNNING and not self._between_steps():
+            if t.cancel_reason is None:      # in the batch: a step may be computing it
+                t.cancel_reason = reason
+                assert self.loop is not None
+                self.loop.call(lambda e: self._end(e, request_id, reason))
+            return True
+        self._drop(engine, t, reason)        # reserved, or waiting for its prefill: in no step
         return True
+
+    def _between_steps(self) -> bool:
+        return self.loop is None or self.loop.on_engine_thread()
+
+    def _end(self, engine: LLMEngine, request_id: str, reason: FinishReason) -> None:
+        """On the engine thread: end a running request a cancel marked (unless it ended meanwhile)."""
+        t = self.tracked.get(request_id)
+        if t is not None:
+            self._drop(engine, t, reason)
 
     def cancel_router(self, engine: LLMEngine, router_id: str) -> int:
         ids = [rid for rid, t in self.tracked.items() if t.router_id == router_id]
@@ -168,8 +225,8 @@ class DecodeState:
             if t.phase is Phase.RESERVED and t.lease_expires is not None and now > t.lease_expires:
                 logger.warning("reservation %s expired before its KV arrived", t.seq.request_id)
                 self.tracker.reservation_expired()
-                self._drop(engine, t, FinishReason.ERROR, "reservation lease expired")
-            elif t.deadline is not None and now > t.deadline:
+                self._drop(engine, t, FinishReason.ERROR, LEASE_EXPIRED)
+            elif t.deadline is not None and now > t.deadline and t.cancel_reason is None:
                 self.cancel(engine, t.seq.request_id, FinishReason.DEADLINE)
 
     # ---- outputs ---------------------------------------------------------------------
@@ -199,7 +256,8 @@ class DecodeState:
             self.outputs.publish(router_id, list(updates.values()))
 
     def num_reserved(self) -> int:
-        return sum(t.phase is not Phase.ACTIVE for t in self.tracked.values())
+        """Read from any thread (a snapshot of the values: the dict may change meanwhile)."""
+        return sum(t.phase is not Phase.ACTIVE for t in list(self.tracked.values()))
 
 
 def _finish_reason(seq: Sequence) -> FinishReason:

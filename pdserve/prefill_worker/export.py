@@ -5,6 +5,9 @@ Served by the prefill worker and by a worker of role both (which is then a KV se
 as a receiver): each builds one :class:`KvExport` beside its engine, starts the engine thread
 with its :attr:`KvExport.hooks`, and hands it to the base servicer as a handoff side (Cancel,
 drain, stats). Admission (draining, ids, deadline) is the servicer's, before :meth:`prefill`.
+A Prefill is queued and a Cancel answered off the engine's step (``WorkerRuntime.call_now``);
+a Prefill call that goes away at any point leaves nothing behind (its request is cancelled here,
+its blocks freed once no send reads them).
 """
 from __future__ import annotations
 
@@ -29,7 +32,7 @@ from pdserve.common.kv_transfer import KvTransferError
 from pdserve.common.outputs import FinishReason
 from pdserve.common.serving.engine_loop import EngineHooks
 from pdserve.common.serving.worker_runtime import WorkerRuntime
-from pdserve.prefill_worker.state import LaunchedPrefill, PrefillAborted, PrefillState
+from pdserve.prefill_worker.state import CancelledBefore, LaunchedPrefill, PrefillAborted, PrefillState
 from pdserve.v1 import worker_pb2, worker_pb2_grpc
 
 logger = logging.getLogger(__name__)
@@ -52,7 +55,7 @@ class KvExport:
         """Its state (on the runtime's request tracker) and a KV sender (one pair secret per channel)."""
         from pdserve.common.kv_transfer import KvSender
         sender = KvSender(runtime.worker_id, timeout=kv_timeout_s, pair_secrets=True)
-        return cls(runtime, PrefillState(runtime.aio_loop, runtime.requests), sender)
+        return cls(runtime, PrefillState(runtime.aio_loop, runtime.requests, runtime.loop, runtime.cancelled), sender)
 
     @property
     def hooks(self) -> EngineHooks:
@@ -72,10 +75,11 @@ class KvExport:
         return self.num_transfers, self.transfer_bytes
 
     async def cancel(self, request_id: str) -> bool:
-        return await self.runtime.call(lambda e: self.state.cancel(e, request_id))
+        return await self.runtime.call_now(lambda e: self.state.cancel(e, request_id), shielded=True)
 
     async def cancel_all(self) -> None:
-        await self.runtime.call(lambda e: [self.state.cancel(e, rid) for rid in list(self.state.pending)])
+        await self.runtime.call_now(lambda e: [self.state.cancel(e, rid) for rid in list(self.state.pending)],
+                                    shielded=True)
 
     def _decode_stub(self, address: str) -> worker_pb2_grpc.WorkerStub:
         return worker_pb2_grpc.WorkerStub(self._decode_channels.get(address))
@@ -104,10 +108,16 @@ class KvExport:
         loop = asyncio.get_running_loop()
         first, launched = loop.create_future(), loop.create_future()
         try:
-            await self.runtime.call(lambda e: self.state.start(e, rid, list(request.token_ids), params, deadline,
-                                                               first, launched))
+            await self.runtime.call_now(lambda e: self.state.start(e, rid, list(request.token_ids), params,
+                                                                   deadline, first, launched))
         except DuplicateRequest as e:
             raise AlreadyExists(str(e)) from e
+        except CancelledBefore as e:
+            raise Cancelled(str(e)) from e
+        except asyncio.CancelledError:   # the caller left; the request may have been queued
+            self.runtime.cancelled.add(rid)
+            self.runtime.loop.call(lambda e: self.state.cancel(e, rid))
+            raise
         self.in_flight += 1
         ship = None                  # from its start, the blocks are freed only after it ended
         try:

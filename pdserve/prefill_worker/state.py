@@ -1,9 +1,11 @@
 """The prefill worker's requests: the prefill side of the KV handoff.
 
 A request moves QUEUED -> LAUNCHED -> first token out (:class:`Phase`). QUEUED: a cancel frees its
-blocks at once. LAUNCHED: a KV send may read its blocks, so only the servicer frees them
-(``release``, after the send) and a cancel only ends the wait. Methods whose first argument is
-``engine`` run on the engine thread.
+blocks at once (or, when a step may be computing it, right after that step). LAUNCHED: a KV send
+may read its blocks, so only the servicer frees them (``release``, after the send) and a cancel
+only ends the wait. Methods whose first argument is ``engine`` run under the engine's state lock:
+on the engine thread between steps, or off it (``EngineLoop.now``: a new Prefill, a Cancel),
+possibly while a step computes.
 """
 from __future__ import annotations
 
@@ -14,16 +16,22 @@ from enum import Enum
 
 from pdserve.common.engine.llm_engine import LLMEngine, StepOutput
 from pdserve.common.engine.model_runner import LaunchedStep
-from pdserve.common.engine.sequence import Sequence
+from pdserve.common.engine.sequence import Sequence, SequenceStatus
 from pdserve.common.kv_transfer import FirstTokenRef
 from pdserve.common.outputs import FinishReason
 from pdserve.common.sampling_params import SamplingParams
+from pdserve.common.serving.cancels import Tombstones
+from pdserve.common.serving.engine_loop import EngineLoop
 from pdserve.common.serving.metrics import KIND_PREFILL, RequestTracker, WorkerMetrics
 
 
 class Phase(Enum):
     QUEUED = "queued"
     LAUNCHED = "launched"
+
+
+class CancelledBefore(Exception):
+    """A request whose id a Cancel already named (the Cancel overtook it)."""
 
 
 class PrefillAborted(Exception):
@@ -61,13 +69,21 @@ class Pending:
 
 
 class PrefillState:
-    def __init__(self, aio_loop: asyncio.AbstractEventLoop, tracker: RequestTracker | None = None) -> None:
+    """``loop``: the engine loop whose thread ends requests a step may be computing (None: every
+    method runs on the engine thread); ``cancelled``: ids a Cancel named (refused later)."""
+
+    def __init__(self, aio_loop: asyncio.AbstractEventLoop, tracker: RequestTracker | None = None,
+                 loop: EngineLoop | None = None, cancelled: Tombstones | None = None) -> None:
         self.aio_loop = aio_loop
         self.tracker = tracker or RequestTracker(WorkerMetrics("prefill"))   # metrics and spans per request
+        self.loop = loop
+        self.cancelled = cancelled if cancelled is not None else Tombstones()
         self.pending: dict[str, Pending] = {}   # waiting for the first token
 
     def start(self, engine: LLMEngine, request_id: str, token_ids: list[int], params: SamplingParams,
               deadline: float | None, first: asyncio.Future, launched: asyncio.Future) -> None:
+        if request_id in self.cancelled:
+            raise CancelledBefore(f"request {request_id!r} was cancelled before it arrived")
         seq = engine.add_request(token_ids, params, request_id, prefill_only=True)
         self.pending[request_id] = Pending(seq, deadline, first, launched)
         self.tracker.begin(request_id, KIND_PREFILL, "Prefill")
@@ -115,7 +131,10 @@ class PrefillState:
         if p is None:
             return False
         if p.phase is Phase.QUEUED:
-            engine.abort(request_id, reason)
+            if p.seq.status is SequenceStatus.WAITING or self.loop is None or self.loop.on_engine_thread():
+                engine.abort(request_id, reason)
+            else:       # in the batch: a step may be computing it; no send will read its blocks
+                self.loop.call(lambda e: e.abort(request_id, reason))   # (on_launch skips it now)
         self._resolve(p, error=PrefillAborted(reason))
         self.tracker.end(request_id, reason)
         return True

@@ -6,11 +6,18 @@ RESOURCE_EXHAUSTED): Submit(decode), then its outputs. ``next()`` returns the ne
 :class:`~pdserve.common.outputs.SequenceOutput` (``finish_reason`` None until the last). Before the
 first token every failure is raised as :class:`Retry`; after it, a failure another worker could
 continue from (the worker or its stream failed) as :class:`Cut`, any other as the mapped domain error.
+
+Timeouts: Reserve and Submit wait as long as the request's own deadline allows (the decode worker
+answers them off its engine step; a worker that dies meanwhile breaks the output stream, which
+cancels them), not a fixed control-call timeout. From Reserve's answer until the KV has crossed,
+the reservation's lease is renewed (``WorkerClient.leases``); a reservation the decode worker could
+not hold (its lease ran out) fails the try with RESOURCE_EXHAUSTED, never INTERNAL.
 """
 from __future__ import annotations
 
 import asyncio
 import logging
+import time
 
 import grpc
 import grpc.aio
@@ -19,6 +26,7 @@ from pdserve.common.grpc_utils import (
     DeadlineExceeded,
     Internal,
     PdserveError,
+    ResourceExhausted,
     Unavailable,
     from_rpc_error,
     unavailable_peer,
@@ -28,13 +36,18 @@ from pdserve.common.worker_types import Reservation
 from pdserve.router.pd_policy import PdDecision
 from pdserve.router.prefill_call import PrefillRequest, PrefillStream, prefill_request
 from pdserve.router.subscription import OutputBuffer, Subscription
-from pdserve.router.worker_client import WorkerClient
+from pdserve.router.worker_client import DRAINING, WorkerClient
 
 log = logging.getLogger(__name__)
 
 FINAL_OK = (FinishReason.STOP, FinishReason.LENGTH)
 _NORMAL = (None, *FINAL_OK)
 _NOT_RETRYABLE = (grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.OUT_OF_RANGE)
+# Reserve / Submit of a request without a deadline wait at most this long for their answer.
+NO_DEADLINE_ADMIT_TIMEOUT_S = 60.0
+# The error of a reservation whose lease ran out on the decode worker (its SequenceOutput.error;
+# pdserve.decode_worker.state.LEASE_EXPIRED): the blocks could not be held, RESOURCE_EXHAUSTED.
+LEASE_EXPIRED = "reservation lease expired"
 
 
 class Retry(Exception):
@@ -74,6 +87,8 @@ class Attempt:
         self._prefill_task: asyncio.Task | None = None
         self._pending: BaseException | None = None
         self._decode_broken: BaseException | None = None   # decode stream error before the first token
+        self._admit_call: grpc.aio.UnaryUnaryCall | None = None   # Reserve / Submit in flight
+        self._lease_held = False         # the decode worker's LeaseKeeper renews this reservation
         self._prefill_req: PrefillRequest | None = None   # built early (after_send)
         self._subscription: Subscription | None = None
         self._decode_load = 0
@@ -84,10 +99,10 @@ class Attempt:
         self.closed = False
 
     # ---- start ------------------------------------------------------------------------
-    def _timeout(self) -> float:
-        t = self.flow.settings.worker_timeout_s
+    def _admit_timeout(self) -> float:
+        """Reserve's and Submit's: the request's own deadline (see the module doc)."""
         remaining = self.job.remaining()
-        return t if remaining is None else max(0.001, min(t, remaining))
+        return NO_DEADLINE_ADMIT_TIMEOUT_S if remaining is None else max(0.001, remaining)
 
     def _fail(self, err: BaseException, worker: WorkerClient, where: str) -> BaseException:
         """Map ``err`` (an rpc error or a domain error) and decide whether to retry."""
@@ -114,8 +129,12 @@ class Attempt:
     def _mark_down(self, err: grpc.aio.AioRpcError, worker: WorkerClient, where: str) -> None:
         """An UNAVAILABLE from ``worker`` marks it down, unless it names this request's decode
         worker as the peer at fault (a prefill worker whose KV the decode worker refused: the
-        prefill worker is up, and the decode worker is left to its own health checks). The retry
-        avoids ``worker`` either way: without it, the pair does not meet again for this request."""
+        prefill worker is up, and the decode worker is left to its own health checks), or says
+        the worker drains (its streams in flight go on: ``begin_drain``). The retry avoids
+        ``worker`` either way: without it, the pair does not meet again for this request."""
+        if DRAINING in (err.details() or ""):
+            worker.begin_drain(f"{where}: {err.details()}")
+            return
         peer = unavailable_peer(err)
         if peer and peer == self.decode.address and worker is not self.decode:
             log.info("request %s: %s on %s failed on the decode worker %s: %s", self.rid, where, worker.key,
@@ -137,10 +156,10 @@ class Attempt:
             return
         settings = self.flow.settings
         call = self.decode.reserve(self.rid, job.prompt.wire_ids, job.sampling, settings.lease_ms,
-                                   job.deadline_unix_ms, settings.router_id, self._timeout())
+                                   job.deadline_unix_ms, settings.router_id, self._admit_timeout())
         self.flow.dispatched(self)
         try:
-            res = await call
+            res = self.decode.reservation(await self._admitted(call))
         except grpc.aio.AioRpcError as e:
             if e.code() == grpc.StatusCode.RESOURCE_EXHAUSTED:
                 # no room for the prompt's KV on the decode worker right now: let it queue the
@@ -152,6 +171,24 @@ class Attempt:
             raise self._fail(e, self.decode, "Reserve") from e
         self._start_prefill(res)
 
+    async def _admitted(self, call: grpc.aio.UnaryUnaryCall):
+        """Reserve's or Submit's answer; a break of the decode worker's output stream meanwhile
+        cancels the call and fails the try at once."""
+        self._admit_call = call
+        q = self.queue if isinstance(self.queue, OutputBuffer) and self.queue.on_put is None else None
+        if q is not None:
+            q.on_put = self._on_decode_output
+        try:
+            return await call
+        except asyncio.CancelledError:
+            if self._decode_broken is not None:     # cancelled by _on_decode_output
+                raise self._fail(self._decode_broken, self.decode, "output stream") from None
+            raise
+        finally:
+            self._admit_call = None
+            if q is not None:
+                q.on_put = None
+
     def _start_prefill(self, res: Reservation) -> None:
         prefill = self._remote()
         q = self.queue
@@ -162,12 +199,37 @@ class Attempt:
             if broken:
                 raise self._fail(broken[0], self.decode, "output stream")
             q.on_put = self._on_decode_output
+        self._hold_lease(res)
         preq = self._prefill_req or self._new_prefill_request()
         self._prefill_queued = self._prefill_tokens(local=False)
         prefill.add_load(1, prompt_tokens=self._prefill_queued, computed=self._prefill_queued)
         self._prefill_load = True
         self.prefill_call = prefill.prefill(preq, res, self.decode.worker_id, self.decode.address,
                                             self.job.remaining(), self.job.sampling.logprobs)
+
+    def _hold_lease(self, res: Reservation) -> None:
+        """Keep the reservation's lease renewed until its KV has crossed (the Prefill stream ends)."""
+        lease_ms = self.flow.settings.lease_ms
+        lease_s = lease_ms / 1000 if lease_ms else max(1.0, res.lease_expires_unix_ms / 1000 - time.time())
+        self.decode.leases.hold(self.rid, lease_s, self._lease_lost)
+        self._lease_held = True
+
+    def _release_lease(self) -> None:
+        if self._lease_held:
+            self._lease_held = False
+            self.decode.leases.release(self.rid)
+
+    def _lease_lost(self, message: str) -> None:
+        """The decode worker no longer holds the reservation: the try fails RESOURCE_EXHAUSTED
+        (before the first token: retried elsewhere)."""
+        self._lease_held = False
+        if self.closed:
+            return
+        err = ResourceExhausted(message)
+        if not self.first_seen:
+            self._on_decode_output(err)
+        elif self.queue is not None:
+            self.queue.put_nowait(err)
 
     def _remote(self) -> WorkerClient:
         """The prefill worker of a remote prefill (called only on that path)."""
@@ -203,10 +265,10 @@ class Attempt:
         self._local_prompt = self._prefill_tokens(local=True)
         self.decode.add_load(prompt_tokens=self._local_prompt, computed=self._local_prompt)
         call = self.decode.submit(self.rid, job.prompt.wire_ids, job.sampling, job.deadline_unix_ms,
-                                  self.flow.settings.router_id, self._timeout())
+                                  self.flow.settings.router_id, self._admit_timeout())
         self.flow.dispatched(self)
         try:
-            await call
+            await self._admitted(call)
         except grpc.aio.AioRpcError as e:
             raise self._fail(e, self.decode, "Submit") from e
 
@@ -257,6 +319,9 @@ class Attempt:
             name = reason.name if reason is not None else "?"
             if reason is FinishReason.DEADLINE:
                 err: PdserveError = DeadlineExceeded(f"request {self.rid}: deadline passed on {self.decode.key}")
+            elif reason is FinishReason.ERROR and LEASE_EXPIRED in out.error:
+                err = ResourceExhausted(f"request {self.rid}: {self.decode.key} could not hold its KV "
+                                        f"reservation ({out.error})")
             elif reason is FinishReason.CANCELLED:
                 err = Unavailable(f"request {self.rid} was cancelled by worker {self.decode.key}")
             else:
@@ -272,13 +337,16 @@ class Attempt:
         step.finish_reason = reason
 
     def _on_decode_output(self, item) -> None:
-        """The decode worker's stream, while the first token is awaited from the Prefill call:
-        an error there (the decode worker died) cancels the Prefill call at once, rather than
-        waiting for the prefill worker's KV hand-over to time out."""
+        """The decode worker's stream, while Reserve / Submit or the first token (the Prefill
+        call) is awaited: an error there (the decode worker died, or lost the reservation)
+        cancels that call at once, rather than waiting for its timeout or for the prefill
+        worker's KV hand-over to time out."""
         if (isinstance(item, BaseException) and self._decode_broken is None and not self.first_seen
                 and not self.expired):       # a deadline: expire() cancels the call itself
             self._decode_broken = item
-            if self.prefill_call is not None:
+            if self._admit_call is not None:
+                self._admit_call.cancel()
+            elif self.prefill_call is not None:
                 self.prefill_call.cancel()
 
     async def _first_token(self, call: PrefillStream) -> SequenceOutput:
@@ -305,6 +373,7 @@ class Attempt:
         self.decode.add_load(tokens=1)
         if step.finish_reason is not None:
             self._release_prefill()
+            self._release_lease()
             self._cancel(self.decode)          # the reservation is not needed
         else:
             self._prefill_task = asyncio.create_task(self._rest_of_prefill(call))
@@ -319,6 +388,7 @@ class Attempt:
             if self.queue is not None and not self.expired:
                 self.queue.put_nowait(self._fail(e, self._remote(), "Prefill (KV transfer)"))
         finally:
+            self._release_lease()            # the KV has crossed (or never will: the try fails)
             self._release_prefill()
 
     # ---- endings ----------------------------------------------------------------------
@@ -354,6 +424,7 @@ class Attempt:
             self._prefill_task.cancel()
         self._release_prefill()
         self._release_local_prompt()
+        self._release_lease()
         if cancel_workers:
             self._cancel(self.decode)
             if self.prefill is not None:

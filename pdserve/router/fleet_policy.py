@@ -15,9 +15,10 @@ its mixed steps, ``W_w`` the prompt tokens this router gave it lately)::
     lean        = the worker with the largest W (only with two or more workers)
     D           = among the others, the fewest rows whose t_w <= lean_share * slo_tpot, fewer U
                   breaking ties; none fits: the fewest rows of all (then fewer U, then the key)
-    b_w         = the guard's budget at slo_tpot (tpot_guard.prompt_budget, ceiling B_w)
+    goal        = slo_tpot * (1 - GUARD_MARGIN)     (the workers' guard: steps take goal on average)
     rate_w      = R_w                              if rows_w == 0 (a prefill-sized step)
-                = 1000 * b_w / (t_w + c_w * b_w)   otherwise (guarded mixed steps)
+                = 1000 * (goal - t_w) / (c_w * goal)   otherwise: the slack of each step, on average
+                  (the guard's forced chunks only, when t_w >= goal)
     ttft_w      = 1000 * (Q_w + U_w) / rate_w  (+ remote_overhead_ms + U_D * transfer_us / 1000 if w != D)
     cost_w      = ttft_w + rows_w * U_w * c_w     (this request's wait + each decode row's wait)
     P           = the lowest cost among the workers with ttft_w <= ttft_share * slo_ttft;
@@ -32,17 +33,17 @@ decode is continued on ``dst`` from its prompt and the tokens already sent, pref
 (whose prefix cache holds all of its full blocks) and its KV shipped like any remote prefill.
 
 Unmeasured figures: ``R`` is the mean of the measured ones, else DEFAULT_PREFILL_TOKENS_PER_S;
-``t`` is DEFAULT_DECODE_STEP_MS; ``c`` is ``1000 / R``; ``b`` is ``B`` when ``c`` or ``t`` is
-unmeasured. The lean worker is where prefill concentrates under prefill-heavy load (it keeps few
-decode rows, so its steps stay prefill-sized); under decode-heavy load every worker's decode step
-grows past ``lean_share`` of the SLO and decodes spread over all of them.
+``t`` is DEFAULT_DECODE_STEP_MS; ``c`` is ``1000 / R``. The lean worker is where prefill
+concentrates under prefill-heavy load (it keeps few decode rows, so its steps stay
+prefill-sized); under decode-heavy load every worker's decode step grows past ``LEAN_SHARE`` of
+the SLO and decodes spread over all of them.
 """
 from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from pdserve.common.engine.tpot_guard import prompt_budget
+from pdserve.common.engine.tpot_guard import MIN_CHUNK_TOKENS, STARVED_STEPS
 from pdserve.router.pd_policy import DEFAULT_DECODE_STEP_MS, LOCAL, REMOTE, PdConfig, PdDecision, _mean_measured
 
 LEAN_SHARE = 0.7    # a decode worker has room while its decode step is under this share of the TPOT SLO
@@ -83,9 +84,10 @@ def prefill_rate(w: FleetWorker, slo_tpot_ms: float, fallback: float) -> float:
         return r
     t = _step_ms(w)
     c = w.ms_per_prompt_token if w.ms_per_prompt_token > 0 else 1000.0 / r
-    ceiling = w.max_num_batched_tokens or 512
-    b = prompt_budget(slo_tpot_ms, GUARD_MARGIN, w.decode_step_ms, w.ms_per_prompt_token, ceiling)
-    return min(r, 1000.0 * b / (t + c * b))
+    goal = slo_tpot_ms * (1.0 - GUARD_MARGIN)
+    if goal <= t:       # the guard's forced chunks only
+        return min(r, 1000.0 * MIN_CHUNK_TOKENS / ((STARVED_STEPS + 1) * t))
+    return min(r, 1000.0 * (goal - t) / (c * goal))
 
 
 def decide(workers: Sequence[FleetWorker], cfg: PdConfig) -> tuple[str, PdDecision]:

@@ -12,6 +12,16 @@ stream's sequence numbers (or a view larger than the worker's pool) the stream i
 and its snapshot repairs the view. A worker is marked up only while its health says SERVING
 (a draining worker stays down once a refused request marked it so).
 
+Draining: a decode worker whose health turns NOT_SERVING (SIGTERM) gets no new requests, but its
+Subscribe stream stays open while requests of this router are in flight on it, so they finish
+within the worker's grace period; it is marked down once they are done or the stream ends.
+
+Cancel is retried in the background (backoff) until the worker answers, for at most
+CANCEL_RETRY_S, or until the worker is known gone: down (a decode worker cancels this router's
+requests itself when the Subscribe stream closes, a prefill worker when the Prefill call ends) or
+restarted (a new worker id holds nothing). The leases of reservations whose requests wait for
+their prefill are renewed, batched per worker, every third of a lease (:class:`LeaseKeeper`).
+
 The load figures (this router's own, counted live, and the other router replicas', from each
 GetStats answer) are :class:`~pdserve.router.worker_load.WorkerLoad`'s, a base of WorkerClient.
 Every call uses ``wait_for_ready=False`` and a timeout, so a dead worker fails fast.
@@ -27,7 +37,8 @@ from __future__ import annotations
 import asyncio
 import functools
 import logging
-from collections.abc import Awaitable, Callable
+import time
+from collections.abc import Callable
 from collections.abc import Set as AbstractSet
 
 import grpc
@@ -36,10 +47,10 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from pdserve.common.grpc_utils import Unavailable, client_channel
 from pdserve.common.grpc_utils.channels import RenewingChannels
-from pdserve.common.grpc_utils.convert import worker_info_from_proto, worker_stats_from_proto
+from pdserve.common.grpc_utils.convert import reservation_from_proto, worker_info_from_proto, worker_stats_from_proto
 from pdserve.common.sampling_params import SamplingParams
 from pdserve.common.worker_types import DECODE_ROLES, Reservation, Role, WorkerInfo, WorkerStats
-from pdserve.router.prefill_call import PrefillRequest, PrefillStream, reservation, wire_params
+from pdserve.router.prefill_call import PrefillRequest, PrefillStream, wire_params
 from pdserve.router.prefix_index import PrefixIndex
 from pdserve.router.settings import (
     CANCEL_TIMEOUT_S,
@@ -58,6 +69,16 @@ from pdserve.v1 import common_pb2, common_pb2_grpc, worker_pb2, worker_pb2_grpc
 
 log = logging.getLogger(__name__)
 
+# A Cancel is tried again (UNAVAILABLE, DEADLINE_EXCEEDED: no answer) after CANCEL_BACKOFF_S,
+# doubling up to CANCEL_BACKOFF_MAX_S, for at most CANCEL_RETRY_S (a lease and then some: by
+# then a reservation has expired anyway).
+CANCEL_BACKOFF_S = 0.1
+CANCEL_BACKOFF_MAX_S = 2.0
+CANCEL_RETRY_S = 45.0
+RETRY_CANCEL_CODES = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED)
+MIN_RENEW_INTERVAL_S = 0.05
+DRAINING = "is draining"         # in the UNAVAILABLE a draining worker answers new requests with
+
 DOWN_CODES = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED)
 LOADING = "loading its model"    # last_error while a starting worker loads its model
 
@@ -72,6 +93,61 @@ SUBSCRIBE_CHANNEL_OPTIONS = (
     ("grpc.http2.lookahead_bytes", SUBSCRIBE_WINDOW_BYTES),
     ("grpc.use_local_subchannel_pool", 1),
 )
+
+
+class LeaseKeeper:
+    """The reservations of one decode worker whose requests wait for their prefill: their leases
+    renewed in one RenewLeases call per interval (a third of the shortest lease held). A
+    reservation the worker no longer holds is reported to its ``on_lost``."""
+
+    def __init__(self, client: WorkerClient) -> None:
+        self.client = client
+        self.held: dict[str, tuple[float, Callable[[str], None]]] = {}   # id -> (lease s, on_lost)
+        self.supported = True
+        self._task: asyncio.Task | None = None
+
+    def hold(self, request_id: str, lease_s: float, on_lost: Callable[[str], None]) -> None:
+        if not self.supported:
+            return
+        self.held[request_id] = (lease_s, on_lost)
+        if self._task is None or self._task.done():
+            self._task = asyncio.create_task(self._run(), name=f"leases-{self.client.key}")
+
+    def release(self, request_id: str) -> None:
+        self.held.pop(request_id, None)
+
+    def close(self) -> None:
+        self.held.clear()
+        if self._task is not None:
+            self._task.cancel()
+
+    def _interval(self) -> float:
+        return max(MIN_RENEW_INTERVAL_S, min(lease for lease, _ in self.held.values()) / 3)
+
+    async def _run(self) -> None:
+        while self.held:
+            await asyncio.sleep(self._interval())
+            if not self.held:
+                return
+            client = self.client
+            ids = list(self.held)
+            try:
+                reply = await client.stub.RenewLeases(
+                    worker_pb2.RenewLeasesRequest(router_id=client.settings.router_id, request_ids=ids),
+                    timeout=max(client.settings.worker_timeout_s, self._interval()), wait_for_ready=False)
+            except grpc.aio.AioRpcError as e:
+                if e.code() == grpc.StatusCode.UNIMPLEMENTED:    # a worker without leases to renew
+                    log.info("worker %s does not renew leases (%s)", client.key, e.details())
+                    self.supported = False
+                    self.held.clear()
+                    return
+                log.debug("RenewLeases on %s failed: %s", client.key, e.code().name)
+                continue
+            for rid in reply.lost:
+                entry = self.held.pop(rid, None)
+                if entry is not None:
+                    entry[1](f"decode worker {client.key} no longer holds the reservation of {rid} "
+                             "(its lease could not be kept)")
 
 
 class WorkerClient(WorkerLoad):
@@ -93,6 +169,8 @@ class WorkerClient(WorkerLoad):
         self.subscription: Subscription | None = None
         self.up = False
         self.retired = False            # left DNS: no new requests; closed once idle
+        self.draining = False           # health NOT_SERVING: no new requests; its streams go on
+        self.closed = False
         self.dns_source: str | None = None  # the dns:/// target that found it (None: static)
         self.last_error = ""
         super().__init__()              # the load fields (pdserve.router.worker_load)
@@ -104,6 +182,7 @@ class WorkerClient(WorkerLoad):
         self.kv_wanted = False          # whether the prefix index needs this worker's KV events
         self.stats_misses = 0           # GetStats timeouts in a row
         self.first_attempt = asyncio.Event()
+        self.leases = LeaseKeeper(self)
 
     # ---- identity ---------------------------------------------------------------------
     @property
@@ -120,7 +199,7 @@ class WorkerClient(WorkerLoad):
 
     @property
     def usable(self) -> bool:
-        return self.up and not self.retired
+        return self.up and not self.retired and not self.draining
 
     def describe(self) -> str:
         role = self.role.value if self.role is not None else "?"
@@ -137,9 +216,11 @@ class WorkerClient(WorkerLoad):
         self._task = asyncio.create_task(self._supervise(), name=f"worker-{self.key}")
 
     async def close(self) -> None:
+        self.closed = True
         for task in (self._task, self._kv_task):
             if task is not None:
                 task.cancel()
+        self.leases.close()
         self.mark_down("closed", quiet=True)
         await self.channels.close()
         if self.sub_channel is not None:
@@ -159,6 +240,8 @@ class WorkerClient(WorkerLoad):
             await asyncio.sleep(STATS_INTERVAL_S)
             if self.channels.renew_if_rotated():
                 self._bind_stubs()
+            if self.draining and (self.subscription is None or self.subscription.num_requests == 0):
+                self.mark_down("drained: its streams ended")
             if self.up:
                 await self._poll_stats()
 
@@ -199,6 +282,7 @@ class WorkerClient(WorkerLoad):
                 return False
             self.subscription = sub
         self.up = True
+        self.draining = False
         self.last_error = ""
         self._health_task = asyncio.create_task(self._watch_health(), name=f"health-{self.key}")
         if self.kv_wanted:
@@ -225,15 +309,18 @@ class WorkerClient(WorkerLoad):
         return True
 
     async def _watch_health(self) -> None:
-        """While up: the worker's health stream; NOT_SERVING (SIGTERM: draining) marks it down at
-        once, before a request is refused there."""
+        """While up: the worker's health stream; NOT_SERVING (SIGTERM: draining) stops new
+        requests at once, before one is refused there (:meth:`begin_drain`)."""
+        call = self.health_stub.Watch(health_pb2.HealthCheckRequest(), wait_for_ready=False)
         try:
-            async for reply in self.health_stub.Watch(health_pb2.HealthCheckRequest(), wait_for_ready=False):
+            async for reply in call:
                 if reply.status != health_pb2.HealthCheckResponse.SERVING and self.up:
-                    self.mark_down("health: NOT_SERVING (draining)")
+                    self.begin_drain("health: NOT_SERVING (draining)")
                     return
         except grpc.aio.AioRpcError as e:
             log.debug("health watch of %s ended: %s", self.key, e.code().name)
+        finally:
+            call.cancel()       # an open Watch would hold a draining worker's server until its grace ends
 
     def _note_error(self, message: str, level: int = logging.INFO) -> None:
         if message != self.last_error:
@@ -260,9 +347,25 @@ class WorkerClient(WorkerLoad):
         if self.kv_wanted and not self._kv_unimplemented and (self._kv_task is None or self._kv_task.done()):
             self._start_kv_events()
 
+    def begin_drain(self, reason: str) -> None:
+        """The worker drains (SIGTERM): no new requests here; this router's requests in flight on
+        its output stream go on until they end or the worker closes the stream (its grace
+        period), then it is marked down. Without such requests, down at once."""
+        if not self.up or self.draining:
+            return
+        sub = self.subscription
+        if sub is None or not sub.open or sub.num_requests == 0:
+            self.mark_down(reason)
+            return
+        self.draining = True
+        log.warning("worker %s is draining (%s): no new requests; its %d streams here go on", self.describe(),
+                    reason, sub.num_requests)
+        self.on_change()
+
     def mark_down(self, reason: str, quiet: bool = False) -> None:
         """Stop routing here; requests on its output stream get UNAVAILABLE; reconnect later."""
         was_up, self.up = self.up, False
+        self.draining = False
         self.stats_misses = 0
         if self._health_task is not None and self._health_task is not asyncio.current_task():
             self._health_task.cancel()
@@ -327,14 +430,19 @@ class WorkerClient(WorkerLoad):
     # reserve / submit start the rpc before they return (its send is the next thing the loop
     # runs): the caller does its own work, then awaits the answer.
     def reserve(self, request_id: str, token_ids, params: SamplingParams, lease_ms: int, deadline_unix_ms: int,
-                router_id: str, timeout: float) -> Awaitable[Reservation]:
-        """Reserve KV blocks for the prompt ``token_ids`` (a list or the client's repeated field)."""
+                router_id: str, timeout: float) -> grpc.aio.UnaryUnaryCall:
+        """Reserve KV blocks for the prompt ``token_ids`` (a list or the client's repeated field):
+        the call (cancellable); :meth:`reservation` of its answer is the Reservation."""
         req = worker_pb2.ReserveRequest(request_id=request_id, token_ids=token_ids, params=wire_params(params),
                                         lease_ms=lease_ms, deadline_unix_ms=deadline_unix_ms, router_id=router_id)
-        return reservation(self.stub.Reserve(req, timeout=timeout, wait_for_ready=False))
+        return self.stub.Reserve(req, timeout=timeout, wait_for_ready=False)
+
+    @staticmethod
+    def reservation(reply: worker_pb2.ReserveResponse) -> Reservation:
+        return reservation_from_proto(reply)
 
     def submit(self, request_id: str, token_ids, params: SamplingParams, deadline_unix_ms: int, router_id: str,
-               timeout: float) -> Awaitable[object]:
+               timeout: float) -> grpc.aio.UnaryUnaryCall:
         """Queue the request on this worker (it prefills it); its outputs come on the Subscribe stream."""
         req = worker_pb2.SubmitRequest(request_id=request_id, token_ids=token_ids, params=wire_params(params),
                                        deadline_unix_ms=deadline_unix_ms, router_id=router_id)
@@ -353,9 +461,29 @@ class WorkerClient(WorkerLoad):
         return PrefillStream(self.stub.Prefill(req, timeout=timeout, wait_for_ready=False), req.request_id, logprobs)
 
     async def cancel(self, request_id: str) -> None:
-        """Cancel the request here; a failure is only logged (the worker may be gone)."""
-        try:
-            await self.stub.Cancel(worker_pb2.CancelRequest(request_id=request_id),
-                                   timeout=CANCEL_TIMEOUT_S, wait_for_ready=False)
-        except grpc.aio.AioRpcError as e:
-            log.debug("Cancel %s on %s failed: %s", request_id, self.key, e.code().name)
+        """Cancel the request here, tried again until the worker answers (see the module doc):
+        run in the background, it never raises."""
+        self.leases.release(request_id)
+        worker_id, started, delay = self.worker_id, time.monotonic(), CANCEL_BACKOFF_S
+        tries = 0
+        while True:
+            tries += 1
+            try:
+                await self.stub.Cancel(worker_pb2.CancelRequest(request_id=request_id),
+                                       timeout=CANCEL_TIMEOUT_S, wait_for_ready=False)
+                if tries > 1:
+                    log.info("Cancel %s on %s answered after %d tries", request_id, self.key, tries)
+                return
+            except grpc.aio.AioRpcError as e:
+                code = e.code()
+            if code not in RETRY_CANCEL_CODES:          # answered (an error of its own): done
+                log.debug("Cancel %s on %s: %s", request_id, self.key, code.name)
+                return
+            gone = self.closed or not self.up or (worker_id and self.worker_id and self.worker_id != worker_id)
+            if gone or time.monotonic() - started + delay > CANCEL_RETRY_S:
+                log.log(logging.DEBUG if gone else logging.WARNING, "Cancel %s on %s: %s after %d tries; %s",
+                        request_id, self.key, code.name, tries,
+                        "the worker is gone" if gone else "giving up (its lease ends it)")
+                return
+            await asyncio.sleep(delay)
+            delay = min(delay * 2, CANCEL_BACKOFF_MAX_S)

@@ -187,6 +187,20 @@ class CancelResponse(_message.Message):
     found: bool
     def __init__(self, found: _Optional[bool] = ...) -> None: ...
 
+class RenewLeasesRequest(_message.Message):
+    __slots__ = ("router_id", "request_ids")
+    ROUTER_ID_FIELD_NUMBER: _ClassVar[int]
+    REQUEST_IDS_FIELD_NUMBER: _ClassVar[int]
+    router_id: str
+    request_ids: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, router_id: _Optional[str] = ..., request_ids: _Optional[_Iterable[str]] = ...) -> None: ...
+
+class RenewLeasesResponse(_message.Message):
+    __slots__ = ("lost",)
+    LOST_FIELD_NUMBER: _ClassVar[int]
+    lost: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, lost: _Optional[_Iterable[str]] = ...) -> None: ...
+
 class GetStatsRequest(_message.Message):
     __slots__ = ()
     def __init__(self) -> None: ...

@@ -75,6 +75,11 @@ class WorkerStub:
                 request_serializer=pdserve_dot_v1_dot_worker__pb2.KvEventsRequest.SerializeToString,
                 response_deserializer=pdserve_dot_v1_dot_worker__pb2.KvEvents.FromString,
                 _registered_method=True)
+        self.RenewLeases = channel.unary_unary(
+                '/pdserve.v1.Worker/RenewLeases',
+                request_serializer=pdserve_dot_v1_dot_worker__pb2.RenewLeasesRequest.SerializeToString,
+                response_deserializer=pdserve_dot_v1_dot_worker__pb2.RenewLeasesResponse.FromString,
+                _registered_method=True)
 
 
 class WorkerServicer:
@@ -138,6 +143,14 @@ class WorkerServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def RenewLeases(self, request, context):
+        """Decode/both: extend the leases of a router's reservations whose requests still wait for
+        their prefill (the router renews them until the KV has crossed); answers which are gone.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_WorkerServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -180,6 +193,11 @@ def add_WorkerServicer_to_server(servicer, server):
                     servicer.StreamKvEvents,
                     request_deserializer=pdserve_dot_v1_dot_worker__pb2.KvEventsRequest.FromString,
                     response_serializer=pdserve_dot_v1_dot_worker__pb2.KvEvents.SerializeToString,
+            ),
+            'RenewLeases': grpc.unary_unary_rpc_method_handler(
+                    servicer.RenewLeases,
+                    request_deserializer=pdserve_dot_v1_dot_worker__pb2.RenewLeasesRequest.FromString,
+                    response_serializer=pdserve_dot_v1_dot_worker__pb2.RenewLeasesResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -399,6 +417,33 @@ class Worker:
             '/pdserve.v1.Worker/StreamKvEvents',
             pdserve_dot_v1_dot_worker__pb2.KvEventsRequest.SerializeToString,
             pdserve_dot_v1_dot_worker__pb2.KvEvents.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def RenewLeases(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/pdserve.v1.Worker/RenewLeases',
+            pdserve_dot_v1_dot_worker__pb2.RenewLeasesRequest.SerializeToString,
+            pdserve_dot_v1_dot_worker__pb2.RenewLeasesResponse.FromString,
             options,
             channel_credentials,
             insecure,

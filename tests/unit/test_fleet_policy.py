@@ -45,9 +45,12 @@ def test_decode_ties_go_to_the_cached_prefix_then_the_key():
 def test_prefill_rate_by_hand():
     # no rows: the measured rate
     assert prefill_rate(w("a"), 12.0, 8000.0) == 40_000.0
-    # rows: guard budget at 12 ms, margin 0.1: (10.8 - 4.8) / 0.02 = 300 tokens a step of 4.8 + 6 = 10.8 ms
+    # rows: the guard's goal 10.8 ms a step on average, 6 of them for prompts at 0.02 ms: 300 tokens a 10.8 ms
     busy = w("a", decode_rows=8, decode_step_ms=4.8, ms_per_prompt_token=0.02, max_num_batched_tokens=4096)
     assert prefill_rate(busy, 12.0, 8000.0) == pytest.approx(1000.0 * 300 / 10.8)
+    # decode rows over the goal: the forced chunks only, 32 tokens every 9 steps of 11 ms
+    full = w("a", decode_rows=8, decode_step_ms=11.0, ms_per_prompt_token=0.02)
+    assert prefill_rate(full, 12.0, 8000.0) == pytest.approx(1000.0 * 32 / (9 * 11.0))
 
 
 def test_local_when_the_decode_worker_is_the_fastest_place():

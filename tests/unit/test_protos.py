@@ -26,7 +26,7 @@ def test_stubs_import_and_describe_the_contract() -> None:
         "InfoService": (common_pb2, ["Info"]),
         "Generation": (router_pb2, ["Generate", "GenerateUnary", "Tokenize", "GetModelInfo"]),
         "Worker": (worker_pb2, ["Reserve", "Prefill", "PushKV", "Submit", "Subscribe",
-                                "Cancel", "GetStats", "StreamKvEvents"]),
+                                "Cancel", "GetStats", "StreamKvEvents", "RenewLeases"]),
     }
     for name, (module, methods) in services.items():
         service = module.DESCRIPTOR.services_by_name[name]

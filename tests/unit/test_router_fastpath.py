@@ -60,10 +60,11 @@ def test_output_buffer() -> None:
 
 
 def _attempt() -> Attempt:
-    decode = SimpleNamespace(key="d", add_load=lambda *a, **k: None, mark_down=lambda *a: None)
+    decode = SimpleNamespace(key="d", add_load=lambda *a, **k: None, mark_down=lambda *a: None,
+                             leases=SimpleNamespace(hold=lambda *a: None, release=lambda *a: None))
     job = SimpleNamespace(prompt=SimpleNamespace(token_ids=[1, 2, 3]), expired=lambda: False,
                           sampling=SimpleNamespace(logprobs=False))
-    att = Attempt(SimpleNamespace(), job, decode, None, "rid")
+    att = Attempt(SimpleNamespace(settings=SimpleNamespace(lease_ms=30_000)), job, decode, None, "rid")
     att.queue = OutputBuffer()
     return att
 

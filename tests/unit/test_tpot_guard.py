@@ -11,6 +11,7 @@ from pdserve.common.engine.sequence import Sequence
 from pdserve.common.engine.step_timer import StepTimer
 from pdserve.common.engine.tpot_guard import (
     MIN_CHUNK_TOKENS,
+    STARVED_STEPS,
     UNMEASURED_TOKENS,
     TpotGuard,
     prompt_budget,
@@ -28,17 +29,22 @@ def seq(n: int, tpot: float = 0.0) -> Sequence:
 
 
 def test_budget_by_hand():
-    # target 12 ms, margin 0.1 -> 10.8 ms; decode step 5.4 ms leaves 5.4 ms; at 0.02 ms a token: 270
-    assert prompt_budget(12.0, 0.1, 5.4, 0.02, 4096) == 270
+    # target 12 ms, margin 0.1 -> goal 10.8 ms; no credit; decode step 5.4 ms leaves 5.4 ms; at 0.02 ms: 270
+    assert prompt_budget(12.0, 0.1, 0.0, 5.4, 0.02, 4096) == 270
+    # 6 ms of credit saved by shorter steps: 10.8 + 6 = 16.8 allowed -> (16.8 - 5.4) / 0.02 = 570
+    assert prompt_budget(12.0, 0.1, 6.0, 5.4, 0.02, 4096) == 570
+    # never over the ITL bound of 2 targets (24 ms): (24 - 5.4) / 0.02 = 930
+    assert prompt_budget(12.0, 0.1, 50.0, 5.4, 0.02, 4096) == 930
     # the ceiling caps it: 5.4 / 0.001 = 5400 > 4096
-    assert prompt_budget(12.0, 0.1, 5.4, 0.001, 4096) == 4096
-    # decode rows alone over the target: the least chunk
-    assert prompt_budget(12.0, 0.1, 11.0, 0.02, 4096) == MIN_CHUNK_TOKENS
-    # a ceiling under the least chunk wins
-    assert prompt_budget(12.0, 0.1, 11.0, 0.02, 8) == 8
+    assert prompt_budget(12.0, 0.1, 0.0, 5.4, 0.001, 4096) == 4096
+    # owed time (negative credit) or decode rows alone over the goal: a decode-only step
+    assert prompt_budget(12.0, 0.1, -3.0, 9.0, 0.02, 4096) == 0
+    assert prompt_budget(12.0, 0.1, 0.0, 11.0, 0.02, 4096) == 0
+    # a chunk under MIN_CHUNK_TOKENS is not worth its step: (10.8 - 10.5) / 0.02 = 15
+    assert prompt_budget(12.0, 0.1, 0.0, 10.5, 0.02, 4096) == 0
     # unmeasured model: the fixed start
-    assert prompt_budget(12.0, 0.1, 0.0, 0.02, 4096) == UNMEASURED_TOKENS
-    assert prompt_budget(12.0, 0.1, 5.0, 0.0, 300) == 300
+    assert prompt_budget(12.0, 0.1, 0.0, 0.0, 0.02, 4096) == UNMEASURED_TOKENS
+    assert prompt_budget(12.0, 0.1, 0.0, 5.0, 0.0, 300) == 300
 
 
 def test_step_target_is_the_tightest():
@@ -48,7 +54,7 @@ def test_step_target_is_the_tightest():
     assert step_target_ms(0.0, [seq(4)]) == 0.0
 
 
-def test_guard_reads_the_timer():
+def test_guard_reads_the_timer_and_keeps_credit():
     timer = StepTimer()
     guard = TpotGuard(timer, target_ms=10.0, margin=0.0)
     rows = [seq(4)]
@@ -59,8 +65,25 @@ def test_guard_reads_the_timer():
     assert timer.ms_per_prompt_token == pytest.approx(0.01)
     assert timer.mixed_prompt_tokens == 200
     assert guard.budget(rows, 4096) == 600                   # (10 - 4) / 0.01
+    guard.observe(4.0, 8)                                    # a 4 ms step under the 10 ms goal: +6
+    assert guard.credit_ms == pytest.approx(6.0)
+    assert guard.budget(rows, 4096) == 1200                  # (10 + 6 - 4) / 0.01
+    guard.observe(30.0, 8)                                   # 20 ms over: clipped at -10
+    assert guard.credit_ms == pytest.approx(-10.0)
+    assert guard.budget(rows, 4096) == 0                     # owed: a decode-only step
+    guard.observe(30.0, 0)                                   # a step without decode rows: no change
+    assert guard.credit_ms == pytest.approx(-10.0)
     assert TpotGuard(timer).budget(rows, 4096) == 4096       # off: no target anywhere
     assert TpotGuard(timer).budget([seq(4, tpot=6.0)], 4096) == 140   # its own: (6 * 0.9 - 4) / 0.01
+
+
+def test_starved_prompts_get_a_chunk():
+    timer = StepTimer()
+    timer.record(0.011, 0, 8)
+    timer.record(0.012, 100, 8)
+    guard = TpotGuard(timer, target_ms=10.0)                 # goal 9 ms < the 11 ms decode step
+    budgets = [guard.budget([seq(4)], 4096) for _ in range(STARVED_STEPS + 2)]
+    assert budgets == [0] * STARVED_STEPS + [MIN_CHUNK_TOKENS, 0]
 
 
 def test_timer_model_moves_with_measurements():

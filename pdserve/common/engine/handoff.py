@@ -6,7 +6,10 @@ send may read them until then. Import (decode worker): :meth:`KvHandoff.reserve`
 for a prompt whose KV arrives from elsewhere; :meth:`KvHandoff.admit` puts it in the decode batch
 with its first token once the KV landed. ``LLMEngine.abort`` ends a held or reserved request too.
 The first token comes from another worker (a PushKV field or the transfer's last message): admit
-checks it against this engine's vocabulary before anything changes. Engine thread only.
+checks it against this engine's vocabulary before anything changes. One thread at a time: a
+worker calls these under its engine's state lock (pdserve.common.serving.engine_loop), ``reserve``
+possibly while a step computes (it takes only free blocks and cached full ones), ``admit`` and
+``hold`` between steps.
 """
 from __future__ import annotations
 

@@ -170,6 +170,7 @@ class LLMEngine:
         out = self._step()
         end = time.perf_counter()
         self.step_timer.record(end - start, out.num_prefill_tokens, out.num_decode_rows)
+        self.tpot_guard.observe((end - start) * 1e3, out.num_decode_rows)
         if end >= self._next_log and (out.num_prefill_tokens or out.num_decode_rows):
             self._next_log = end + STATS_LOG_INTERVAL_S
             self._log_stats()
@@ -180,10 +181,11 @@ class LLMEngine:
         throughput likewise)."""
         t, sched = self.step_timer, self.scheduler
         logger.info("engine: %d running, %d waiting (%d prompt tokens); decode step %.2f ms, mixed step %.2f ms "
-                    "with %.0f prompt tokens, %.4f ms a prompt token, prefill %.0f tokens/s; TPOT target %.1f ms",
+                    "with %.0f prompt tokens, %.4f ms a prompt token, prefill %.0f tokens/s; TPOT target %.1f ms, "
+                    "credit %.1f ms",
                     len(sched.running), len(sched.waiting), sched.num_waiting_prefill_tokens(), t.decode_step_ms,
                     t.mixed_step_ms, t.mixed_prompt_tokens, t.ms_per_prompt_token, t.prefill_tokens_per_s,
-                    self.tpot_guard.target_ms)
+                    self.tpot_guard.target_ms, self.tpot_guard.credit_ms)
 
     def _step(self) -> StepOutput:
         if self.pending is not None:

@@ -2,13 +2,15 @@
 TPOT guard: exponential moving averages (weight ``ALPHA`` for the newest) of ``decode_step_ms``
 (decode rows only), ``mixed_step_ms`` (decode rows and chunks), ``mixed_prompt_tokens`` (the prompt
 tokens of those mixed steps), ``ms_per_prompt_token`` (what a mixed step took per prompt token
-over the decode step then measured: ``(mixed - decode_step_ms) / prompt tokens``, never below 0)
+over the decode step then measured: ``(mixed - decode_step_ms) / prompt tokens``, never below 0,
+from mixed steps of at least MIN_MODEL_TOKENS prompt tokens)
 and ``prefill_tokens_per_s`` (steps computing prompt tokens). Each timed ``LLMEngine.step`` call
 that returned work counts; zero = not measured yet.
 """
 from __future__ import annotations
 
 ALPHA = 0.2
+MIN_MODEL_TOKENS = 64   # smaller chunks leave ms_per_prompt_token alone: step-time noise over few tokens
 
 
 def _ewma(old: float, new: float) -> float:
@@ -34,7 +36,7 @@ class StepTimer:
         if num_decode_rows:
             self.mixed_step_ms = _ewma(self.mixed_step_ms, ms)
             self.mixed_prompt_tokens = _ewma(self.mixed_prompt_tokens, float(num_prefill_tokens))
-            if self.decode_step_ms > 0.0:
+            if self.decode_step_ms > 0.0 and num_prefill_tokens >= MIN_MODEL_TOKENS:
                 extra = max(ms - self.decode_step_ms, 0.0) / num_prefill_tokens
                 self.ms_per_prompt_token = _ewma(self.ms_per_prompt_token, extra)
         self.prefill_tokens_per_s = _ewma(self.prefill_tokens_per_s, num_prefill_tokens / seconds)

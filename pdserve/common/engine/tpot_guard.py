@@ -1,23 +1,25 @@
-"""The TPOT guard: how many prompt tokens a step with decode rows may carry, so that the step
-still ends within the time-per-output-token target of its decode rows.
+"""The TPOT guard: how many prompt tokens a step with decode rows may carry, so that its decode
+rows keep their time-per-output-token target on average, with no step longer than the ITL bound.
 
 The step-time model is the engine's own measurement (:class:`StepTimer`): ``t_dec``, the recent
 decode-only step, and ``c``, the extra milliseconds a mixed step took per prompt token over
-``t_dec``. A step with decode rows and ``p`` prompt tokens is predicted to take ``t_dec + c * p``,
-so the guard allows::
+``t_dec``. A step with decode rows and ``p`` prompt tokens is predicted to take ``t_dec + c * p``.
+The guard keeps a credit ``S`` (ms): after each step with decode rows, ``S += goal - step``
+(clipped to ``[-goal, goal]``), so decode-only steps, shorter than the goal, save time that a
+later mixed step spends (a mixed step has a fixed cost of its own, so fewer, larger chunks
+carry more prompt tokens per millisecond of the decode rows' time than one small chunk a step)::
 
     target = min(worker target, the tightest per-request target of the step's decode rows)
-    budget = floor((target * (1 - margin) - t_dec) / c), clamped to [MIN_CHUNK_TOKENS, ceiling]
+    goal   = target * (1 - margin)
+    allowed = min(goal + S, MAX_STEP_SHARE * target)           (no step over the ITL bound)
+    budget = floor((allowed - t_dec) / c), clamped to [0, ceiling]; under MIN_CHUNK_TOKENS: 0
 
-A step without decode rows has no TPOT to keep: its budget is the ceiling (the engine's
-``max_num_batched_tokens``, a prefill-sized step), so a worker that is not decoding prefills at
-full GEMM efficiency. Until a mixed step was measured (``c`` = 0) the budget is
-``min(UNMEASURED_TOKENS, ceiling)``. When the decode rows alone take the whole target, the budget
-is MIN_CHUNK_TOKENS: prompts still make progress, and the router sees the worker as full.
-
-The linear model over-prices small chunks (a mixed step reads the weights once for its decode rows
-and its prompt tokens together), so ``c`` measured at one budget is an average; the budget it
-yields converges to the size whose step meets the target (each mixed step re-measures ``c``).
+A budget of 0 makes a decode-only step (which earns credit). So that prompts never starve where
+the decode rows alone take the whole goal, after STARVED_STEPS guarded steps in a row with a
+budget of 0 the next gets MIN_CHUNK_TOKENS. A step without decode rows has no TPOT to keep: its
+budget is the ceiling (the engine's ``max_num_batched_tokens``, a prefill-sized step), so a worker
+that is not decoding prefills at full GEMM efficiency. Until a mixed step was measured (``c`` = 0)
+the budget is ``min(UNMEASURED_TOKENS, ceiling)``.
 """
 from __future__ import annotations
 
@@ -28,20 +30,20 @@ from dataclasses import dataclass
 from pdserve.common.engine.sequence import Sequence
 from pdserve.common.engine.step_timer import StepTimer
 
-MIN_CHUNK_TOKENS = 32       # a guarded step still computes this many prompt tokens
+MIN_CHUNK_TOKENS = 32       # a smaller chunk costs its fixed step overhead for too little
 UNMEASURED_TOKENS = 512     # the budget before the first mixed step is measured
+MAX_STEP_SHARE = 2.0        # no guarded step longer than this many targets (the ITL bound)
+STARVED_STEPS = 8           # guarded steps in a row without prompt tokens before a forced chunk
 
 
-def prompt_budget(target_ms: float, margin: float, decode_step_ms: float, ms_per_prompt_token: float,
-                  ceiling: int) -> int:
+def prompt_budget(target_ms: float, margin: float, credit_ms: float, decode_step_ms: float,
+                  ms_per_prompt_token: float, ceiling: int) -> int:
     """Prompt tokens allowed beside decode rows (module docstring); ``target_ms`` > 0."""
-    floor = min(MIN_CHUNK_TOKENS, ceiling)
     if ms_per_prompt_token <= 0.0 or decode_step_ms <= 0.0:
         return min(UNMEASURED_TOKENS, ceiling)
-    slack = target_ms * (1.0 - margin) - decode_step_ms
-    if slack <= 0.0:
-        return floor
-    return max(floor, min(ceiling, math.floor(slack / ms_per_prompt_token)))
+    allowed = min(target_ms * (1.0 - margin) + credit_ms, MAX_STEP_SHARE * target_ms)
+    n = min(ceiling, math.floor(max(allowed - decode_step_ms, 0.0) / ms_per_prompt_token))
+    return n if n >= min(MIN_CHUNK_TOKENS, ceiling) else 0
 
 
 def step_target_ms(worker_target_ms: float, rows: Seq[Sequence]) -> float:
@@ -54,11 +56,15 @@ def step_target_ms(worker_target_ms: float, rows: Seq[Sequence]) -> float:
 
 @dataclass
 class TpotGuard:
-    """The guard of one engine: ``budget(decode_rows, ceiling)`` for its scheduler."""
+    """The guard of one engine: ``budget(decode_rows, ceiling)`` for its scheduler, ``observe``
+    after every step."""
 
     timer: StepTimer
     target_ms: float = 0.0      # the worker's target; 0 = only requests that set one are guarded
     margin: float = 0.1         # share of the target kept free for the model's error
+    credit_ms: float = 0.0      # S
+    _goal_ms: float = 0.0       # the goal of the last guarded step (0: the last step was not guarded)
+    _starved: int = 0           # guarded steps in a row given no prompt tokens
 
     def __post_init__(self) -> None:
         if self.target_ms < 0.0:
@@ -68,10 +74,20 @@ class TpotGuard:
 
     def budget(self, decode_rows: Seq[Sequence], ceiling: int) -> int:
         """Prompt tokens the step may carry beside ``decode_rows`` (at most ``ceiling``)."""
-        if not decode_rows:
-            return ceiling
-        target = step_target_ms(self.target_ms, decode_rows)
+        target = step_target_ms(self.target_ms, decode_rows) if decode_rows else 0.0
+        self._goal_ms = target * (1.0 - self.margin)
         if target <= 0.0:
             return ceiling
         t = self.timer
-        return prompt_budget(target, self.margin, t.decode_step_ms, t.ms_per_prompt_token, ceiling)
+        n = prompt_budget(target, self.margin, self.credit_ms, t.decode_step_ms, t.ms_per_prompt_token, ceiling)
+        self._starved = self._starved + 1 if n == 0 else 0
+        if self._starved > STARVED_STEPS:
+            self._starved = 0
+            return min(MIN_CHUNK_TOKENS, ceiling)
+        return n
+
+    def observe(self, step_ms: float, num_decode_rows: int) -> None:
+        """A step ended: a guarded step with decode rows moves the credit by ``goal - step_ms``."""
+        if self._goal_ms > 0.0 and num_decode_rows:
+            g = self._goal_ms
+            self.credit_ms = max(-g, min(g, self.credit_ms + g - step_ms))

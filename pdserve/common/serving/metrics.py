@@ -217,7 +217,8 @@ class _Times:
 
 
 class RequestTracker:
-    """Per-request times on a worker; every method runs on the engine thread."""
+    """Per-request times on a worker; every method runs under the engine's state lock (on the
+    engine thread, or off it through ``EngineLoop.now``: never two at once)."""
 
     def __init__(self, metrics: WorkerMetrics) -> None:
         self.metrics = metrics

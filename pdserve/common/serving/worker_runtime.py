@@ -1,15 +1,19 @@
-"""What every worker process has: the engine and its thread, KV events, identity, metrics."""
+"""What every worker process has: the engine and its thread, KV events, identity, metrics, and
+the ids cancelled here (:class:`~pdserve.common.serving.cancels.Tombstones`)."""
 from __future__ import annotations
 
 import asyncio
+import contextvars
 import logging
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from typing import TypeVar
 
 from pdserve.common.config import EngineConfig
 from pdserve.common.engine.llm_engine import LLMEngine, StepOutput
 from pdserve.common.grpc_utils.protocol import PROTOCOL_VERSION
 from pdserve.common.serving.broadcast import Broadcast
+from pdserve.common.serving.cancels import Tombstones
 from pdserve.common.serving.engine_loop import EngineHooks, EngineLoop
 from pdserve.common.serving.kv_events import KvEventLog
 from pdserve.common.serving.metrics import RequestTracker, WorkerMetrics
@@ -34,6 +38,11 @@ class WorkerRuntime:
         self.metrics = WorkerMetrics(role)
         self.requests = RequestTracker(self.metrics)  # per-request times (engine thread)
         self.loop = EngineLoop(engine, self.metrics.observe_step)
+        self.cancelled = Tombstones()
+        # ``call_now`` when the engine's state lock is taken: one thread, so such calls keep
+        # their order, and none waits behind the pool that KV sends use (asyncio.to_thread)
+        self._state_thread = ThreadPoolExecutor(1, thread_name_prefix="engine-state")
+        self._queued_now = 0
 
     @classmethod
     async def create(cls, role: str, worker_id: str, engine_config: EngineConfig) -> WorkerRuntime:
@@ -59,12 +68,30 @@ class WorkerRuntime:
 
     def stop(self) -> None:
         self.loop.stop()
+        self._state_thread.shutdown(wait=False)
         self.outputs.close_all()
         self.kv_log.subscribers.close_all()
 
     async def call(self, fn: Callable[[LLMEngine], T]) -> T:
         """Run ``fn(engine)`` on the engine thread and await its result."""
         return await asyncio.wrap_future(self.loop.call(fn))
+
+    async def call_now(self, fn: Callable[[LLMEngine], T], *, shielded: bool = False) -> T:
+        """Run ``fn(engine)`` under the engine's state lock, off the engine thread's step
+        (``EngineLoop.now``): here at once when the lock is free (the engine idles or computes),
+        else on the state thread as soon as it is. Never behind a long prefill step. If the
+        caller is cancelled meanwhile, ``fn`` still runs once started (and, ``shielded``, also if
+        it had not started): its effect never depends on the caller's rpc surviving."""
+        if not self._queued_now:
+            ran, result = self.loop.try_now(fn)
+            if ran:
+                return result       # type: ignore[return-value]
+        self._queued_now += 1
+        try:
+            future = asyncio.wrap_future(self._state_thread.submit(contextvars.copy_context().run, self.loop.now, fn))
+            return await (asyncio.shield(future) if shielded else future)
+        finally:
+            self._queued_now -= 1
 
     async def kv_snapshot(self) -> tuple[list[int], int, int]:
         """(hashes cached now, number of the last event batch they include, pool size), read

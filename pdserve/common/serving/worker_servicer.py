@@ -3,6 +3,11 @@
 :class:`BaseWorkerServicer` owns what every role does the same way: admission (draining, ids,
 deadline), Cancel, drain, GetStats and StreamKvEvents. A role adds its own rpcs and passes its
 :class:`Handoff` sides (prefill: the KV export; decode: the KV import; both: the two).
+
+Cancel is answered at once, off the engine's step: the id is remembered
+(:class:`~pdserve.common.serving.cancels.Tombstones`, so a request the Cancel overtook is refused
+when it arrives), and each side ends the request now or, when a step may be computing it, right
+after that step. Its effect never depends on the Cancel rpc itself surviving (a caller's deadline).
 """
 from __future__ import annotations
 
@@ -94,22 +99,33 @@ class BaseWorkerServicer(worker_pb2_grpc.WorkerServicer):
         self._refuse("Subscribe")
         yield  # unreachable: makes this an async generator, as a server-streaming rpc must be
 
+    async def RenewLeases(self, request, context):
+        self._refuse("RenewLeases")
+
     # ---- endings --------------------------------------------------------------------------
     async def Cancel(self, request, context) -> worker_pb2.CancelResponse:
+        if not request.request_id:
+            return worker_pb2.CancelResponse(found=False)
+        self.runtime.cancelled.add(request.request_id)     # before the search: see the module doc
+        found = False
         for side in self.sides:
-            if await side.cancel(request.request_id):
-                return worker_pb2.CancelResponse(found=True)
-        return worker_pb2.CancelResponse(found=False)
+            found = await side.cancel(request.request_id) or found
+        return worker_pb2.CancelResponse(found=found)
 
     async def drain(self, grace_s: float) -> None:
         """Stop admitting; let requests in flight finish for up to ``grace_s`` less a margin;
-        cancel the rest."""
+        cancel the rest; then end the output streams once what is queued for them went out."""
         self.draining = True
         deadline = time.monotonic() + max(grace_s - DRAIN_MARGIN_S, 0.0)
         while any(side.num_in_flight() for side in self.sides) and time.monotonic() < deadline:
             await asyncio.sleep(0.1)
         for side in self.sides:
             await side.cancel_all()
+        end = time.monotonic() + DRAIN_MARGIN_S / 2     # a running request ends after its step
+        while any(side.num_in_flight() for side in self.sides) and time.monotonic() < end:
+            await asyncio.sleep(0.02)
+        self.runtime.outputs.close_all()
+        self.runtime.kv_log.subscribers.close_all()
 
     def close(self) -> None:
         """After the server stopped: stop the engine thread, release the role's resources."""
