@@ -18,7 +18,7 @@ from bench import deployment as services
 from pdserve.common.engine import LLM, SamplingParams
 from pdserve.v1 import common_pb2, router_pb2
 
-MAX_TOKENS = 96
+MAX_TOKENS = 320
 QUESTIONS = ["Tell me a long story about a lighthouse keeper.", "Explain how glaciers carve valleys, in detail."]
 
 
