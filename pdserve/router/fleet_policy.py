@@ -18,7 +18,7 @@ its mixed steps, ``W_w`` the prompt tokens this router gave it lately)::
     goal        = slo_tpot * (1 - GUARD_MARGIN)     (the workers' guard: steps take goal on average)
     rate_w      = R_w                              if rows_w == 0 (a prefill-sized step)
                 = 1000 * (goal - t_w) / (c_w * goal)   otherwise: the slack of each step, on average
-                  (the guard's forced chunks only, when t_w >= goal)
+                  (the guard's floor of MIN_CHUNK_TOKENS a step, when the slack holds fewer)
     ttft_w      = 1000 * (Q_w + U_w) / rate_w  (+ remote_overhead_ms + U_D * transfer_us / 1000 if w != D)
     cost_w      = ttft_w + rows_w * U_w * c_w     (this request's wait + each decode row's wait)
     P           = the lowest cost among the workers with ttft_w <= ttft_share * slo_ttft;
@@ -43,7 +43,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from pdserve.common.engine.tpot_guard import MIN_CHUNK_TOKENS, STARVED_STEPS
+from pdserve.common.engine.tpot_guard import MIN_CHUNK_TOKENS
 from pdserve.router.pd_policy import DEFAULT_DECODE_STEP_MS, LOCAL, REMOTE, PdConfig, PdDecision, _mean_measured
 
 LEAN_SHARE = 0.7    # a decode worker has room while its decode step is under this share of the TPOT SLO
@@ -85,8 +85,8 @@ def prefill_rate(w: FleetWorker, slo_tpot_ms: float, fallback: float) -> float:
     t = _step_ms(w)
     c = w.ms_per_prompt_token if w.ms_per_prompt_token > 0 else 1000.0 / r
     goal = slo_tpot_ms * (1.0 - GUARD_MARGIN)
-    if goal <= t:       # the guard's forced chunks only
-        return min(r, 1000.0 * MIN_CHUNK_TOKENS / ((STARVED_STEPS + 1) * t))
+    if goal - t < c * MIN_CHUNK_TOKENS:     # the guard's floor: MIN_CHUNK_TOKENS a step
+        return min(r, 1000.0 * MIN_CHUNK_TOKENS / (t + c * MIN_CHUNK_TOKENS))
     return min(r, 1000.0 * (goal - t) / (c * goal))
 
 

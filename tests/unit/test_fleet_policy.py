@@ -48,9 +48,9 @@ def test_prefill_rate_by_hand():
     # rows: the guard's goal 10.8 ms a step on average, 6 of them for prompts at 0.02 ms: 300 tokens a 10.8 ms
     busy = w("a", decode_rows=8, decode_step_ms=4.8, ms_per_prompt_token=0.02, max_num_batched_tokens=4096)
     assert prefill_rate(busy, 12.0, 8000.0) == pytest.approx(1000.0 * 300 / 10.8)
-    # decode rows over the goal: the forced chunks only, 32 tokens every 9 steps of 11 ms
+    # decode rows over the goal: the guard's floor, 32 tokens a step of 11 + 0.64 ms
     full = w("a", decode_rows=8, decode_step_ms=11.0, ms_per_prompt_token=0.02)
-    assert prefill_rate(full, 12.0, 8000.0) == pytest.approx(1000.0 * 32 / (9 * 11.0))
+    assert prefill_rate(full, 12.0, 8000.0) == pytest.approx(1000.0 * 32 / (11.0 + 0.64))
 
 
 def test_local_when_the_decode_worker_is_the_fastest_place():

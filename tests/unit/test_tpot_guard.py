@@ -11,7 +11,6 @@ from pdserve.common.engine.sequence import Sequence
 from pdserve.common.engine.step_timer import StepTimer
 from pdserve.common.engine.tpot_guard import (
     MIN_CHUNK_TOKENS,
-    STARVED_STEPS,
     UNMEASURED_TOKENS,
     TpotGuard,
     prompt_budget,
@@ -37,11 +36,11 @@ def test_budget_by_hand():
     assert prompt_budget(12.0, 0.1, 50.0, 5.4, 0.02, 4096) == 930
     # the ceiling caps it: 5.4 / 0.001 = 5400 > 4096
     assert prompt_budget(12.0, 0.1, 0.0, 5.4, 0.001, 4096) == 4096
-    # owed time (negative credit) or decode rows alone over the goal: a decode-only step
-    assert prompt_budget(12.0, 0.1, -3.0, 9.0, 0.02, 4096) == 0
-    assert prompt_budget(12.0, 0.1, 0.0, 11.0, 0.02, 4096) == 0
-    # a chunk under MIN_CHUNK_TOKENS is not worth its step: (10.8 - 10.5) / 0.02 = 15
-    assert prompt_budget(12.0, 0.1, 0.0, 10.5, 0.02, 4096) == 0
+    # owed time (negative credit) or decode rows alone over the goal: the floor
+    assert prompt_budget(12.0, 0.1, -3.0, 9.0, 0.02, 4096) == MIN_CHUNK_TOKENS
+    assert prompt_budget(12.0, 0.1, 0.0, 11.0, 0.02, 4096) == MIN_CHUNK_TOKENS
+    assert prompt_budget(12.0, 0.1, 0.0, 10.5, 0.02, 4096) == MIN_CHUNK_TOKENS   # (10.8 - 10.5) / 0.02 = 15
+    assert prompt_budget(12.0, 0.1, 0.0, 11.0, 0.02, 8) == 8                    # a ceiling under the floor
     # unmeasured model: the fixed start
     assert prompt_budget(12.0, 0.1, 0.0, 0.0, 0.02, 4096) == UNMEASURED_TOKENS
     assert prompt_budget(12.0, 0.1, 0.0, 5.0, 0.0, 300) == 300
@@ -70,20 +69,11 @@ def test_guard_reads_the_timer_and_keeps_credit():
     assert guard.budget(rows, 4096) == 1200                  # (10 + 6 - 4) / 0.01
     guard.observe(30.0, 8)                                   # 20 ms over: clipped at -10
     assert guard.credit_ms == pytest.approx(-10.0)
-    assert guard.budget(rows, 4096) == 0                     # owed: a decode-only step
+    assert guard.budget(rows, 4096) == MIN_CHUNK_TOKENS      # owed: the floor
     guard.observe(30.0, 0)                                   # a step without decode rows: no change
     assert guard.credit_ms == pytest.approx(-10.0)
     assert TpotGuard(timer).budget(rows, 4096) == 4096       # off: no target anywhere
     assert TpotGuard(timer).budget([seq(4, tpot=6.0)], 4096) == 140   # its own: (6 * 0.9 - 4) / 0.01
-
-
-def test_starved_prompts_get_a_chunk():
-    timer = StepTimer()
-    timer.record(0.011, 0, 8)
-    timer.record(0.012, 100, 8)
-    guard = TpotGuard(timer, target_ms=10.0)                 # goal 9 ms < the 11 ms decode step
-    budgets = [guard.budget([seq(4)], 4096) for _ in range(STARVED_STEPS + 2)]
-    assert budgets == [0] * STARVED_STEPS + [MIN_CHUNK_TOKENS, 0]
 
 
 def test_timer_model_moves_with_measurements():

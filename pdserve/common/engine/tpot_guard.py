@@ -5,18 +5,18 @@ The step-time model is the engine's own measurement (:class:`StepTimer`): ``t_de
 decode-only step, and ``c``, the extra milliseconds a mixed step took per prompt token over
 ``t_dec``. A step with decode rows and ``p`` prompt tokens is predicted to take ``t_dec + c * p``.
 The guard keeps a credit ``S`` (ms): after each step with decode rows, ``S += goal - step``
-(clipped to ``[-goal, goal]``), so decode-only steps, shorter than the goal, save time that a
+(clipped to ``[-goal, CREDIT_CAP_SHARE * goal]``), so decode-only steps, shorter than the goal, save time that a
 later mixed step spends (a mixed step has a fixed cost of its own, so fewer, larger chunks
 carry more prompt tokens per millisecond of the decode rows' time than one small chunk a step)::
 
     target = min(worker target, the tightest per-request target of the step's decode rows)
     goal   = target * (1 - margin)
     allowed = min(goal + S, MAX_STEP_SHARE * target)           (no step over the ITL bound)
-    budget = floor((allowed - t_dec) / c), clamped to [0, ceiling]; under MIN_CHUNK_TOKENS: 0
+    budget = floor((allowed - t_dec) / c), clamped to [MIN_CHUNK_TOKENS, ceiling]
 
-A budget of 0 makes a decode-only step (which earns credit). So that prompts never starve where
-the decode rows alone take the whole goal, after STARVED_STEPS guarded steps in a row with a
-budget of 0 the next gets MIN_CHUNK_TOKENS. A step without decode rows has no TPOT to keep: its
+The floor keeps prompts moving where the decode rows alone take the whole goal (the credit then
+runs to ``-goal`` and the router sees the worker as full: its prefill rate is the floor's). A step
+without decode rows has no TPOT to keep: its
 budget is the ceiling (the engine's ``max_num_batched_tokens``, a prefill-sized step), so a worker
 that is not decoding prefills at full GEMM efficiency. Until a mixed step was measured (``c`` = 0)
 the budget is ``min(UNMEASURED_TOKENS, ceiling)``.
@@ -30,10 +30,10 @@ from dataclasses import dataclass
 from pdserve.common.engine.sequence import Sequence
 from pdserve.common.engine.step_timer import StepTimer
 
-MIN_CHUNK_TOKENS = 32       # a smaller chunk costs its fixed step overhead for too little
+MIN_CHUNK_TOKENS = 32       # a guarded step with prompts waiting computes at least this many
 UNMEASURED_TOKENS = 512     # the budget before the first mixed step is measured
 MAX_STEP_SHARE = 2.0        # no guarded step longer than this many targets (the ITL bound)
-STARVED_STEPS = 8           # guarded steps in a row without prompt tokens before a forced chunk
+CREDIT_CAP_SHARE = 1.0      # the credit saved is at most this many goals
 
 
 def prompt_budget(target_ms: float, margin: float, credit_ms: float, decode_step_ms: float,
@@ -42,8 +42,8 @@ def prompt_budget(target_ms: float, margin: float, credit_ms: float, decode_step
     if ms_per_prompt_token <= 0.0 or decode_step_ms <= 0.0:
         return min(UNMEASURED_TOKENS, ceiling)
     allowed = min(target_ms * (1.0 - margin) + credit_ms, MAX_STEP_SHARE * target_ms)
-    n = min(ceiling, math.floor(max(allowed - decode_step_ms, 0.0) / ms_per_prompt_token))
-    return n if n >= min(MIN_CHUNK_TOKENS, ceiling) else 0
+    n = math.floor(max(allowed - decode_step_ms, 0.0) / ms_per_prompt_token)
+    return min(ceiling, max(n, MIN_CHUNK_TOKENS))
 
 
 def step_target_ms(worker_target_ms: float, rows: Seq[Sequence]) -> float:
@@ -64,7 +64,6 @@ class TpotGuard:
     margin: float = 0.1         # share of the target kept free for the model's error
     credit_ms: float = 0.0      # S
     _goal_ms: float = 0.0       # the goal of the last guarded step (0: the last step was not guarded)
-    _starved: int = 0           # guarded steps in a row given no prompt tokens
 
     def __post_init__(self) -> None:
         if self.target_ms < 0.0:
@@ -79,15 +78,10 @@ class TpotGuard:
         if target <= 0.0:
             return ceiling
         t = self.timer
-        n = prompt_budget(target, self.margin, self.credit_ms, t.decode_step_ms, t.ms_per_prompt_token, ceiling)
-        self._starved = self._starved + 1 if n == 0 else 0
-        if self._starved > STARVED_STEPS:
-            self._starved = 0
-            return min(MIN_CHUNK_TOKENS, ceiling)
-        return n
+        return prompt_budget(target, self.margin, self.credit_ms, t.decode_step_ms, t.ms_per_prompt_token, ceiling)
 
     def observe(self, step_ms: float, num_decode_rows: int) -> None:
         """A step ended: a guarded step with decode rows moves the credit by ``goal - step_ms``."""
         if self._goal_ms > 0.0 and num_decode_rows:
             g = self._goal_ms
-            self.credit_ms = max(-g, min(g, self.credit_ms + g - step_ms))
+            self.credit_ms = max(-g, min(CREDIT_CAP_SHARE * g, self.credit_ms + g - step_ms))
