@@ -16,7 +16,7 @@ import grpc
 from pdserve.loadtest import procs
 from pdserve.loadtest.ports import free_port, free_port_range
 from pdserve.loadtest.procs import Service
-from pdserve.v1 import router_pb2_grpc, worker_pb2, worker_pb2_grpc
+from pdserve.v1 import router_pb2, router_pb2_grpc, worker_pb2, worker_pb2_grpc
 
 
 @dataclass
@@ -38,6 +38,17 @@ class Deployment:
 
     def router_stub(self) -> router_pb2_grpc.GenerationStub:
         return router_pb2_grpc.GenerationStub(grpc.insecure_channel(self.router))
+
+    def cancel_after_tokens(self, request: router_pb2.GenerateRequest, n: int = 3, timeout: float = 120.0) -> int:
+        """Stream ``request`` through the router and cancel it once ``n`` tokens came; the tokens seen."""
+        call = self.router_stub().Generate(request, timeout=timeout)
+        got = 0
+        for msg in call:
+            got += len(msg.token_ids)
+            if got >= n:
+                call.cancel()
+                break
+        return got
 
     def stats(self, address: str) -> worker_pb2.WorkerStats:
         metadata = (("authorization", f"Bearer {self.internal_token}"),) if self.internal_token else ()

@@ -101,14 +101,7 @@ def test_both_decisions_outputs_match_offline_and_pools_whole(deployment, offlin
 
 
 def _cancel_after_tokens(dep, tokens: list[int], n: int = 3) -> int:
-    call = dep.router_stub().Generate(_request(tokens, max_tokens=400), timeout=120)
-    got = 0
-    for msg in call:
-        got += len(msg.token_ids)
-        if got >= n:
-            call.cancel()
-            break
-    return got
+    return dep.cancel_after_tokens(_request(tokens, max_tokens=400), n)
 
 
 @pytest.mark.parametrize("path", ["local", "remote"])

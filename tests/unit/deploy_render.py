@@ -282,3 +282,20 @@ def quantity_bytes(q: str | int) -> float:
 def quantity_cpu(q: str | int | float) -> float:
     s = str(q)
     return float(s[:-1]) / 1000 if s.endswith("m") else float(s)
+
+
+def render_with_component(component: Path, tmp_path_factory) -> dict[str, list[dict]]:
+    """{overlay: objects} of every overlay rendered with ``component`` added (a kustomization in a
+    temporary directory naming the overlay as its resource and the component)."""
+    cmd = _require_renderer(_find_renderer()[0])
+    out = {}
+    for overlay in OVERLAYS:
+        root = tmp_path_factory.mktemp(f"with-{component.name}-{overlay}")
+        (root / "kustomization.yaml").write_text(yaml.safe_dump({
+            "apiVersion": "kustomize.config.k8s.io/v1beta1", "kind": "Kustomization",
+            "resources": [os.path.relpath(K8S / "overlays" / overlay, root)],
+            "components": [os.path.relpath(component, root)]}))
+        proc = subprocess.run([*cmd, str(root)], capture_output=True, text=True, timeout=RENDER_TIMEOUT_S)
+        assert proc.returncode == 0, proc.stderr
+        out[overlay] = [d for d in yaml.safe_load_all(proc.stdout) if d]
+    return out

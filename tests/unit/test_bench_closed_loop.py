@@ -4,10 +4,9 @@ Generation server (in a thread of its own) that answers each request after a fix
 from __future__ import annotations
 
 import asyncio
-import threading
 
-import grpc
 import pytest
+from generation_server import serve
 
 from pdserve.loadtest import datasets
 from pdserve.loadtest.client import _shares, run_load
@@ -27,26 +26,8 @@ class SlowGeneration(router_pb2_grpc.GenerationServicer):
 
 @pytest.fixture(scope="module")
 def server_address():
-    ready, done, holder = threading.Event(), threading.Event(), {}
-
-    def serve() -> None:
-        async def main() -> None:
-            server = grpc.aio.server()
-            router_pb2_grpc.add_GenerationServicer_to_server(SlowGeneration(), server)
-            holder["port"] = server.add_insecure_port("127.0.0.1:0")
-            await server.start()
-            ready.set()
-            while not done.is_set():
-                await asyncio.sleep(0.05)
-            await server.stop(0)
-        asyncio.run(main())
-
-    thread = threading.Thread(target=serve, daemon=True)
-    thread.start()
-    assert ready.wait(30)
-    yield f"127.0.0.1:{holder['port']}"
-    done.set()
-    thread.join(10)
+    with serve(SlowGeneration()) as address:
+        yield address
 
 
 def _conversations(turns: int = 3, conversations: int = 4) -> list[datasets.BenchRequest]:

@@ -3,13 +3,11 @@ the requests of each phase and their variants, per-phase metrics on hand-made re
 and one short run against an in-process gRPC server."""
 from __future__ import annotations
 
-import asyncio
 import math
-import threading
 from collections import Counter
 
-import grpc
 import pytest
+from generation_server import serve
 
 from pdserve.cli import build_parser
 from pdserve.loadtest import arrivals, compare, phases, runner, schedule
@@ -225,26 +223,8 @@ class TwoTokens(router_pb2_grpc.GenerationServicer):
 
 @pytest.fixture(scope="module")
 def server_address():
-    ready, done, holder = threading.Event(), threading.Event(), {}
-
-    def serve() -> None:
-        async def main() -> None:
-            server = grpc.aio.server()
-            router_pb2_grpc.add_GenerationServicer_to_server(TwoTokens(), server)
-            holder["port"] = server.add_insecure_port("127.0.0.1:0")
-            await server.start()
-            ready.set()
-            while not done.is_set():
-                await asyncio.sleep(0.05)
-            await server.stop(0)
-        asyncio.run(main())
-
-    thread = threading.Thread(target=serve, daemon=True)
-    thread.start()
-    assert ready.wait(30)
-    yield f"127.0.0.1:{holder['port']}"
-    done.set()
-    thread.join(10)
+    with serve(TwoTokens()) as address:
+        yield address
 
 
 def test_a_phased_run_reports_each_phase(server_address: str) -> None:

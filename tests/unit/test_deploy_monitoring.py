@@ -11,25 +11,20 @@ dashboard queries is one the services export (read from their own metric registr
 from __future__ import annotations
 
 import json
-import os
 import re
-import subprocess
 
 import pytest
-import yaml
 from deploy_render import (
     DEPLOY,
     K8S,
     MIN_K8S_VERSION,
     OVERLAYS,
-    RENDER_TIMEOUT_S,
-    _find_renderer,
-    _require_renderer,
     deployments,
     design_ports,
     main_container,
     named_port,
     pod_spec,
+    render_with_component,
     selector_matches,
 )
 
@@ -40,18 +35,7 @@ DASHBOARD = DEPLOY / "grafana" / "pdserve.json"
 @pytest.fixture(scope="module")
 def rendered(tmp_path_factory) -> dict[str, list[dict]]:
     """{overlay: objects} rendered with the monitoring component."""
-    cmd = _require_renderer(_find_renderer()[0])
-    out = {}
-    for overlay in OVERLAYS:
-        root = tmp_path_factory.mktemp(f"with-monitoring-{overlay}")
-        (root / "kustomization.yaml").write_text(yaml.safe_dump({
-            "apiVersion": "kustomize.config.k8s.io/v1beta1", "kind": "Kustomization",
-            "resources": [os.path.relpath(K8S / "overlays" / overlay, root)],
-            "components": [os.path.relpath(COMPONENT, root)]}))
-        proc = subprocess.run([*cmd, str(root)], capture_output=True, text=True, timeout=RENDER_TIMEOUT_S)
-        assert proc.returncode == 0, proc.stderr
-        out[overlay] = [d for d in yaml.safe_load_all(proc.stdout) if d]
-    return out
+    return render_with_component(COMPONENT, tmp_path_factory)
 
 
 @pytest.mark.parametrize("overlay", OVERLAYS)

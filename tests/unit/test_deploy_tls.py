@@ -12,19 +12,13 @@ cleartext HTTP/2 for its gRPC port.
 from __future__ import annotations
 
 import argparse
-import os
-import subprocess
 
 import pytest
-import yaml
 from deploy_render import (
     K8S,
     MIN_K8S_VERSION,
     OVERLAYS,
-    RENDER_TIMEOUT_S,
     ROLES,
-    _find_renderer,
-    _require_renderer,
     by_name,
     container_env,
     deployments,
@@ -33,6 +27,7 @@ from deploy_render import (
     main_container,
     named_port,
     pod_spec,
+    render_with_component,
     resolved_args,
 )
 
@@ -45,18 +40,7 @@ SECRETS = {"PDSERVE_INTERNAL": "pdserve-internal-tls", "PDSERVE_TLS": "pdserve-p
 @pytest.fixture(scope="module")
 def rendered(tmp_path_factory) -> dict[str, list[dict]]:
     """{overlay: objects} rendered with the TLS component."""
-    cmd = _require_renderer(_find_renderer()[0])
-    out = {}
-    for overlay in OVERLAYS:
-        root = tmp_path_factory.mktemp(f"with-tls-{overlay}")
-        (root / "kustomization.yaml").write_text(yaml.safe_dump({
-            "apiVersion": "kustomize.config.k8s.io/v1beta1", "kind": "Kustomization",
-            "resources": [os.path.relpath(K8S / "overlays" / overlay, root)],
-            "components": [os.path.relpath(COMPONENT, root)]}))
-        proc = subprocess.run([*cmd, str(root)], capture_output=True, text=True, timeout=RENDER_TIMEOUT_S)
-        assert proc.returncode == 0, proc.stderr
-        out[overlay] = [d for d in yaml.safe_load_all(proc.stdout) if d]
-    return out
+    return render_with_component(COMPONENT, tmp_path_factory)
 
 
 @pytest.mark.parametrize("overlay", OVERLAYS)
