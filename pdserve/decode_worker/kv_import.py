@@ -71,19 +71,19 @@ class KvImport:
 
     # ---- admission paths ------------------------------------------------------------------
     async def reserve(self, request_id: str, token_ids: list[int], params: SamplingParams, lease_ms: int,
-                      deadline: float | None, router_id: str) -> tuple[list[int], int, int]:
+                      deadline: float | None, router_id: str, tpot_slo_ms: float = 0.0) -> tuple[list[int], int, int]:
         """Blocks for a prompt whose KV comes from a prefill worker: (block ids, cached tokens,
         lease expiry in Unix ms)."""
         block_ids, cached = await self._now(lambda e: self.state.reserve(
-            e, request_id, token_ids, params, lease_ms, deadline, router_id), request_id)
+            e, request_id, token_ids, params, lease_ms, deadline, router_id, tpot_slo_ms), request_id)
         lease_ms = lease_ms or self.state.default_lease_ms
         return block_ids, cached, int(time.time() * 1000) + lease_ms
 
     async def submit(self, request_id: str, token_ids: list[int], params: SamplingParams,
-                     deadline: float | None, router_id: str) -> None:
+                     deadline: float | None, router_id: str, tpot_slo_ms: float = 0.0) -> None:
         """A request prefilled here (no transfer)."""
-        await self._now(lambda e: self.state.submit(e, request_id, token_ids, params, deadline, router_id),
-                        request_id)
+        await self._now(lambda e: self.state.submit(e, request_id, token_ids, params, deadline, router_id,
+                                                    tpot_slo_ms), request_id)
 
     async def renew(self, router_id: str, request_ids: list[str]) -> list[str]:
         """Extend the leases of a router's reservations; the ids no longer held here."""

@@ -67,7 +67,7 @@ class DecodeServicer(BaseWorkerServicer):
         deadline = self._admit(request, check_reserve)
         block_ids, cached, lease_expires = await self.kv_import.reserve(
             request.request_id, list(request.token_ids), self._params(request), request.lease_ms, deadline,
-            request.router_id)
+            request.router_id, request.tpot_slo_ms)
         return worker_pb2.ReserveResponse(block_ids=block_ids, num_cached_tokens=cached,
                                           kv_store_address=self.kv_import.kv_store_address,
                                           worker_id=self.runtime.worker_id, lease_expires_unix_ms=lease_expires)
@@ -94,7 +94,7 @@ class DecodeServicer(BaseWorkerServicer):
         telemetry.bind_request(request.request_id)
         deadline = self._admit(request, check_submit)
         await self.kv_import.submit(request.request_id, list(request.token_ids), self._params(request), deadline,
-                                    request.router_id)
+                                    request.router_id, request.tpot_slo_ms)
         return worker_pb2.SubmitResponse(worker_id=self.runtime.worker_id)
 
     async def Prefill(self, request, context):

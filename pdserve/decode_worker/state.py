@@ -97,18 +97,21 @@ class DecodeState:
 
     # ---- admission paths -------------------------------------------------------------
     def reserve(self, engine: LLMEngine, request_id: str, token_ids: list[int], params: SamplingParams,
-                lease_ms: int, deadline: float | None, router_id: str) -> tuple[list[int], int]:
+                lease_ms: int, deadline: float | None, router_id: str, tpot_slo_ms: float = 0.0
+                ) -> tuple[list[int], int]:
+        """``tpot_slo_ms``: the request's own TPOT objective for the guard (0 = the worker's)."""
         self._check_new(request_id)
         seq = engine.kv_handoff.reserve(token_ids, params, request_id)
+        seq.tpot_slo_ms = tpot_slo_ms
         lease = (lease_ms or self.default_lease_ms) / 1000.0
         self.tracked[request_id] = Tracked(seq, router_id, deadline, time.time() + lease, Phase.RESERVED, lease)
         self.tracker.begin(request_id, KIND_REMOTE, "Reserve")
         return list(seq.block_table), seq.num_cached_tokens
 
     def submit(self, engine: LLMEngine, request_id: str, token_ids: list[int], params: SamplingParams,
-               deadline: float | None, router_id: str) -> None:
+               deadline: float | None, router_id: str, tpot_slo_ms: float = 0.0) -> None:
         self._check_new(request_id)
-        seq = engine.add_request(token_ids, params, request_id)
+        seq = engine.add_request(token_ids, params, request_id, tpot_slo_ms=tpot_slo_ms)
         self.tracked[request_id] = Tracked(seq, router_id, deadline, None, Phase.ACTIVE)
         self.tracker.begin(request_id, KIND_LOCAL, "Submit")
 

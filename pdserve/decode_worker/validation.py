@@ -12,20 +12,31 @@ from pdserve.prefill_worker.validation import Limits, check_params, check_token_
 
 #: Longest reservation lease accepted (ms): blocks pinned longer than this are a bug or an attack.
 MAX_LEASE_MS = 3_600_000
+#: Largest per-request TPOT objective accepted (ms), as the router's (pdserve.router.slo).
+MAX_TPOT_SLO_MS = 3_600_000.0
 
 
 def check_reserve(request, limits: Limits) -> None:
     """A ReserveRequest: prompt, params, lease."""
     check_token_ids("token_ids", request.token_ids, limits)
     check_params(request.params, limits)
+    check_tpot_slo(request.tpot_slo_ms)
     if request.lease_ms > MAX_LEASE_MS:
         raise InvalidArgument("lease_ms", f"{request.lease_ms} is over the maximum of {MAX_LEASE_MS}")
 
 
 def check_submit(request, limits: Limits) -> None:
-    """A SubmitRequest: prompt, params."""
+    """A SubmitRequest: prompt, params, TPOT objective."""
     check_token_ids("token_ids", request.token_ids, limits)
     check_params(request.params, limits)
+    check_tpot_slo(request.tpot_slo_ms)
+
+
+def check_tpot_slo(value: float) -> None:
+    """A request's own TPOT objective: 0 (the worker's) or finite in (0, MAX_TPOT_SLO_MS]."""
+    if not math.isfinite(value) or not 0.0 <= value <= MAX_TPOT_SLO_MS:
+        raise InvalidArgument("tpot_slo_ms", f"must be 0 or a finite number of ms up to {MAX_TPOT_SLO_MS:g}, "
+                                             f"not {value!r}")
 
 
 def check_push_kv(request, limits: Limits) -> None:

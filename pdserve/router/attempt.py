@@ -156,7 +156,7 @@ class Attempt:
             return
         settings = self.flow.settings
         call = self.decode.reserve(self.rid, job.prompt.wire_ids, job.sampling, settings.lease_ms,
-                                   job.deadline_unix_ms, settings.router_id, self._admit_timeout())
+                                   job.deadline_unix_ms, settings.router_id, self._admit_timeout(), job.slo.tpot_ms)
         self.flow.dispatched(self)
         try:
             res = self.decode.reservation(await self._admitted(call))
@@ -265,7 +265,7 @@ class Attempt:
         self._local_prompt = self._prefill_tokens(local=True)
         self.decode.add_load(prompt_tokens=self._local_prompt, computed=self._local_prompt)
         call = self.decode.submit(self.rid, job.prompt.wire_ids, job.sampling, job.deadline_unix_ms,
-                                  self.flow.settings.router_id, self._admit_timeout())
+                                  self.flow.settings.router_id, self._admit_timeout(), job.slo.tpot_ms)
         self.flow.dispatched(self)
         try:
             await self._admitted(call)

@@ -38,6 +38,7 @@ from pdserve.router.mover import Mover
 from pdserve.router.output import OutputProcessor, TextOutput
 from pdserve.router.placement import Placement
 from pdserve.router.settings import RouterSettings
+from pdserve.router.slo import NONE, RequestSlo
 from pdserve.router.tokenization import Prompt
 from pdserve.router.workers import WorkerRegistry
 
@@ -92,13 +93,13 @@ class Flow:
 
     def make_job(self, request_id: str, prompt: Prompt, sampling: SamplingParams,
                  stop: tuple[str, ...], include_stop: bool,
-                 skip_special_tokens: bool, time_remaining: float | None) -> Job:
+                 skip_special_tokens: bool, time_remaining: float | None, slo: RequestSlo = NONE) -> Job:
         deadline = deadline_ms = None
         if time_remaining is not None:
             deadline = time.monotonic() + time_remaining
             deadline_ms = int((time.time() + time_remaining) * 1000)
         return Job(request_id, prompt, sampling, stop, include_stop, skip_special_tokens,
-                   deadline, deadline_ms or 0)
+                   deadline, deadline_ms or 0, slo)
 
     # ---- background cancels -----------------------------------------------------------
     def spawn(self, coro) -> None:

@@ -9,6 +9,7 @@ from dataclasses import dataclass
 from pdserve.common.sampling_params import SamplingParams
 from pdserve.router.output import OutputProcessor
 from pdserve.router.prefix_index import PrefixIndex
+from pdserve.router.slo import NONE, RequestSlo
 from pdserve.router.tokenization import Prompt
 
 
@@ -24,6 +25,7 @@ class Job:
     skip_special_tokens: bool = True
     deadline: float | None = None    # time.monotonic()
     deadline_unix_ms: int = 0
+    slo: RequestSlo = NONE           # the request's own objectives (pdserve.router.slo)
     hash_chain: list[int] | None = None   # block hashes of the prompt, computed when needed
     matched: dict[str, int] | None = None  # worker -> leading blocks it holds (one index match per try)
     # Called once the request's first worker rpc is on its way (the servicer sends the client

@@ -26,6 +26,7 @@ from pdserve.router.pd_policy import (
 )
 from pdserve.router.policy import PrefillCandidate, pick_decode_workers, pick_prefill
 from pdserve.router.settings import RouterSettings
+from pdserve.router.slo import tighten
 from pdserve.router.worker_client import WorkerClient
 from pdserve.router.workers import WorkerRegistry
 
@@ -64,7 +65,7 @@ class Placement:
         workers and the prefill workers."""
         clients = {c.key: c for c in decoders}
         clients.update((c.key, c) for c in self.registry.prefill_workers(excluded))
-        bs, n, cfg = self.registry.block_size, len(job.prompt.token_ids), self.settings.pd
+        bs, n, cfg = self.registry.block_size, len(job.prompt.token_ids), tighten(self.settings.pd, job.slo)
         matches = job.match(self.registry.prefix_index, bs) if len(clients) > 1 else {}
         now = time.monotonic()
         snaps = [_fleet_worker(c, uncached_tokens(n, matches.get(c.key, 0), bs), now, cfg.rate_window_s)
@@ -111,7 +112,7 @@ class Placement:
         """Local or remote (pdserve.router.pd_policy), from the current figures of the decode worker
         and the prefill-capable workers; the ``--routing`` baselines keep their own choice of the
         prefill worker."""
-        cfg, bs, n = self.settings.pd, self.registry.block_size, len(job.prompt.token_ids)
+        cfg, bs, n = tighten(self.settings.pd, job.slo), self.registry.block_size, len(job.prompt.token_ids)
         index = self.registry.prefix_index
         hashed = (index is not None and cfg.mode != "never"
                   and (decode.kv_wanted or any(c.kv_wanted for c in prefillers)))

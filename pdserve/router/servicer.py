@@ -18,6 +18,7 @@ from pdserve.common.grpc_utils import Service
 from pdserve.common.grpc_utils.convert import finish_reason_to_proto, worker_info_to_proto
 from pdserve.common.grpc_utils.protocol import PROTOCOL_VERSION
 from pdserve.common.worker_types import DECODE_ROLES, PREFILL_CAPABLE, Role, WorkerInfo
+from pdserve.router import slo
 from pdserve.router.flow import Flow, Job
 from pdserve.router.output import TextOutput
 from pdserve.router.tokenization import ModelSpec, RouterTokenizer, build_prompt, check_context
@@ -111,7 +112,7 @@ class GenerationServicer(router_pb2_grpc.GenerationServicer):
         return self.flow.make_job(
             request.request_id or self.flow.new_request_id(), prompt, sampling,
             params.stop, request.include_stop_str_in_output, not request.keep_special_tokens,
-            time_remaining)
+            time_remaining, slo.from_proto(request.slo if request.HasField("slo") else None))
 
     async def Generate(self, request: router_pb2.GenerateRequest, context: Any):
         job = self._job(request, context, "Generate")

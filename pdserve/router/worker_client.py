@@ -430,11 +430,13 @@ class WorkerClient(WorkerLoad):
     # reserve / submit start the rpc before they return (its send is the next thing the loop
     # runs): the caller does its own work, then awaits the answer.
     def reserve(self, request_id: str, token_ids, params: SamplingParams, lease_ms: int, deadline_unix_ms: int,
-                router_id: str, timeout: float) -> grpc.aio.UnaryUnaryCall:
+                router_id: str, timeout: float, tpot_slo_ms: float = 0.0) -> grpc.aio.UnaryUnaryCall:
         """Reserve KV blocks for the prompt ``token_ids`` (a list or the client's repeated field):
-        the call (cancellable); :meth:`reservation` of its answer is the Reservation."""
+        the call (cancellable); :meth:`reservation` of its answer is the Reservation.
+        ``tpot_slo_ms``: the request's own TPOT objective for the worker's guard (0 = the worker's)."""
         req = worker_pb2.ReserveRequest(request_id=request_id, token_ids=token_ids, params=wire_params(params),
-                                        lease_ms=lease_ms, deadline_unix_ms=deadline_unix_ms, router_id=router_id)
+                                        lease_ms=lease_ms, deadline_unix_ms=deadline_unix_ms, router_id=router_id,
+                                        tpot_slo_ms=tpot_slo_ms)
         return self.stub.Reserve(req, timeout=timeout, wait_for_ready=False)
 
     @staticmethod
@@ -442,10 +444,11 @@ class WorkerClient(WorkerLoad):
         return reservation_from_proto(reply)
 
     def submit(self, request_id: str, token_ids, params: SamplingParams, deadline_unix_ms: int, router_id: str,
-               timeout: float) -> grpc.aio.UnaryUnaryCall:
-        """Queue the request on this worker (it prefills it); its outputs come on the Subscribe stream."""
+               timeout: float, tpot_slo_ms: float = 0.0) -> grpc.aio.UnaryUnaryCall:
+        """Queue the request on this worker (it prefills it); its outputs come on the Subscribe stream.
+        ``tpot_slo_ms`` as in :meth:`reserve`."""
         req = worker_pb2.SubmitRequest(request_id=request_id, token_ids=token_ids, params=wire_params(params),
-                                       deadline_unix_ms=deadline_unix_ms, router_id=router_id)
+                                       deadline_unix_ms=deadline_unix_ms, router_id=router_id, tpot_slo_ms=tpot_slo_ms)
         return self.stub.Submit(req, timeout=timeout, wait_for_ready=False)
 
     def prefill(self, req: PrefillRequest, target: Reservation, decode_worker_id: str, decode_address: str,

@@ -25,7 +25,7 @@ _sym_db = _symbol_database.Default()
 from pdserve.v1 import common_pb2 as pdserve_dot_v1_dot_common__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x17pdserve/v1/router.proto\x12\npdserve.v1\x1a\x17pdserve/v1/common.proto\",\n\x0b\x43hatMessage\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x0f\n\x07\x63ontent\x18\x02 \x01(\t\"9\n\x0c\x43hatMessages\x12)\n\x08messages\x18\x01 \x03(\x0b\x32\x17.pdserve.v1.ChatMessage\"\x17\n\x08TokenIds\x12\x0b\n\x03ids\x18\x01 \x03(\r\"\xd8\x02\n\x0fGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0e\n\x04text\x18\x02 \x01(\tH\x00\x12(\n\x04\x63hat\x18\x03 \x01(\x0b\x32\x18.pdserve.v1.ChatMessagesH\x00\x12)\n\ttoken_ids\x18\x04 \x01(\x0b\x32\x14.pdserve.v1.TokenIdsH\x00\x12*\n\x06params\x18\x05 \x01(\x0b\x32\x1a.pdserve.v1.SamplingParams\x12\x1e\n\x16skip_generation_prompt\x18\x06 \x01(\x08\x12\x1f\n\x12\x61\x64\x64_special_tokens\x18\x07 \x01(\x08H\x01\x88\x01\x01\x12\x1b\n\x13keep_special_tokens\x18\x08 \x01(\x08\x12\"\n\x1ainclude_stop_str_in_output\x18\t \x01(\x08\x42\x07\n\x05inputB\x15\n\x13_add_special_tokens\"\xc2\x01\n\x10GenerateResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\r\x12\x0c\n\x04text\x18\x03 \x01(\t\x12\x10\n\x08logprobs\x18\x04 \x03(\x02\x12/\n\rfinish_reason\x18\x05 \x01(\x0e\x32\x18.pdserve.v1.FinishReason\x12 \n\x05usage\x18\x06 \x01(\x0b\x32\x11.pdserve.v1.Usage\x12\x14\n\x0cmatched_stop\x18\x07 \x01(\t\"\xc0\x01\n\x0eGenerateResult\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0c\n\x04text\x18\x02 \x01(\t\x12\x11\n\ttoken_ids\x18\x03 \x03(\r\x12\x10\n\x08logprobs\x18\x04 \x03(\x02\x12/\n\rfinish_reason\x18\x05 \x01(\x0e\x32\x18.pdserve.v1.FinishReason\x12 \n\x05usage\x18\x06 \x01(\x0b\x32\x11.pdserve.v1.Usage\x12\x14\n\x0cmatched_stop\x18\x07 \x01(\t\"\xac\x01\n\x0fTokenizeRequest\x12\x0e\n\x04text\x18\x01 \x01(\tH\x00\x12(\n\x04\x63hat\x18\x02 \x01(\x0b\x32\x18.pdserve.v1.ChatMessagesH\x00\x12\x1f\n\x12\x61\x64\x64_special_tokens\x18\x03 \x01(\x08H\x01\x88\x01\x01\x12\x1e\n\x16skip_generation_prompt\x18\x04 \x01(\x08\x42\x07\n\x05inputB\x15\n\x13_add_special_tokens\"M\n\x10TokenizeResponse\x12\x11\n\ttoken_ids\x18\x01 \x03(\r\x12\r\n\x05\x63ount\x18\x02 \x01(\r\x12\x17\n\x0frendered_prompt\x18\x03 \x01(\t\"\x15\n\x13GetModelInfoRequest\"\xc4\x01\n\tModelInfo\x12\r\n\x05model\x18\x01 \x01(\t\x12\x15\n\rmax_model_len\x18\x02 \x01(\r\x12\x12\n\nvocab_size\x18\x03 \x01(\r\x12\x12\n\nblock_size\x18\x04 \x01(\r\x12\x15\n\reos_token_ids\x18\x05 \x03(\r\x12\x19\n\x11has_chat_template\x18\x06 \x01(\x08\x12\x1b\n\x13num_prefill_workers\x18\x07 \x01(\r\x12\x1a\n\x12num_decode_workers\x18\x08 \x01(\r2\xae\x02\n\nGeneration\x12G\n\x08Generate\x12\x1b.pdserve.v1.GenerateRequest\x1a\x1c.pdserve.v1.GenerateResponse0\x01\x12H\n\rGenerateUnary\x12\x1b.pdserve.v1.GenerateRequest\x1a\x1a.pdserve.v1.GenerateResult\x12\x45\n\x08Tokenize\x12\x1b.pdserve.v1.TokenizeRequest\x1a\x1c.pdserve.v1.TokenizeResponse\x12\x46\n\x0cGetModelInfo\x12\x1f.pdserve.v1.GetModelInfoRequest\x1a\x15.pdserve.v1.ModelInfob\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x17pdserve/v1/router.proto\x12\npdserve.v1\x1a\x17pdserve/v1/common.proto\",\n\x0b\x43hatMessage\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x0f\n\x07\x63ontent\x18\x02 \x01(\t\"9\n\x0c\x43hatMessages\x12)\n\x08messages\x18\x01 \x03(\x0b\x32\x17.pdserve.v1.ChatMessage\"\x17\n\x08TokenIds\x12\x0b\n\x03ids\x18\x01 \x03(\r\"\xfd\x02\n\x0fGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0e\n\x04text\x18\x02 \x01(\tH\x00\x12(\n\x04\x63hat\x18\x03 \x01(\x0b\x32\x18.pdserve.v1.ChatMessagesH\x00\x12)\n\ttoken_ids\x18\x04 \x01(\x0b\x32\x14.pdserve.v1.TokenIdsH\x00\x12*\n\x06params\x18\x05 \x01(\x0b\x32\x1a.pdserve.v1.SamplingParams\x12\x1e\n\x16skip_generation_prompt\x18\x06 \x01(\x08\x12\x1f\n\x12\x61\x64\x64_special_tokens\x18\x07 \x01(\x08H\x01\x88\x01\x01\x12\x1b\n\x13keep_special_tokens\x18\x08 \x01(\x08\x12\"\n\x1ainclude_stop_str_in_output\x18\t \x01(\x08\x12#\n\x03slo\x18\n \x01(\x0b\x32\x16.pdserve.v1.RequestSloB\x07\n\x05inputB\x15\n\x13_add_special_tokens\".\n\nRequestSlo\x12\x0f\n\x07ttft_ms\x18\x01 \x01(\x02\x12\x0f\n\x07tpot_ms\x18\x02 \x01(\x02\"\xc2\x01\n\x10GenerateResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\r\x12\x0c\n\x04text\x18\x03 \x01(\t\x12\x10\n\x08logprobs\x18\x04 \x03(\x02\x12/\n\rfinish_reason\x18\x05 \x01(\x0e\x32\x18.pdserve.v1.FinishReason\x12 \n\x05usage\x18\x06 \x01(\x0b\x32\x11.pdserve.v1.Usage\x12\x14\n\x0cmatched_stop\x18\x07 \x01(\t\"\xc0\x01\n\x0eGenerateResult\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0c\n\x04text\x18\x02 \x01(\t\x12\x11\n\ttoken_ids\x18\x03 \x03(\r\x12\x10\n\x08logprobs\x18\x04 \x03(\x02\x12/\n\rfinish_reason\x18\x05 \x01(\x0e\x32\x18.pdserve.v1.FinishReason\x12 \n\x05usage\x18\x06 \x01(\x0b\x32\x11.pdserve.v1.Usage\x12\x14\n\x0cmatched_stop\x18\x07 \x01(\t\"\xac\x01\n\x0fTokenizeRequest\x12\x0e\n\x04text\x18\x01 \x01(\tH\x00\x12(\n\x04\x63hat\x18\x02 \x01(\x0b\x32\x18.pdserve.v1.ChatMessagesH\x00\x12\x1f\n\x12\x61\x64\x64_special_tokens\x18\x03 \x01(\x08H\x01\x88\x01\x01\x12\x1e\n\x16skip_generation_prompt\x18\x04 \x01(\x08\x42\x07\n\x05inputB\x15\n\x13_add_special_tokens\"M\n\x10TokenizeResponse\x12\x11\n\ttoken_ids\x18\x01 \x03(\r\x12\r\n\x05\x63ount\x18\x02 \x01(\r\x12\x17\n\x0frendered_prompt\x18\x03 \x01(\t\"\x15\n\x13GetModelInfoRequest\"\xc4\x01\n\tModelInfo\x12\r\n\x05model\x18\x01 \x01(\t\x12\x15\n\rmax_model_len\x18\x02 \x01(\r\x12\x12\n\nvocab_size\x18\x03 \x01(\r\x12\x12\n\nblock_size\x18\x04 \x01(\r\x12\x15\n\reos_token_ids\x18\x05 \x03(\r\x12\x19\n\x11has_chat_template\x18\x06 \x01(\x08\x12\x1b\n\x13num_prefill_workers\x18\x07 \x01(\r\x12\x1a\n\x12num_decode_workers\x18\x08 \x01(\r2\xae\x02\n\nGeneration\x12G\n\x08Generate\x12\x1b.pdserve.v1.GenerateRequest\x1a\x1c.pdserve.v1.GenerateResponse0\x01\x12H\n\rGenerateUnary\x12\x1b.pdserve.v1.GenerateRequest\x1a\x1a.pdserve.v1.GenerateResult\x12\x45\n\x08Tokenize\x12\x1b.pdserve.v1.TokenizeRequest\x1a\x1c.pdserve.v1.TokenizeResponse\x12\x46\n\x0cGetModelInfo\x12\x1f.pdserve.v1.GetModelInfoRequest\x1a\x15.pdserve.v1.ModelInfob\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -39,19 +39,21 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_TOKENIDS']._serialized_start=169
   _globals['_TOKENIDS']._serialized_end=192
   _globals['_GENERATEREQUEST']._serialized_start=195
-  _globals['_GENERATEREQUEST']._serialized_end=539
-  _globals['_GENERATERESPONSE']._serialized_start=542
-  _globals['_GENERATERESPONSE']._serialized_end=736
-  _globals['_GENERATERESULT']._serialized_start=739
-  _globals['_GENERATERESULT']._serialized_end=931
-  _globals['_TOKENIZEREQUEST']._serialized_start=934
-  _globals['_TOKENIZEREQUEST']._serialized_end=1106
-  _globals['_TOKENIZERESPONSE']._serialized_start=1108
-  _globals['_TOKENIZERESPONSE']._serialized_end=1185
-  _globals['_GETMODELINFOREQUEST']._serialized_start=1187
-  _globals['_GETMODELINFOREQUEST']._serialized_end=1208
-  _globals['_MODELINFO']._serialized_start=1211
-  _globals['_MODELINFO']._serialized_end=1407
-  _globals['_GENERATION']._serialized_start=1410
-  _globals['_GENERATION']._serialized_end=1712
+  _globals['_GENERATEREQUEST']._serialized_end=576
+  _globals['_REQUESTSLO']._serialized_start=578
+  _globals['_REQUESTSLO']._serialized_end=624
+  _globals['_GENERATERESPONSE']._serialized_start=627
+  _globals['_GENERATERESPONSE']._serialized_end=821
+  _globals['_GENERATERESULT']._serialized_start=824
+  _globals['_GENERATERESULT']._serialized_end=1016
+  _globals['_TOKENIZEREQUEST']._serialized_start=1019
+  _globals['_TOKENIZEREQUEST']._serialized_end=1191
+  _globals['_TOKENIZERESPONSE']._serialized_start=1193
+  _globals['_TOKENIZERESPONSE']._serialized_end=1270
+  _globals['_GETMODELINFOREQUEST']._serialized_start=1272
+  _globals['_GETMODELINFOREQUEST']._serialized_end=1293
+  _globals['_MODELINFO']._serialized_start=1296
+  _globals['_MODELINFO']._serialized_end=1492
+  _globals['_GENERATION']._serialized_start=1495
+  _globals['_GENERATION']._serialized_end=1797
 # @@protoc_insertion_point(module_scope)

@@ -8,20 +8,22 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class ReserveRequest(_message.Message):
-    __slots__ = ("request_id", "token_ids", "params", "lease_ms", "deadline_unix_ms", "router_id")
+    __slots__ = ("request_id", "token_ids", "params", "lease_ms", "deadline_unix_ms", "router_id", "tpot_slo_ms")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     PARAMS_FIELD_NUMBER: _ClassVar[int]
     LEASE_MS_FIELD_NUMBER: _ClassVar[int]
     DEADLINE_UNIX_MS_FIELD_NUMBER: _ClassVar[int]
     ROUTER_ID_FIELD_NUMBER: _ClassVar[int]
+    TPOT_SLO_MS_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     token_ids: _containers.RepeatedScalarFieldContainer[int]
     params: _common_pb2.SamplingParams
     lease_ms: int
     deadline_unix_ms: int
     router_id: str
-    def __init__(self, request_id: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., params: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., lease_ms: _Optional[int] = ..., deadline_unix_ms: _Optional[int] = ..., router_id: _Optional[str] = ...) -> None: ...
+    tpot_slo_ms: float
+    def __init__(self, request_id: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., params: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., lease_ms: _Optional[int] = ..., deadline_unix_ms: _Optional[int] = ..., router_id: _Optional[str] = ..., tpot_slo_ms: _Optional[float] = ...) -> None: ...
 
 class ReserveResponse(_message.Message):
     __slots__ = ("block_ids", "num_cached_tokens", "kv_store_address", "worker_id", "lease_expires_unix_ms")
@@ -124,18 +126,20 @@ class PushKVResponse(_message.Message):
     def __init__(self) -> None: ...
 
 class SubmitRequest(_message.Message):
-    __slots__ = ("request_id", "token_ids", "params", "deadline_unix_ms", "router_id")
+    __slots__ = ("request_id", "token_ids", "params", "deadline_unix_ms", "router_id", "tpot_slo_ms")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     PARAMS_FIELD_NUMBER: _ClassVar[int]
     DEADLINE_UNIX_MS_FIELD_NUMBER: _ClassVar[int]
     ROUTER_ID_FIELD_NUMBER: _ClassVar[int]
+    TPOT_SLO_MS_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     token_ids: _containers.RepeatedScalarFieldContainer[int]
     params: _common_pb2.SamplingParams
     deadline_unix_ms: int
     router_id: str
-    def __init__(self, request_id: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., params: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., deadline_unix_ms: _Optional[int] = ..., router_id: _Optional[str] = ...) -> None: ...
+    tpot_slo_ms: float
+    def __init__(self, request_id: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., params: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., deadline_unix_ms: _Optional[int] = ..., router_id: _Optional[str] = ..., tpot_slo_ms: _Optional[float] = ...) -> None: ...
 
 class SubmitResponse(_message.Message):
     __slots__ = ("worker_id",)

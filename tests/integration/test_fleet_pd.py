@@ -3,16 +3,22 @@ of two workers of role both, each running the TPOT guard. Per request the router
 that decodes and the worker that prefills: a prompt no worker holds is prefilled where it decodes
 (local), and a prompt whose long prefix the other worker holds is prefilled there and its KV shipped
 (cross-worker). Greedy outputs equal the offline engine's, and both pools end whole, also after a
-cancel in each path.
+cancel in each path. A request's own latency objectives (gRPC ``slo``, the OpenAI API's ``x-slo-*``
+headers) are served, and bad ones refused naming the field.
 """
 from __future__ import annotations
 
+import json
 import re
+import urllib.error
+import urllib.request
 
+import grpc
 import pytest
 
 from bench import deployment as services
 from pdserve.common.engine import LLM, SamplingParams
+from pdserve.loadtest.ports import free_port
 from pdserve.v1 import common_pb2, router_pb2
 
 MAX_TOKENS = 10
@@ -32,11 +38,14 @@ def prompts(offline) -> list[list[int]]:
             for q in QUESTIONS]
 
 
+HTTP_PORT = free_port()
+
+
 @pytest.fixture(scope="module")
 def deployment(tmp_path_factory):
     dep = services.start(tmp_path_factory.mktemp("logs"), decode_role="both", num_decode=2, num_prefill=0,
                          metrics=True, extra_worker_args=["--tpot-target-ms", "500"],
-                         router_args=["--pd-policy", "fleet", "--slo-tpot-ms", "500"])
+                         router_args=["--pd-policy", "fleet", "--slo-tpot-ms", "500", "--http-port", str(HTTP_PORT)])
     yield dep
     dep.stop()
 
@@ -99,3 +108,31 @@ def test_cancel_in_each_path_leaves_both_pools_whole(deployment, offline, prompt
         paths.append("local" if _decisions(deployment, "local") > local else "remote")
         _whole(deployment)
     assert paths == ["local", "remote"]
+
+
+def _chat(headers: dict[str, str]) -> tuple[int, dict]:
+    body = {"messages": [{"role": "user", "content": QUESTIONS[0]}], "max_tokens": 4, "temperature": 0}
+    req = urllib.request.Request(f"http://127.0.0.1:{HTTP_PORT}/v1/chat/completions", json.dumps(body).encode(),
+                                 {"content-type": "application/json", **headers})
+    try:
+        with urllib.request.urlopen(req, timeout=120) as r:
+            return r.status, json.load(r)
+    except urllib.error.HTTPError as e:
+        return e.code, json.load(e)
+
+
+def test_request_slos_are_served_and_bad_ones_refused(deployment, offline, prompts):
+    expected = offline.generate(prompts[3:], SamplingParams(temperature=0, max_tokens=MAX_TOKENS),
+                                use_tqdm=False)[0].token_ids
+    req = _request(prompts[3])
+    req.slo.CopyFrom(router_pb2.RequestSlo(ttft_ms=800.0, tpot_ms=300.0))    # tighter than the router's 500
+    assert [t for m in deployment.router_stub().Generate(req, timeout=180) for t in m.token_ids] == expected
+    req.slo.tpot_ms = -1.0
+    with pytest.raises(grpc.RpcError) as e:
+        list(deployment.router_stub().Generate(req, timeout=60))
+    assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "slo.tpot_ms" in e.value.details()
+    status, body = _chat({"x-slo-tpot-ms": "300", "x-slo-ttft-ms": "900"})
+    assert status == 200 and body["usage"]["completion_tokens"] == 4
+    status, body = _chat({"x-slo-tpot-ms": "soon"})
+    assert status == 400 and body["error"]["param"] == "x-slo-tpot-ms", body
+    _whole(deployment)

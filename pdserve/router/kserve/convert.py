@@ -1,8 +1,9 @@
 """ModelInferRequest -> pdserve.v1 GenerateRequest, and the flow's outputs -> ModelInferResponse.
 
 Triton's LLM conventions: prompt in BYTES input ``text_input``; each knob (:data:`KNOBS`) as a
-request parameter or a one-element input tensor (not both); output BYTES ``text_output`` (raw
-when the request was raw). Unknown parameters are ignored, unknown tensors refused; type errors
+request parameter or a one-element input tensor (not both); the request's own latency objectives
+as the parameters ``slo_ttft_ms`` / ``slo_tpot_ms`` (:data:`SLO_PARAMS`); output BYTES
+``text_output`` (raw when the request was raw). Unknown parameters are ignored, unknown tensors refused; type errors
 raise INVALID_ARGUMENT naming the parameter (ranges: pdserve.router.validation).
 """
 from __future__ import annotations
@@ -15,6 +16,7 @@ from pdserve.common.outputs import FinishReason
 from pdserve.kserve import grpc_predict_v2_pb2 as pb
 from pdserve.router.kserve.tensors import decode, encode_raw_bytes
 from pdserve.router.output import TextOutput
+from pdserve.router.slo import check as check_slo
 from pdserve.v1 import common_pb2, router_pb2
 
 TEXT_INPUT = "text_input"
@@ -38,6 +40,8 @@ KNOBS: dict[str, tuple[str, str]] = {
     "stop": ("stop", "strings"),
     "stop_words": ("stop", "strings"),      # TensorRT-LLM's name
 }
+# per-request latency objectives (float parameters, ms) -> GenerateRequest.slo field (pdserve.router.slo)
+SLO_PARAMS: dict[str, str] = {"slo_ttft_ms": "ttft_ms", "slo_tpot_ms": "tpot_ms"}
 # The tensor datatypes each kind is read from.
 KIND_DATATYPES = {
     "int": ("INT8", "INT16", "INT32", "INT64", "UINT8", "UINT16", "UINT32", "UINT64"),
@@ -141,15 +145,18 @@ def to_generate(req: pb.ModelInferRequest, default_stream: bool) -> InferCall:
         else:
             raise InvalidArgument(f"inputs.{name}", f"unknown input (known: {TEXT_INPUT}, {STREAM}, "
                                                     f"{', '.join(KNOBS)})")
+    slo = router_pb2.RequestSlo()
     for name, p in req.parameters.items():
         if name == STREAM:
             stream = _param_value(name, p, "bool")
         elif name in KNOBS:
             _set_knob(params, name, _param_value(name, p, KNOBS[name][1]))
+        elif name in SLO_PARAMS:
+            setattr(slo, SLO_PARAMS[name], check_slo(f"parameters.{name}", _param_value(name, p, "float")))
     for i, o in enumerate(req.outputs):
         if o.name != TEXT_OUTPUT:
             raise InvalidArgument(f"outputs[{i}].name", f"unknown output {o.name!r} (only {TEXT_OUTPUT})")
-    request = router_pb2.GenerateRequest(request_id=req.id, text=text, params=params)
+    request = router_pb2.GenerateRequest(request_id=req.id, text=text, params=params, slo=slo)
     return InferCall(request, stream, req.model_version, raw_output=bool(req.raw_input_contents))
 
 

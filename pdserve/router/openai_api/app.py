@@ -17,6 +17,7 @@ from starlette.requests import Request
 from starlette.responses import Response
 from starlette.routing import Route
 
+from pdserve.router.openai_api import slo_headers
 from pdserve.router.openai_api.errors import ApiError
 from pdserve.router.openai_api.front import OpenAIFront
 from pdserve.router.openai_api.requests import ApiRequest, parse_chat, parse_completion
@@ -75,6 +76,7 @@ class Api:
         except ClientGone:
             return Response(status_code=499)
         api: ApiRequest = parse(body)
+        slo_headers.apply(api.inputs, request.headers)
         model = self.front.model_name(api.model)
         jobs = self.front.jobs(api)
         what = f"{request.url.path} {api.id}"
