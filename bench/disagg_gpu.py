@@ -9,9 +9,11 @@
    router or the prefill worker;
 4. (``--fleet``) two role-``both`` workers (GPUs 0 and 1) under the router's ``--pd-policy fleet``
    with the TPOT guard on: the same 200 requests, token-for-token equal to the co-located run,
-   pools whole, and how many were prefilled on their decode worker and how many shipped.
+   pools whole, and how many were prefilled on their decode worker and how many shipped;
+5. (``--moves``) decodes moved between the two GPUs mid-stream under load (bench/disagg_moves.py):
+   outputs equal to the co-located run, the count of moves and the stream gaps they cost, pools whole.
 
-    python -m bench.disagg_gpu --fleet --out bench/results/disagg_h200x2.json
+    python -m bench.disagg_gpu --fleet --moves --out bench/results/disagg_h200x2.json
 """
 from __future__ import annotations
 
@@ -28,6 +30,7 @@ import grpc
 
 from bench import deployment
 from bench.common import write_result
+from bench.disagg_moves import moves_check
 from pdserve.v1 import common_pb2, router_pb2, router_pb2_grpc
 
 logger = logging.getLogger(__name__)
@@ -163,6 +166,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--kill-prompt-len", type=int, default=4000)
     p.add_argument("--worker-args", default="", help="more worker flags, e.g. '--async-scheduling on'")
     p.add_argument("--fleet", action="store_true", help="also check --pd-policy fleet on two both workers")
+    p.add_argument("--moves", action="store_true", help="also check decodes moved between the two workers")
+    p.add_argument("--move-wave", type=int, default=32, help="--moves: concurrent requests per wave")
+    p.add_argument("--move-max-tokens", type=int, default=512, help="--moves: tokens per request")
     p.add_argument("--out", default="bench/results/disagg_h200x2.json")
     args = p.parse_args(argv)
     global VOCAB_MAX, KILL_PROMPT_LEN
@@ -204,6 +210,11 @@ def main(argv: list[str] | None = None) -> int:
             disagg.stop()
             (log_root / "fleet").mkdir()
             result["fleet"] = fleet_check(log_root / "fleet", gpus, common, prompts, b, args.max_tokens)
+        if args.moves:
+            disagg.stop()
+            (log_root / "moves").mkdir()
+            result["moves"] = moves_check(log_root / "moves", [*(gpus[0] or []), *(gpus[1] or [])] or None, common,
+                                          both.router, prompts, args.move_max_tokens, args.move_wave)
     finally:
         disagg.stop()
         both.stop()
@@ -219,6 +230,10 @@ def main(argv: list[str] | None = None) -> int:
     if "fleet" in result:
         print(f"fleet: identical {result['fleet']['equality'].get('identical')}/{eq.get('requests')}; "
               f"pools {result['fleet']['pools_after']}; transfers {result['fleet']['kv_transfers_received_and_sent']}")
+    if "moves" in result:
+        m = result["moves"]
+        print(f"moves: {m['moves']:g} moves, identical {m['identical']}/{m['requests']}, pools {m['pools_after']}, "
+              f"max gap {m.get('moved_wave_max_gap_ms')} ms (median {m.get('moved_wave_median_gap_ms')} ms)")
     return 0
 
 
