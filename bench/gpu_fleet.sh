@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The fleet placement on two GPUs (nvidia-h200-x2) against the static deployments, one part per call:
-#   check   python -m bench.disagg_gpu --fleet: disaggregated and fleet outputs equal co-located
+#   check   python -m bench.disagg_gpu --fleet --moves: disaggregated, fleet and moved-decode outputs equal co-located
 #           token for token (qwen3-0.6b, float32, 200 requests), pools whole, the decode-kill check
 #   phases  `pdserve bench compare --launch --dataset phases` on the Qwen3-8B geometry (dummy bf16):
 #           the same requests through each deployment at the base rates RATES (no capacity search
@@ -42,7 +42,7 @@ search=()
 for part in $PARTS; do
   echo "== $part $(date -u +%T)"
   case $part in
-    check) python3 -m bench.disagg_gpu --fleet --device "${DEVICE:-cuda}" --out "$OUT/disagg_fleet.json" 2>&1 | tail -3
+    check) python3 -m bench.disagg_gpu --fleet --moves --device "${DEVICE:-cuda}" --out "$OUT/disagg_fleet.json" 2>&1 | tail -3
            continue ;;
     phases) work=(--dataset phases --phase-seconds "${PHASE_SECONDS:-15}" --phase-cycles "${PHASE_CYCLES:-1}"
                   --num-prompts 100000) ;;

@@ -1,6 +1,7 @@
 """What a worker tells the router, as the router's layers name it (no protobuf): the worker's
 :class:`Role`, its identity (:class:`WorkerInfo`, from ``Info``), its load (:class:`WorkerStats`,
-from ``GetStats``) and a KV reservation (:class:`Reservation`, from ``Reserve``).
+from ``GetStats``), a KV reservation (:class:`Reservation`, from ``Reserve``), and the one
+promise of every worker's scheduling that the router models (``MIN_CHUNK_TOKENS``).
 
 The wire forms (pdserve.v1) are converted by pdserve.common.grpc_utils.convert; a step's result
 is :class:`pdserve.common.outputs.SequenceOutput` (the first token of a remote prefill too).
@@ -20,6 +21,11 @@ class Role(Enum):
 
 DECODE_ROLES: frozenset[Role] = frozenset({Role.DECODE, Role.BOTH})        # run decode: take KV or Submit
 PREFILL_CAPABLE: frozenset[Role] = frozenset({Role.PREFILL, Role.BOTH})    # may prefill for another worker
+
+# The floor of every worker's TPOT guard (pdserve.common.engine.tpot_guard): a step with decode
+# rows and prompts waiting computes at least this many prompt tokens. The router's placement
+# models it (pdserve.router.fleet_policy), so it lives here, beside what a worker tells the router.
+MIN_CHUNK_TOKENS = 32
 
 
 @dataclass(frozen=True, slots=True)

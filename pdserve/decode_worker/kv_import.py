@@ -19,7 +19,8 @@ from typing import TypeVar
 from pdserve.common.engine.handoff import OutOfBlocks
 from pdserve.common.engine.llm_engine import DuplicateRequest, LLMEngine
 from pdserve.common.grpc_utils.errors import AlreadyExists, Cancelled, FailedPrecondition, NotFound, ResourceExhausted
-from pdserve.common.kv_transfer import KvReceiver, KvTransferError
+from pdserve.common.kv_transfer import KvTransferError
+from pdserve.common.kv_transfer.transport import Receiver
 from pdserve.common.sampling_params import SamplingParams
 from pdserve.common.serving.engine_loop import EngineHooks
 from pdserve.common.serving.worker_runtime import WorkerRuntime
@@ -30,7 +31,7 @@ T = TypeVar("T")
 
 
 class KvImport:
-    def __init__(self, runtime: WorkerRuntime, state: DecodeState, receiver: KvReceiver,
+    def __init__(self, runtime: WorkerRuntime, state: DecodeState, receiver: Receiver,
                  kv_store_address: str) -> None:
         self.runtime = runtime
         self.state = state

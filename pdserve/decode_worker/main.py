@@ -35,15 +35,16 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 async def _main(args: argparse.Namespace) -> None:
-    from pdserve.common.kv_transfer import KvStoreServer
+    from pdserve.common.engine.model_runner import resolve_device
+    from pdserve.common.kv_transfer import get_transport, resolve_transport_name
 
     worker_id = worker_id_from_args(args, args.role)
-    store = KvStoreServer(args.host, args.kv_port, bind_host=args.kv_host or advertise_host(args))
+    transport = get_transport(resolve_transport_name(args.kv_transport, resolve_device(args.device).type))
+    store = transport.listen(args.host, args.kv_port, bind_host=args.kv_host or advertise_host(args))
     kv_address = f"{advertise_host(args)}:{store.port}"
-    logger.info("KV store listening on %s (advertised as %s)", store.local_address, kv_address)
+    logger.info("KV store (%s) listening on %s (advertised as %s)", transport.name, store.local_address, kv_address)
 
     async def build():
-        from pdserve.common.kv_transfer import KvReceiver
         from pdserve.common.serving.engine_loop import EngineHooks
         from pdserve.common.serving.worker_runtime import WorkerRuntime
         from pdserve.decode_worker.kv_import import KvImport
@@ -51,13 +52,13 @@ async def _main(args: argparse.Namespace) -> None:
         from pdserve.decode_worker.state import DecodeState
 
         runtime = await WorkerRuntime.create(args.role, worker_id, engine_config_from_args(args, args.role))
-        receiver = KvReceiver(runtime.engine.model_runner.kv_cache, worker_id, store, timeout=args.kv_timeout_s)
+        receiver = transport.receiver(runtime.engine.model_runner.kv_cache, worker_id, store, args.kv_timeout_s)
         state = DecodeState(runtime.outputs, args.lease_ms, runtime.requests, runtime.loop, runtime.cancelled)
         kv_import = KvImport(runtime, state, receiver, kv_address)
         export = None
         if args.role == "both":
             from pdserve.prefill_worker.export import KvExport
-            export = KvExport.create(runtime, args.kv_timeout_s)
+            export = KvExport.create(runtime, args.kv_timeout_s, args.kv_transport)
         runtime.start(kv_import.hooks if export is None else EngineHooks.combine(kv_import.hooks, export.hooks))
         return DecodeServicer(runtime, kv_import, export)
 

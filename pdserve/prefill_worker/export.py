@@ -28,7 +28,8 @@ from pdserve.common.grpc_utils.errors import (
     InvalidArgument,
     PeerUnavailable,
 )
-from pdserve.common.kv_transfer import KvTransferError
+from pdserve.common.kv_transfer import KvTransferError, get_transport, resolve_transport_name
+from pdserve.common.kv_transfer.transport import Sender
 from pdserve.common.outputs import FinishReason
 from pdserve.common.serving.engine_loop import EngineHooks
 from pdserve.common.serving.worker_runtime import WorkerRuntime
@@ -40,7 +41,7 @@ PUSH_KV_TIMEOUT_S = 10.0
 
 
 class KvExport:
-    def __init__(self, runtime: WorkerRuntime, state: PrefillState, sender) -> None:
+    def __init__(self, runtime: WorkerRuntime, state: PrefillState, sender: Sender) -> None:
         self.runtime = runtime
         self.state = state
         self.sender = sender
@@ -51,10 +52,11 @@ class KvExport:
         self.transfer_bytes = 0
 
     @classmethod
-    def create(cls, runtime: WorkerRuntime, kv_timeout_s: float) -> KvExport:
-        """Its state (on the runtime's request tracker) and a KV sender (one pair secret per channel)."""
-        from pdserve.common.kv_transfer import KvSender
-        sender = KvSender(runtime.worker_id, timeout=kv_timeout_s, pair_secrets=True)
+    def create(cls, runtime: WorkerRuntime, kv_timeout_s: float, transport: str = "auto") -> KvExport:
+        """Its state (on the runtime's request tracker) and the KV sender of ``transport`` (a
+        registered name, or auto: by the pool's device)."""
+        name = resolve_transport_name(transport, runtime.engine.model_runner.kv_cache.device.type)
+        sender = get_transport(name).sender(runtime.worker_id, kv_timeout_s)
         return cls(runtime, PrefillState(runtime.aio_loop, runtime.requests, runtime.loop, runtime.cancelled), sender)
 
     @property

@@ -27,7 +27,7 @@ async def _main(args: argparse.Namespace) -> None:
         from pdserve.prefill_worker.servicer import PrefillServicer
 
         runtime = await WorkerRuntime.create("prefill", worker_id, engine_config_from_args(args, "prefill"))
-        export = KvExport.create(runtime, args.kv_timeout_s)
+        export = KvExport.create(runtime, args.kv_timeout_s, args.kv_transport)
         runtime.start(export.hooks)
         return PrefillServicer(runtime, export)
 

@@ -14,6 +14,8 @@ import time
 from dataclasses import dataclass
 from enum import Enum
 
+import torch
+
 from pdserve.common.engine.llm_engine import LLMEngine, StepOutput
 from pdserve.common.engine.model_runner import LaunchedStep
 from pdserve.common.engine.sequence import Sequence, SequenceStatus
@@ -55,7 +57,7 @@ class LaunchedPrefill:
     """A request's prefill step is on the device: what a KV send needs, snapshot on the engine
     thread. ``kv_ready``: CUDA event after the step (None on CPU, where it is already done)."""
     block_table: list[int]
-    kv_ready: object
+    kv_ready: torch.cuda.Event | None
     first_token: FirstTokenRef
 
 

@@ -3,9 +3,9 @@
 Remote prefill (``prefill`` set): Reserve(decode) -> Prefill(prefill, kv_target) -> FirstToken,
 then the decode worker's Subscribe outputs. Local prefill (``prefill`` None, or Reserve refused
 RESOURCE_EXHAUSTED): Submit(decode), then its outputs. ``next()`` returns the next step's merged
-:class:`~pdserve.common.outputs.SequenceOutput` (``finish_reason`` None until the last). Before the
-first token every failure is raised as :class:`Retry`; after it, a failure another worker could
-continue from (the worker or its stream failed) as :class:`Cut`, any other as the mapped domain error.
+:class:`~pdserve.common.outputs.SequenceOutput` (``finish_reason`` None until the last). Failures
+are raised as pdserve.router.failures classifies them: :class:`Retry` before the first token,
+:class:`Cut` after it when another worker could continue, else the mapped domain error.
 
 Timeouts: Reserve and Submit wait as long as the request's own deadline allows (the decode worker
 answers them off its engine step; a worker that dies meanwhile breaks the output stream, which
@@ -22,51 +22,21 @@ import time
 import grpc
 import grpc.aio
 
-from pdserve.common.grpc_utils import (
-    DeadlineExceeded,
-    Internal,
-    PdserveError,
-    ResourceExhausted,
-    Unavailable,
-    from_rpc_error,
-    unavailable_peer,
-)
-from pdserve.common.outputs import FinishReason, SequenceOutput
+from pdserve.common.grpc_utils import DeadlineExceeded, Internal, ResourceExhausted, Unavailable, unavailable_peer
+from pdserve.common.outputs import SequenceOutput
 from pdserve.common.worker_types import Reservation
+from pdserve.router.failures import Cut, Retry, classify, finish_error
 from pdserve.router.pd_policy import PdDecision
 from pdserve.router.prefill_call import PrefillRequest, PrefillStream, prefill_request
 from pdserve.router.subscription import OutputBuffer, Subscription
 from pdserve.router.worker_client import DRAINING, WorkerClient
 
+__all__ = ["Attempt", "Cut", "Retry"]     # Cut and Retry: pdserve.router.failures
+
 log = logging.getLogger(__name__)
 
-FINAL_OK = (FinishReason.STOP, FinishReason.LENGTH)
-_NORMAL = (None, *FINAL_OK)
-_NOT_RETRYABLE = (grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.OUT_OF_RANGE)
 # Reserve / Submit of a request without a deadline wait at most this long for their answer.
 NO_DEADLINE_ADMIT_TIMEOUT_S = 60.0
-# The error of a reservation whose lease ran out on the decode worker (its SequenceOutput.error;
-# pdserve.decode_worker.state.LEASE_EXPIRED): the blocks could not be held, RESOURCE_EXHAUSTED.
-LEASE_EXPIRED = "reservation lease expired"
-
-
-class Retry(Exception):
-    """A failure before the first token: ``cause`` is what the client gets if no retry is left."""
-
-    def __init__(self, cause: PdserveError, worker_key: str) -> None:
-        super().__init__(str(cause))
-        self.cause = cause
-        self.worker_key = worker_key
-
-
-class Cut(Exception):
-    """A stream that failed after its first token on ``worker_key`` (``cause``: what the client
-    gets unless the flow continues the request elsewhere)."""
-
-    def __init__(self, cause: PdserveError, worker_key: str) -> None:
-        super().__init__(str(cause))
-        self.cause = cause
-        self.worker_key = worker_key
 
 
 class Attempt:
@@ -105,26 +75,11 @@ class Attempt:
         return NO_DEADLINE_ADMIT_TIMEOUT_S if remaining is None else max(0.001, remaining)
 
     def _fail(self, err: BaseException, worker: WorkerClient, where: str) -> BaseException:
-        """Map ``err`` (an rpc error or a domain error) and decide whether to retry."""
-        if isinstance(err, (Cut, Retry)):      # already decided (a failed KV transfer, queued)
-            return err
-        if isinstance(err, grpc.aio.AioRpcError):
-            code = err.code()
-            if code == grpc.StatusCode.UNAVAILABLE:
-                self._mark_down(err, worker, where)
-            if code == grpc.StatusCode.DEADLINE_EXCEEDED and self.job.expired():
-                return DeadlineExceeded(f"deadline passed during {where}")
-            mapped: PdserveError = from_rpc_error(err)
-            mapped.message = f"{where} on {worker.key}: {mapped.message}"
-            retryable = code not in _NOT_RETRYABLE
-        else:
-            mapped = err if isinstance(err, PdserveError) else Internal(f"{where}: {err}")
-            retryable = not isinstance(err, DeadlineExceeded)
-        if self.expired or self.job.expired():
-            return DeadlineExceeded("deadline passed")
-        if retryable:
-            return Cut(mapped, worker.key) if self.first_seen else Retry(mapped, worker.key)
-        return mapped
+        """Map ``err`` (an rpc error or a domain error) and decide whether to retry
+        (pdserve.router.failures); an UNAVAILABLE may mark ``worker`` down first."""
+        if isinstance(err, grpc.aio.AioRpcError) and err.code() == grpc.StatusCode.UNAVAILABLE:
+            self._mark_down(err, worker, where)
+        return classify(err, worker.key, where, self.first_seen, self.expired, self.job.expired)
 
     def _mark_down(self, err: grpc.aio.AioRpcError, worker: WorkerClient, where: str) -> None:
         """An UNAVAILABLE from ``worker`` marks it down, unless it names this request's decode
@@ -314,18 +269,8 @@ class Attempt:
             step.num_prompt_tokens, step.num_cached_tokens = out.num_prompt_tokens, out.num_cached_tokens
             if self.prefill is None:
                 self.cached_tokens = out.num_cached_tokens
-        reason = out.finish_reason
-        if reason not in _NORMAL:
-            name = reason.name if reason is not None else "?"
-            if reason is FinishReason.DEADLINE:
-                err: PdserveError = DeadlineExceeded(f"request {self.rid}: deadline passed on {self.decode.key}")
-            elif reason is FinishReason.ERROR and LEASE_EXPIRED in out.error:
-                err = ResourceExhausted(f"request {self.rid}: {self.decode.key} could not hold its KV "
-                                        f"reservation ({out.error})")
-            elif reason is FinishReason.CANCELLED:
-                err = Unavailable(f"request {self.rid} was cancelled by worker {self.decode.key}")
-            else:
-                err = Internal(f"request {self.rid} failed on worker {self.decode.key} ({name}): {out.error}")
+        err = finish_error(out, self.rid, self.decode.key)
+        if err is not None:
             if step.token_ids:
                 self.first_seen = True
                 self._pending = self._fail(err, self.decode, "decode")
@@ -334,7 +279,7 @@ class Attempt:
             raise self._fail(err, self.decode, "decode")
         step.token_ids.extend(out.token_ids)
         step.logprobs.extend(out.logprobs)
-        step.finish_reason = reason
+        step.finish_reason = out.finish_reason
 
     def _on_decode_output(self, item) -> None:
         """The decode worker's stream, while Reserve / Submit or the first token (the Prefill

@@ -12,11 +12,18 @@ worker with no decode rows is the fastest place to prefill. Pure functions over 
 ``rows_w`` its decode rows, ``t_w`` its decode step, ``c_w`` the extra ms per prompt token of
 its mixed steps, ``W_w`` the prompt tokens this router gave it lately)::
 
-    lean        = the worker with the largest W (only with two or more workers)
-    D           = among the others, the fewest rows whose t_w <= lean_share * slo_tpot, fewer U
-                  breaking ties; none fits: the fewest rows of all (then fewer U, then the key)
+    full_w      = max(R_w, 1000 / c_w)             (what w computes in a step without decode rows)
+    lean        = the decode-capable worker with the fewest rows (then the largest W), *dedicated*
+                  while W_lean / window >= LEAN_BUSY_SHARE * full_lean: it is busy prefilling for the
+                  others (two or more decode-capable workers only)
+    D           = among the workers but a dedicated lean: the fewest rows whose t_w <= lean_share *
+                  slo_tpot, fewer U breaking ties; none: the same among those whose t_w <= goal;
+                  none: the fewest rows of them (a dedicated lean takes no decode rows while another
+                  worker can decode at all, as a prefill worker of a static split); no dedicated
+                  lean: so the rows balance
     goal        = slo_tpot * (1 - GUARD_MARGIN)     (the workers' guard: steps take goal on average)
-    rate_w      = R_w                              if rows_w == 0 (a prefill-sized step)
+    rate_w      = full_w                           if rows_w == 0 (a prefill-sized step: R_w may
+                  have been measured in guarded steps beside decode rows)
                 = 1000 * (goal - t_w) / (c_w * goal)   otherwise: the slack of each step, on average
                   (the guard's floor of MIN_CHUNK_TOKENS a step, when the slack holds fewer)
     ttft_w      = 1000 * (Q_w + U_w) / rate_w  (+ remote_overhead_ms + U_D * transfer_us / 1000 if w != D)
@@ -28,28 +35,30 @@ Moving decodes (:func:`pick_moves`, run every ``--pd-move-interval-s``): a worke
 rows alone take the guard's whole target (``t_w > (1 - GUARD_MARGIN) * slo_tpot``: the guard can
 no longer keep their TPOT) and that holds at least two rows more than the decode-capable worker
 with the fewest rows moves ``min((rows_src - rows_dst) // 2, MAX_MOVES_PER_ROUND)`` of them
-there, when that worker has room (no rows, or ``t_dst <= LEAN_SHARE * slo_tpot``). A moved
+there, when that worker has room (no rows, or ``t_dst <= LEAN_SHARE * slo_tpot``) and is not the
+dedicated lean. A moved
 decode is continued on ``dst`` from its prompt and the tokens already sent, prefilled on ``src``
 (whose prefix cache holds all of its full blocks) and its KV shipped like any remote prefill.
 
 Unmeasured figures: ``R`` is the mean of the measured ones, else DEFAULT_PREFILL_TOKENS_PER_S;
-``t`` is DEFAULT_DECODE_STEP_MS; ``c`` is ``1000 / R``. The lean worker is where prefill
-concentrates under prefill-heavy load (it keeps few decode rows, so its steps stay
-prefill-sized); under decode-heavy load every worker's decode step grows past ``LEAN_SHARE`` of
-the SLO and decodes spread over all of them.
+``t`` is DEFAULT_DECODE_STEP_MS; ``c`` is ``1000 / R``. Under prefill-heavy load the lean worker
+is dedicated: it keeps no decode rows, so its steps stay prefill-sized, and the split of a static
+1P1D emerges; under decode-heavy or shared-prefix load no worker is busy prefilling, the rows
+balance over all workers and each prefills its own, as co-location does.
 """
 from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from pdserve.common.engine.tpot_guard import MIN_CHUNK_TOKENS
+from pdserve.common.worker_types import MIN_CHUNK_TOKENS
 from pdserve.router.pd_policy import DEFAULT_DECODE_STEP_MS, LOCAL, REMOTE, PdConfig, PdDecision, _mean_measured
 
 LEAN_SHARE = 0.7    # a decode worker has room while its decode step is under this share of the TPOT SLO
 TTFT_SHARE = 0.6    # a prefill place keeps the TTFT SLO while its estimate is under this share of it
 GUARD_MARGIN = 0.1  # the workers' default --tpot-margin (the budget the router expects of them)
 MAX_MOVES_PER_ROUND = 4   # decodes one worker gives away per round of pick_moves
+LEAN_BUSY_SHARE = 0.25    # the lean worker is kept free of decode rows while given this share of its prefill rate
 
 
 @dataclass(frozen=True, slots=True)
@@ -68,22 +77,43 @@ class FleetWorker:
     can_prefill: bool = True        # role both or prefill (a candidate for P; D may always prefill its own)
 
 
-def pick_decode(workers: Sequence[FleetWorker], slo_tpot_ms: float) -> FleetWorker:
+def pick_decode(workers: Sequence[FleetWorker], slo_tpot_ms: float, window_s: float = 2.0) -> FleetWorker:
     """D (module docstring) among the workers that can decode (at least one)."""
     decoders = [w for w in workers if w.can_decode]
-    lean = max(decoders, key=lambda w: (w.recent_tokens, w.key)) if len(decoders) > 1 else None
-    room = [w for w in decoders
-            if w is not lean and (w.decode_rows == 0 or _step_ms(w) <= LEAN_SHARE * slo_tpot_ms)]
-    return min(room or decoders, key=lambda w: (w.decode_rows, w.uncached_tokens, w.key))
+    lean = dedicated_lean(workers, slo_tpot_ms, window_s)
+    cands = [w for w in decoders if w is not lean]
+    room = [w for w in cands if w.decode_rows == 0 or _step_ms(w) <= LEAN_SHARE * slo_tpot_ms]
+    keeps = [w for w in cands if _step_ms(w) <= (1.0 - GUARD_MARGIN) * slo_tpot_ms]
+    return min(room or keeps or cands or decoders, key=lambda w: (w.decode_rows, w.uncached_tokens, w.key))
+
+
+def dedicated_lean(workers: Sequence[FleetWorker], slo_tpot_ms: float, window_s: float) -> FleetWorker | None:
+    """The lean worker, kept free of decode rows, while it is busy prefilling (module docstring):
+    the decode-capable worker with the fewest rows (then the largest W) when the prompt tokens it
+    was given lately reach LEAN_BUSY_SHARE of what it computes in prefill-sized steps; None
+    otherwise (or with fewer than two decode-capable workers)."""
+    decoders = [w for w in workers if w.can_decode]
+    if len(decoders) < 2:
+        return None
+    lean = min(decoders, key=lambda w: (w.decode_rows, -w.recent_tokens, w.key))
+    full = full_rate(lean, _mean_measured([w.tokens_per_s for w in workers]))
+    return lean if lean.recent_tokens / window_s >= LEAN_BUSY_SHARE * full else None
+
+
+def full_rate(w: FleetWorker, fallback: float) -> float:
+    """Prompt tokens per second ``w`` computes in steps without decode rows: its measured rate,
+    or 1000 / c_w when that is higher (the rate may come from guarded steps beside decode rows)."""
+    r = w.tokens_per_s if w.tokens_per_s > 0 else fallback
+    return max(r, 1000.0 / w.ms_per_prompt_token) if w.ms_per_prompt_token > 0 else r
 
 
 def prefill_rate(w: FleetWorker, slo_tpot_ms: float, fallback: float) -> float:
     """rate_w: prompt tokens per second ``w`` computes for its queue (module docstring)."""
-    r = w.tokens_per_s if w.tokens_per_s > 0 else fallback
     if w.decode_rows == 0:
-        return r
-    t = _step_ms(w)
+        return full_rate(w, fallback)
+    r = w.tokens_per_s if w.tokens_per_s > 0 else fallback
     c = w.ms_per_prompt_token if w.ms_per_prompt_token > 0 else 1000.0 / r
+    t = _step_ms(w)
     goal = slo_tpot_ms * (1.0 - GUARD_MARGIN)
     if goal - t < c * MIN_CHUNK_TOKENS:     # the guard's floor: MIN_CHUNK_TOKENS a step
         return min(r, 1000.0 * MIN_CHUNK_TOKENS / (t + c * MIN_CHUNK_TOKENS))
@@ -93,7 +123,7 @@ def prefill_rate(w: FleetWorker, slo_tpot_ms: float, fallback: float) -> float:
 def decide(workers: Sequence[FleetWorker], cfg: PdConfig) -> tuple[str, PdDecision]:
     """(D's key, the decision: local on D, or remote with P's key) for one request; ``workers``
     holds at least one that can decode. Reason ``fleet`` on every decision."""
-    d = pick_decode(workers, cfg.slo_tpot_ms)
+    d = pick_decode(workers, cfg.slo_tpot_ms, cfg.rate_window_s)
     fallback = _mean_measured([w.tokens_per_s for w in workers])
     transfer = cfg.remote_overhead_ms + d.uncached_tokens * cfg.transfer_us_per_token / 1000.0
     options = []
@@ -117,12 +147,14 @@ def _step_ms(w: FleetWorker) -> float:
     return w.decode_step_ms if w.decode_step_ms > 0 else DEFAULT_DECODE_STEP_MS
 
 
-def pick_moves(workers: Sequence[FleetWorker], slo_tpot_ms: float) -> list[tuple[str, str, int]]:
+def pick_moves(workers: Sequence[FleetWorker], slo_tpot_ms: float, window_s: float = 2.0) -> list[tuple[str, str, int]]:
     """(source key, destination key, how many decodes) to move now (module docstring); at most one
-    move per source, each destination used once, the most loaded sources first."""
+    move per source, each destination used once, the most loaded sources first; never onto a
+    dedicated lean worker (:func:`dedicated_lean`)."""
     decoders = sorted((w for w in workers if w.can_decode), key=lambda w: (-w.decode_rows, w.key))
     moves: list[tuple[str, str, int]] = []
-    taken: set[str] = set()
+    lean = dedicated_lean(workers, slo_tpot_ms, window_s)
+    taken: set[str] = {lean.key} if lean is not None else set()
     for src in decoders:
         if src.decode_rows < 2 or _step_ms(src) <= (1.0 - GUARD_MARGIN) * slo_tpot_ms or src.key in taken:
             continue

@@ -23,7 +23,7 @@ RECONNECT_MAX_S = 5.0
 # metadata before assuming it is open anyway (a worker that sends headers only with its first
 # StepOutputs).
 SUBSCRIBE_CONFIRM_S = 1.0
-# HTTP/2 window of the Subscribe stream (its own connection; see pdserve.router.worker_client): how many
+# HTTP/2 window of the Subscribe stream (its own connection; see pdserve.router.subscription): how many
 # bytes of a decode worker's outputs may wait unread in the router before the worker holds (and
 # merges) further steps.
 SUBSCRIBE_WINDOW_BYTES = 64 * 1024

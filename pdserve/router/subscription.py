@@ -16,9 +16,21 @@ import grpc.aio
 
 from pdserve.common.grpc_utils import Unavailable
 from pdserve.common.grpc_utils.convert import sequence_output_from_proto
-from pdserve.router.settings import SUBSCRIBE_CONFIRM_S
+from pdserve.router.settings import SUBSCRIBE_CONFIRM_S, SUBSCRIBE_WINDOW_BYTES
 
 log = logging.getLogger(__name__)
+
+# The Subscribe stream has a connection of its own with a fixed, small HTTP/2 window (no BDP
+# probing, which would grow it to megabytes): when the router reads slower than the worker
+# steps, at most SUBSCRIBE_WINDOW_BYTES of outputs wait in the router, and the rest waits in the
+# worker, which merges the queued steps into one StepOutputs (one SequenceOutput per request).
+# So a router that falls behind gets fewer, larger messages instead of a growing backlog of
+# one-token ones; control rpcs (Submit, Reserve, ...) never queue behind that stream.
+SUBSCRIBE_CHANNEL_OPTIONS = (
+    ("grpc.http2.bdp_probe", 0),
+    ("grpc.http2.lookahead_bytes", SUBSCRIBE_WINDOW_BYTES),
+    ("grpc.use_local_subchannel_pool", 1),
+)
 
 
 class OutputBuffer:

@@ -16,11 +16,11 @@ Draining: a decode worker whose health turns NOT_SERVING (SIGTERM) gets no new r
 Subscribe stream stays open while requests of this router are in flight on it, so they finish
 within the worker's grace period; it is marked down once they are done or the stream ends.
 
-Cancel is retried in the background (backoff) until the worker answers, for at most
-CANCEL_RETRY_S, or until the worker is known gone: down (a decode worker cancels this router's
-requests itself when the Subscribe stream closes, a prefill worker when the Prefill call ends) or
-restarted (a new worker id holds nothing). The leases of reservations whose requests wait for
-their prefill are renewed, batched per worker, every third of a lease (:class:`LeaseKeeper`).
+Cancel is retried in the background until the worker answers (pdserve.router.cancels), or
+until the worker is known gone: down (a decode worker cancels this router's requests itself when
+the Subscribe stream closes, a prefill worker when the Prefill call ends) or restarted (a new
+worker id holds nothing). The leases of reservations whose requests wait for their prefill are
+renewed, batched per worker (``leases``: pdserve.router.leases).
 
 The load figures (this router's own, counted live, and the other router replicas', from each
 GetStats answer) are :class:`~pdserve.router.worker_load.WorkerLoad`'s, a base of WorkerClient.
@@ -37,19 +37,20 @@ from __future__ import annotations
 import asyncio
 import functools
 import logging
-import time
 from collections.abc import Callable
 from collections.abc import Set as AbstractSet
 
 import grpc
 import grpc.aio
-from grpc_health.v1 import health_pb2, health_pb2_grpc
+from grpc_health.v1 import health_pb2_grpc
 
 from pdserve.common.grpc_utils import Unavailable, client_channel
 from pdserve.common.grpc_utils.channels import RenewingChannels
 from pdserve.common.grpc_utils.convert import reservation_from_proto, worker_info_from_proto, worker_stats_from_proto
 from pdserve.common.sampling_params import SamplingParams
 from pdserve.common.worker_types import DECODE_ROLES, Reservation, Role, WorkerInfo, WorkerStats
+from pdserve.router.cancels import cancel_until_answered
+from pdserve.router.leases import LeaseKeeper
 from pdserve.router.prefill_call import PrefillRequest, PrefillStream, wire_params
 from pdserve.router.prefix_index import PrefixIndex
 from pdserve.router.settings import (
@@ -60,94 +61,19 @@ from pdserve.router.settings import (
     RECONNECT_MIN_S,
     STATS_INTERVAL_S,
     STATS_MISSES_DOWN,
-    SUBSCRIBE_WINDOW_BYTES,
     RouterSettings,
 )
-from pdserve.router.subscription import Subscription
+from pdserve.router.subscription import SUBSCRIBE_CHANNEL_OPTIONS, Subscription
+from pdserve.router.worker_health import not_serving, watch_until_not_serving
 from pdserve.router.worker_load import WorkerLoad
 from pdserve.v1 import common_pb2, common_pb2_grpc, worker_pb2, worker_pb2_grpc
 
 log = logging.getLogger(__name__)
 
-# A Cancel is tried again (UNAVAILABLE, DEADLINE_EXCEEDED: no answer) after CANCEL_BACKOFF_S,
-# doubling up to CANCEL_BACKOFF_MAX_S, for at most CANCEL_RETRY_S (a lease and then some: by
-# then a reservation has expired anyway).
-CANCEL_BACKOFF_S = 0.1
-CANCEL_BACKOFF_MAX_S = 2.0
-CANCEL_RETRY_S = 45.0
-RETRY_CANCEL_CODES = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED)
-MIN_RENEW_INTERVAL_S = 0.05
 DRAINING = "is draining"         # in the UNAVAILABLE a draining worker answers new requests with
 
 DOWN_CODES = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED)
 LOADING = "loading its model"    # last_error while a starting worker loads its model
-
-# The Subscribe stream has a connection of its own with a fixed, small HTTP/2 window (no BDP
-# probing, which would grow it to megabytes): when the router reads slower than the worker
-# steps, at most SUBSCRIBE_WINDOW_BYTES of outputs wait in the router, and the rest waits in the
-# worker, which merges the queued steps into one StepOutputs (one SequenceOutput per request).
-# So a router that falls behind gets fewer, larger messages instead of a growing backlog of
-# one-token ones; control rpcs (Submit, Reserve, ...) never queue behind that stream.
-SUBSCRIBE_CHANNEL_OPTIONS = (
-    ("grpc.http2.bdp_probe", 0),
-    ("grpc.http2.lookahead_bytes", SUBSCRIBE_WINDOW_BYTES),
-    ("grpc.use_local_subchannel_pool", 1),
-)
-
-
-class LeaseKeeper:
-    """The reservations of one decode worker whose requests wait for their prefill: their leases
-    renewed in one RenewLeases call per interval (a third of the shortest lease held). A
-    reservation the worker no longer holds is reported to its ``on_lost``."""
-
-    def __init__(self, client: WorkerClient) -> None:
-        self.client = client
-        self.held: dict[str, tuple[float, Callable[[str], None]]] = {}   # id -> (lease s, on_lost)
-        self.supported = True
-        self._task: asyncio.Task | None = None
-
-    def hold(self, request_id: str, lease_s: float, on_lost: Callable[[str], None]) -> None:
-        if not self.supported:
-            return
-        self.held[request_id] = (lease_s, on_lost)
-        if self._task is None or self._task.done():
-            self._task = asyncio.create_task(self._run(), name=f"leases-{self.client.key}")
-
-    def release(self, request_id: str) -> None:
-        self.held.pop(request_id, None)
-
-    def close(self) -> None:
-        self.held.clear()
-        if self._task is not None:
-            self._task.cancel()
-
-    def _interval(self) -> float:
-        return max(MIN_RENEW_INTERVAL_S, min(lease for lease, _ in self.held.values()) / 3)
-
-    async def _run(self) -> None:
-        while self.held:
-            await asyncio.sleep(self._interval())
-            if not self.held:
-                return
-            client = self.client
-            ids = list(self.held)
-            try:
-                reply = await client.stub.RenewLeases(
-                    worker_pb2.RenewLeasesRequest(router_id=client.settings.router_id, request_ids=ids),
-                    timeout=max(client.settings.worker_timeout_s, self._interval()), wait_for_ready=False)
-            except grpc.aio.AioRpcError as e:
-                if e.code() == grpc.StatusCode.UNIMPLEMENTED:    # a worker without leases to renew
-                    log.info("worker %s does not renew leases (%s)", client.key, e.details())
-                    self.supported = False
-                    self.held.clear()
-                    return
-                log.debug("RenewLeases on %s failed: %s", client.key, e.code().name)
-                continue
-            for rid in reply.lost:
-                entry = self.held.pop(rid, None)
-                if entry is not None:
-                    entry[1](f"decode worker {client.key} no longer holds the reservation of {rid} "
-                             "(its lease could not be kept)")
 
 
 class WorkerClient(WorkerLoad):
@@ -182,7 +108,7 @@ class WorkerClient(WorkerLoad):
         self.kv_wanted = False          # whether the prefix index needs this worker's KV events
         self.stats_misses = 0           # GetStats timeouts in a row
         self.first_attempt = asyncio.Event()
-        self.leases = LeaseKeeper(self)
+        self.leases = LeaseKeeper(self.key, self.renew_leases, settings.worker_timeout_s)
 
     # ---- identity ---------------------------------------------------------------------
     @property
@@ -293,34 +219,17 @@ class WorkerClient(WorkerLoad):
         return True
 
     async def _serving(self, timeout: float) -> bool:
-        """Whether the worker's health says SERVING (a draining worker answers NOT_SERVING);
-        a worker without the health service counts as serving."""
-        try:
-            reply = await self.health_stub.Check(health_pb2.HealthCheckRequest(), timeout=timeout,
-                                                 wait_for_ready=False)
-        except grpc.aio.AioRpcError as e:
-            if e.code() == grpc.StatusCode.UNIMPLEMENTED:
-                return True
-            self._note_error(f"health: {e.code().name}: {e.details()}")
-            return False
-        if reply.status != health_pb2.HealthCheckResponse.SERVING:
-            self._note_error(f"health: {health_pb2.HealthCheckResponse.ServingStatus.Name(reply.status)}")
-            return False
-        return True
+        """Whether the worker's health says SERVING (pdserve.router.worker_health)."""
+        problem = await not_serving(self.health_stub, timeout)
+        if problem is not None:
+            self._note_error(problem)
+        return problem is None
 
     async def _watch_health(self) -> None:
         """While up: the worker's health stream; NOT_SERVING (SIGTERM: draining) stops new
         requests at once, before one is refused there (:meth:`begin_drain`)."""
-        call = self.health_stub.Watch(health_pb2.HealthCheckRequest(), wait_for_ready=False)
-        try:
-            async for reply in call:
-                if reply.status != health_pb2.HealthCheckResponse.SERVING and self.up:
-                    self.begin_drain("health: NOT_SERVING (draining)")
-                    return
-        except grpc.aio.AioRpcError as e:
-            log.debug("health watch of %s ended: %s", self.key, e.code().name)
-        finally:
-            call.cancel()       # an open Watch would hold a draining worker's server until its grace ends
+        if await watch_until_not_serving(self.health_stub, self.key, lambda: self.up):
+            self.begin_drain("health: NOT_SERVING (draining)")
 
     def _note_error(self, message: str, level: int = logging.INFO) -> None:
         if message != self.last_error:
@@ -467,26 +376,19 @@ class WorkerClient(WorkerLoad):
         """Cancel the request here, tried again until the worker answers (see the module doc):
         run in the background, it never raises."""
         self.leases.release(request_id)
-        worker_id, started, delay = self.worker_id, time.monotonic(), CANCEL_BACKOFF_S
-        tries = 0
-        while True:
-            tries += 1
-            try:
-                await self.stub.Cancel(worker_pb2.CancelRequest(request_id=request_id),
-                                       timeout=CANCEL_TIMEOUT_S, wait_for_ready=False)
-                if tries > 1:
-                    log.info("Cancel %s on %s answered after %d tries", request_id, self.key, tries)
-                return
-            except grpc.aio.AioRpcError as e:
-                code = e.code()
-            if code not in RETRY_CANCEL_CODES:          # answered (an error of its own): done
-                log.debug("Cancel %s on %s: %s", request_id, self.key, code.name)
-                return
-            gone = self.closed or not self.up or (worker_id and self.worker_id and self.worker_id != worker_id)
-            if gone or time.monotonic() - started + delay > CANCEL_RETRY_S:
-                log.log(logging.DEBUG if gone else logging.WARNING, "Cancel %s on %s: %s after %d tries; %s",
-                        request_id, self.key, code.name, tries,
-                        "the worker is gone" if gone else "giving up (its lease ends it)")
-                return
-            await asyncio.sleep(delay)
-            delay = min(delay * 2, CANCEL_BACKOFF_MAX_S)
+        worker_id = self.worker_id
+
+        def gone() -> bool:
+            return self.closed or not self.up or bool(worker_id and self.worker_id and self.worker_id != worker_id)
+
+        await cancel_until_answered(lambda: self.stub.Cancel(worker_pb2.CancelRequest(request_id=request_id),
+                                                             timeout=CANCEL_TIMEOUT_S, wait_for_ready=False),
+                                    request_id, self.key, gone)
+
+    async def renew_leases(self, request_ids: list[str], timeout: float) -> list[str]:
+        """Renew the leases of this router's reservations ``request_ids`` here: the ids the worker
+        no longer holds (the rpc's errors raised)."""
+        reply = await self.stub.RenewLeases(
+            worker_pb2.RenewLeasesRequest(router_id=self.settings.router_id, request_ids=request_ids),
+            timeout=timeout, wait_for_ready=False)
+        return list(reply.lost)

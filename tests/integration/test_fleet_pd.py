@@ -1,8 +1,9 @@
 """``--pd-policy fleet`` as separate processes on the CPU (embedded model, Gloo): a router in front
 of two workers of role both, each running the TPOT guard. Per request the router picks the worker
 that decodes and the worker that prefills: a prompt no worker holds is prefilled where it decodes
-(local), and a prompt whose long prefix the other worker holds is prefilled there and its KV shipped
-(cross-worker). Greedy outputs equal the offline engine's, and both pools end whole, also after a
+(local); while the worker that holds a long prefix decodes another stream, a prompt with that
+prefix decodes on the other worker (fewer rows) and is prefilled where the prefix is cached, its KV
+shipped (cross-worker). Greedy outputs equal the offline engine's, and both pools end whole, also after a
 cancel in each path. A request's own latency objectives (gRPC ``slo``, the OpenAI API's ``x-slo-*``
 headers) are served, and bad ones refused naming the field.
 """
@@ -77,15 +78,29 @@ def _whole(dep) -> None:
         dep.wait_whole(w)
 
 
+def _first_tokens(call, n: int) -> None:
+    got = 0
+    for msg in call:
+        got += len(msg.token_ids)
+        if got >= n:
+            return
+
+
 def test_local_and_cross_worker_prefill_match_offline_and_pools_whole(deployment, offline, prompts):
     expected = [o.token_ids for o in offline.generate(prompts[:2], SamplingParams(temperature=0, max_tokens=MAX_TOKENS),
                                                       use_tqdm=False)]
     # first: nothing cached anywhere, no decode rows: prefilled where it decodes
     assert _stream(deployment, prompts[0]) == expected[0]
     assert _decisions(deployment, "local") == 1 and _transfers(deployment) == 0
-    # second: the worker that computed the first leans to prefill and holds the system prompt, so
-    # the request decodes on the other worker and is prefilled on the first, its KV shipped over
+    # a long stream that shares the system prompt decodes where that prompt is cached (the fewest
+    # uncached tokens break the tie of no rows), prefilled there
+    long_call = deployment.router_stub().Generate(_request(prompts[2], 400), timeout=180)
+    _first_tokens(long_call, 2)
+    assert _decisions(deployment, "local") == 2
+    # while it runs: the other worker has fewer rows, so it decodes the next request, whose system
+    # prompt only the first worker holds: prefilled there and its KV shipped over
     assert _stream(deployment, prompts[1]) == expected[1]
+    long_call.cancel()
     assert _decisions(deployment, "remote") == 1
     sent = sum(deployment.stats(w).kv_transfer_bytes for w in deployment.decode)
     assert _transfers(deployment) == 2 and sent > 0          # a both worker counts a send and a receive
@@ -104,8 +119,15 @@ def test_cancel_in_each_path_leaves_both_pools_whole(deployment, offline, prompt
     paths = []
     for tokens in (first, second):
         local = _decisions(deployment, "local")
+        # for the second: a stream on the worker that holds the system prompt, so the other decodes it
+        busy = deployment.router_stub().Generate(_request(first, 400), timeout=180) if tokens is second else None
+        if busy is not None:
+            _first_tokens(busy, 2)
+            local += 1
         assert _cancel_after_tokens(deployment, tokens) >= 3
         paths.append("local" if _decisions(deployment, "local") > local else "remote")
+        if busy is not None:
+            busy.cancel()
         _whole(deployment)
     assert paths == ["local", "remote"]
 

@@ -1,6 +1,9 @@
 """The product package imports only downward: every module of pdserve/ belongs to one layer;
 it may import its own unit, any lower layer, and nothing of bench/ or tests/. Units of a layer
-marked independent do not import each other. No import cycle between units."""
+marked independent do not import each other. No import cycle between units, nor between modules
+(every import counts: module-level, function-level and type-only). The router never imports the
+engine side (engine, models, layers, ops), directly or through another module. No product file
+is longer than ``MAX_LINES``."""
 from __future__ import annotations
 
 import ast
@@ -20,6 +23,7 @@ LAYERS: list[tuple[tuple[str, ...], bool]] = [
       "pdserve.common.default_model", "pdserve.common.detokenizer", "pdserve.common.sampling_params"), False),
     (("pdserve.common.ops",), True),
     (("pdserve.common.layers",), True),
+    (("pdserve.common.guided",), True),                             # grammars (xgrammar) for guided decoding
     (("pdserve.common.models", "pdserve.common.loader"), False),
     (("pdserve.common.engine", "pdserve.common.kv_transfer"), True),
     (("pdserve.common.grpc_utils",), True),                         # the worker shell: wire side
@@ -94,11 +98,13 @@ def _edges() -> dict[tuple[str, str], list[str]]:
 # pdserve.common.grpc_utils.convert.
 ROUTER_PB2_EDGE = {
     "pdserve.router.worker_client",          # the workers' rpcs
+    "pdserve.router.worker_health",          # ... their health service
     "pdserve.router.prefill_call",           # ... the Prefill rpc's request and stream
     "pdserve.router.servicer",               # Generation, InfoService
     "pdserve.router.validation",             # the door's check of the wire SamplingParams
     "pdserve.router.kserve.servicer", "pdserve.router.kserve.convert", "pdserve.router.kserve.tensors",
     "pdserve.router.openai_api.requests",    # OpenAI JSON -> GenerateRequest
+    "pdserve.router.openai_api.slo_headers", # ... and its x-slo-* headers into GenerateRequest.slo
 }
 
 
@@ -175,3 +181,128 @@ def test_no_cycle_between_units():
     for node in sorted(graph):
         if node not in state:
             visit(node, [node])
+
+
+# ---- modules: no circles, the router apart from the engine, short files ----------------------
+
+def _module_graph() -> dict[str, dict[str, list[str]]]:
+    """Import edges between product modules: module -> imported module -> where (``path:line``)."""
+    graph: dict[str, dict[str, list[str]]] = {}
+    for path in _product_files():
+        me = _module_name(path)
+        for line, mod in _imports(path):
+            while mod and not _is_module(mod):      # ``from m import name``: the module m
+                mod = mod.rpartition(".")[0]
+            if mod.startswith("pdserve") and mod != me:
+                graph.setdefault(me, {}).setdefault(mod, []).append(f"{path.relative_to(ROOT)}:{line}")
+    return graph
+
+
+def _reaches(graph: dict[str, dict[str, list[str]]], *starts: str) -> dict[str, str | None]:
+    """Every module ``starts`` import, directly or not: module -> the module that imports it
+    (None for a start)."""
+    parent: dict[str, str | None] = dict.fromkeys(starts)
+    todo = list(starts)
+    while todo:
+        node = todo.pop()
+        for nxt in graph.get(node, {}):
+            if nxt not in parent:
+                parent[nxt] = node
+                todo.append(nxt)
+    return parent
+
+
+def _without(graph: dict[str, dict[str, list[str]]], edges) -> dict[str, dict[str, list[str]]]:
+    return {a: {b: w for b, w in dst.items() if (a, b) not in edges} for a, dst in graph.items()}
+
+
+def _circles(graph: dict[str, dict[str, list[str]]]) -> list[list[str]]:
+    """The strongly connected sets of two or more modules (Tarjan), each sorted."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    out: list[list[str]] = []
+
+    def visit(v: str) -> None:
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        for w in graph.get(v, {}):
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in stack:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            comp = []
+            while True:
+                w = stack.pop()
+                comp.append(w)
+                if w == v:
+                    break
+            if len(comp) > 1:
+                out.append(sorted(comp))
+
+    for v in sorted(graph):
+        if v not in index:
+            visit(v)
+    return out
+
+
+# Import edges that close a circle today, each to be removed (issue 40); an entry that no longer
+# closes one fails the test, so the list only shrinks. router/admission.py imports (for types)
+# the modules that import it for AdmissionConfig (settings) and REASONS (metrics): moving those
+# two out of admission.py into a module of their own breaks all four.
+KNOWN_CIRCLE_EDGES = {
+    ("pdserve.router.admission", "pdserve.router.settings"),
+    ("pdserve.router.admission", "pdserve.router.metrics"),
+    ("pdserve.router.admission", "pdserve.router.worker_client"),
+    ("pdserve.router.admission", "pdserve.router.workers"),
+}
+
+
+def test_no_import_circle_between_modules():
+    graph = _module_graph()
+    stale = [f"{a} -> {b}" for a, b in sorted(KNOWN_CIRCLE_EDGES) if b not in graph.get(a, {})
+             or a not in _reaches(graph, b)]
+    assert not stale, "no longer an edge of a circle (remove from KNOWN_CIRCLE_EDGES):\n" + "\n".join(stale)
+    rest = _without(graph, KNOWN_CIRCLE_EDGES)
+    bad = [f"{a} -> {b} ({', '.join(rest[a][b])})" for comp in _circles(rest) for a in comp for b in comp
+           if b in rest.get(a, {})]
+    assert not bad, "modules that import each other (move the shared piece down instead):\n" + "\n".join(bad)
+
+
+def test_the_circle_check_sees_a_circle():
+    graph = {"a": {"b": ["a.py:1"]}, "b": {"c": ["b.py:1"]}, "c": {"a": ["c.py:1"]}, "d": {"a": ["d.py:1"]}}
+    assert _circles(graph) == [["a", "b", "c"]]
+    assert _circles(_without(graph, {("c", "a")})) == []
+
+
+ENGINE_SIDE = ("pdserve.common.engine", "pdserve.common.models", "pdserve.common.layers", "pdserve.common.ops")
+# Router -> engine edges pending (issue 40); the list only shrinks.
+KNOWN_ROUTER_ENGINE_EDGES: set[tuple[str, str]] = set()
+
+
+def test_router_never_imports_the_engine():
+    graph = _module_graph()
+    stale = [f"{a} -> {b}" for a, b in sorted(KNOWN_ROUTER_ENGINE_EDGES) if b not in graph.get(a, {})]
+    assert not stale, "no longer imported (remove from KNOWN_ROUTER_ENGINE_EDGES):\n" + "\n".join(stale)
+    rest = _without(graph, KNOWN_ROUTER_ENGINE_EDGES)
+    parent = _reaches(rest, *sorted(m for m in rest if m.startswith("pdserve.router")))
+    bad = []
+    for mod in sorted(m for m in parent if not m.startswith(ENGINE_SIDE)):
+        for dst, where in sorted(rest.get(mod, {}).items()):
+            if dst.startswith(ENGINE_SIDE):
+                chain = [mod]
+                while (up := parent[chain[-1]]) is not None:
+                    chain.append(up)
+                bad.append(f"{dst} <- {' <- '.join(chain)} ({', '.join(where)})")
+    assert not bad, "the router reaches the engine side:\n" + "\n".join(bad)
+
+
+MAX_LINES = 400
+
+
+def test_product_files_are_short():
+    lines = {str(p.relative_to(ROOT)): len(p.read_text().splitlines()) for p in _product_files()}
+    long = sorted(f"{f}: {n} lines" for f, n in lines.items() if n > MAX_LINES)
+    assert not long, f"product files over {MAX_LINES} lines (split along a seam):\n" + "\n".join(long)

@@ -38,13 +38,14 @@ def test_a_request_only_tightens_the_routers_objectives():
 
 
 def test_a_tighter_tpot_changes_the_decode_pick():
-    # a leans to prefill (most recent prompt tokens, no rows); b decodes 5 rows at 6 ms a step.
-    a = FleetWorker("a", 1000, tokens_per_s=40_000.0, recent_tokens=9000.0)
-    b = FleetWorker("b", 1000, tokens_per_s=40_000.0, recent_tokens=100.0, decode_rows=5, decode_step_ms=6.0)
-    # router's 12 ms: b has room (6 <= 0.7 * 12 = 8.4)
-    assert pick_decode([a, b], slo.tighten(CFG, slo.NONE).slo_tpot_ms) is b
-    # the request's 8 ms: b has none (6 > 0.7 * 8 = 5.6): the fewest rows, a
-    assert pick_decode([a, b], slo.tighten(CFG, slo.RequestSlo(tpot_ms=8.0)).slo_tpot_ms) is a
+    # a is busy prefilling (no rows, 15k prompt tokens/s lately); b decodes 3 rows at 7.5 ms, c 6 at 5 ms
+    a = FleetWorker("a", 1000, tokens_per_s=40_000.0, recent_tokens=30_000.0)
+    b = FleetWorker("b", 1000, tokens_per_s=40_000.0, decode_rows=3, decode_step_ms=7.5)
+    c = FleetWorker("c", 1000, tokens_per_s=40_000.0, decode_rows=6, decode_step_ms=5.0)
+    # router's 12 ms: both have room (<= 0.7 * 12 = 8.4), the fewer rows win
+    assert pick_decode([a, b, c], slo.tighten(CFG, slo.NONE).slo_tpot_ms) is b
+    # the request's 8 ms: only c has room (<= 5.6)
+    assert pick_decode([a, b, c], slo.tighten(CFG, slo.RequestSlo(tpot_ms=8.0)).slo_tpot_ms) is c
 
 
 @pytest.mark.parametrize("value", [-1.0, math.nan, math.inf, slo.MAX_SLO_MS + 1])

@@ -14,14 +14,35 @@ possibly while a step computes (it takes only free blocks and cached full ones),
 from __future__ import annotations
 
 import math
-from typing import TYPE_CHECKING
+from typing import Protocol
 
+from pdserve.common.engine.block_manager import BlockManager
+from pdserve.common.engine.model_runner import ModelRunner
+from pdserve.common.engine.scheduler import Scheduler
 from pdserve.common.engine.sequence import Sequence, SequenceStatus
+from pdserve.common.loader import ModelSource
 from pdserve.common.outputs import FinishReason
 from pdserve.common.sampling_params import SamplingParams
 
-if TYPE_CHECKING:
-    from pdserve.common.engine.llm_engine import LLMEngine
+
+class HandoffEngine(Protocol):
+    """What the handoff uses of its engine (``LLMEngine`` is one): the request table, the block
+    pool, the batch, the runner's per-sequence state, and the engine's own entry and token paths."""
+
+    source: ModelSource
+    block_manager: BlockManager
+    scheduler: Scheduler
+    model_runner: ModelRunner
+    requests: dict[str, Sequence]
+
+    def new_sequence(self, prompt_token_ids: list[int], params: SamplingParams,
+                     request_id: str | None) -> Sequence:
+        """A validated sequence, entered in ``requests``."""
+        ...
+
+    def postprocess(self, seqs: list[Sequence], token_ids: list[int], logprobs) -> list[Sequence]:
+        """Append each sequence's token; the sequences that finished."""
+        ...
 
 
 class OutOfBlocks(RuntimeError):
@@ -34,7 +55,7 @@ class InvalidFirstToken(ValueError):
 
 
 class KvHandoff:
-    def __init__(self, engine: LLMEngine) -> None:
+    def __init__(self, engine: HandoffEngine) -> None:
         self.engine = engine
         self.held: dict[str, Sequence] = {}    # prefill-only, first token out, blocks kept
 

@@ -29,8 +29,8 @@ from dataclasses import dataclass
 
 from pdserve.common.engine.sequence import Sequence
 from pdserve.common.engine.step_timer import StepTimer
+from pdserve.common.worker_types import MIN_CHUNK_TOKENS  # the floor, which the router models too
 
-MIN_CHUNK_TOKENS = 32       # a guarded step with prompts waiting computes at least this many
 UNMEASURED_TOKENS = 512     # the budget before the first mixed step is measured
 MAX_STEP_SHARE = 2.0        # no guarded step longer than this many targets (the ITL bound)
 CREDIT_CAP_SHARE = 1.0      # the credit saved is at most this many goals

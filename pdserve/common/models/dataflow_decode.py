@@ -34,13 +34,16 @@ import dataclasses
 import functools
 import importlib
 from collections.abc import Callable
-from typing import TYPE_CHECKING, NamedTuple, cast
+from typing import NamedTuple, Protocol, cast
 
 import torch
+from torch import nn
 
 from pdserve.common import env
 from pdserve.common.config import ModelConfig
 from pdserve.common.context import forward_context, get_forward_context
+from pdserve.common.layers.attention import PagedAttention
+from pdserve.common.layers.norm import RMSNorm
 from pdserve.common.ops.dataflow import (
     BK,
     BN,
@@ -55,10 +58,44 @@ from pdserve.common.ops.gemm_tiles import OPS, WIDE_ROWS, padded_rows, wide_fits
 from pdserve.common.ops.paged_attention import sm_count
 from pdserve.common.ops.pdl import pdl_available
 
-if TYPE_CHECKING:
-    from pdserve.common.models.decoder import DecoderForCausalLM, DecoderLayer, SelfAttention
-
 MAX_PROGRAMS_PER_SM = 4     # beyond this a projection's tiles are not all resident: the preload stops paying
+
+
+class ChainAttention(Protocol):
+    """A layer's attention as the chain reads it: the merged ``qkv_proj`` (no bias), ``o_proj``,
+    the fused qk-norm/RoPE that also stores K/V, and the paged attention over the cache."""
+    qkv_proj: nn.Linear
+    o_proj: nn.Linear
+    attn: PagedAttention
+    num_heads: int
+    head_dim: int
+    q_size: int
+
+    def fused_qk_norm_rope(self, qkv: torch.Tensor, positions: torch.Tensor
+                           ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]: ...
+
+
+class ChainMLP(Protocol):
+    """A layer's MLP: the merged ``gate_up_proj`` (SiLU-mul after it) and ``down_proj``."""
+    gate_up_proj: nn.Linear
+    down_proj: nn.Linear
+
+
+class ChainLayer(Protocol):
+    """A pre-norm decoder layer: RMSNorm, attention, RMSNorm, MLP, each with a residual add."""
+    input_layernorm: RMSNorm
+    self_attn: ChainAttention
+    post_attention_layernorm: RMSNorm
+    mlp: ChainMLP
+
+
+class ChainModel(Protocol):
+    """What a model offers to take the chain (pdserve.common.models.decoder's model does):
+    embeddings, ``layers`` of :class:`ChainLayer` and a final RMSNorm."""
+    config: ModelConfig
+    embed_tokens: nn.Embedding
+    layers: nn.ModuleList
+    norm: RMSNorm
 
 
 @functools.lru_cache(maxsize=16)
@@ -123,7 +160,7 @@ def qkv_preloads(rows: int, hidden: int) -> bool:
     return rows <= PRELOAD_ROWS and hidden in (BK, 2 * BK)
 
 
-def applies(model: DecoderForCausalLM, input_ids: torch.Tensor) -> bool:
+def applies(model: ChainModel, input_ids: torch.Tensor) -> bool:
     """``takes_chain`` for this forward (the caller checked CUDA and the fused kernels)."""
     rows, device, dtype = input_ids.shape[0], input_ids.device, model.embed_tokens.weight.dtype
     if not 1 <= rows <= WIDE_ROWS:                                 # cheap checks first
@@ -136,7 +173,7 @@ def applies(model: DecoderForCausalLM, input_ids: torch.Tensor) -> bool:
                        supported)
 
 
-def forward(model: DecoderForCausalLM, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+def forward(model: ChainModel, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
     """input_ids, positions: [B] (decode rows) -> final hidden states [B, H] (after the final norm).
     The qk-norm/RoPE and attention kernels join the chain (launched with PDL) on a GPU that has it;
     elsewhere (the interpreter, tests) every kernel runs with plain launches."""
@@ -172,8 +209,8 @@ def _wide_projections(rows: int, pdl: bool) -> Projections:
                        lambda x, w: gluon_gemm.splitk(x, w, t["down"], pdl))
 
 
-def _layers(model: DecoderForCausalLM, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-    layers = cast("list[DecoderLayer]", list(model.layers))
+def _layers(model: ChainModel, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+    layers = cast("list[ChainLayer]", list(model.layers))
     m = input_ids.shape[0]
     small = m <= MAX_ROWS
     proj = (_small_projections(m, model.config.hidden_size) if small
@@ -195,7 +232,7 @@ def _layers(model: DecoderForCausalLM, input_ids: torch.Tensor, positions: torch
     return x[:m]
 
 
-def _attention(attn: SelfAttention, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, rows: int) -> torch.Tensor:
+def _attention(attn: ChainAttention, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, rows: int) -> torch.Tensor:
     """Decode attention of q [M, Hq, D] (K/V already stored) -> [rows, Hq * D], written into the
     first M rows of a tensor of ``rows`` rows when rows > M."""
     m = q.shape[0]

@@ -63,6 +63,10 @@ def add_worker_arguments(p: argparse.ArgumentParser, default_port: int, default_
                    help="on SIGTERM: time to finish in-flight requests before cancelling them")
     p.add_argument("--kv-timeout-s", type=float, default=env.get_float("KV_TIMEOUT_S", KV_TIMEOUT_S),
                    help="timeout of one KV transfer")
+    p.add_argument("--kv-transport", default=env.get("KV_TRANSPORT", "auto"),
+                   help="KV transport, the same on every worker of a deployment: nccl, gloo, a registered name "
+                        "(pdserve.common.kv_transfer.transport), or auto (nccl for a GPU pool, gloo for a CPU one) "
+                        "(env PDSERVE_KV_TRANSPORT)")
     add_internal_arguments(p)
 
 
