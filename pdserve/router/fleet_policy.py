@@ -13,14 +13,13 @@ worker with no decode rows is the fastest place to prefill. Pure functions over 
 its mixed steps, ``W_w`` the prompt tokens this router gave it lately)::
 
     full_w      = max(R_w, 1000 / c_w)             (what w computes in a step without decode rows)
+    room_w      = rows_w == 0 or t_w <= lean_share * slo_tpot
     lean        = the decode-capable worker with the fewest rows (then the largest W), *dedicated*
-                  while W_lean / window >= LEAN_BUSY_SHARE * full_lean: it is busy prefilling for the
-                  others (two or more decode-capable workers only)
-    D           = among the workers but a dedicated lean: the fewest rows whose t_w <= lean_share *
-                  slo_tpot, fewer U breaking ties; none: the same among those whose t_w <= goal;
-                  none: the fewest rows of them (a dedicated lean takes no decode rows while another
-                  worker can decode at all, as a prefill worker of a static split); no dedicated
-                  lean: so the rows balance
+                  while W_lean / window >= LEAN_BUSY_SHARE * full_lean (it is busy prefilling for
+                  the others) and another decode-capable worker has room (two or more only)
+    D           = the fewest rows among the workers with room but a dedicated lean, fewer U
+                  breaking ties; none: the fewest rows of all (the rows balance: when no worker
+                  has room, every GPU's decode bandwidth is needed, and none is kept for prefill)
     goal        = slo_tpot * (1 - GUARD_MARGIN)     (the workers' guard: steps take goal on average)
     rate_w      = full_w                           if rows_w == 0 (a prefill-sized step: R_w may
                   have been measured in guarded steps beside decode rows)
@@ -35,16 +34,15 @@ Moving decodes (:func:`pick_moves`, run every ``--pd-move-interval-s``): a worke
 rows alone take the guard's whole target (``t_w > (1 - GUARD_MARGIN) * slo_tpot``: the guard can
 no longer keep their TPOT) and that holds at least two rows more than the decode-capable worker
 with the fewest rows moves ``min((rows_src - rows_dst) // 2, MAX_MOVES_PER_ROUND)`` of them
-there, when that worker has room (no rows, or ``t_dst <= LEAN_SHARE * slo_tpot``) and is not the
-dedicated lean. A moved
+there, when that worker has room and is not the dedicated lean. A moved
 decode is continued on ``dst`` from its prompt and the tokens already sent, prefilled on ``src``
 (whose prefix cache holds all of its full blocks) and its KV shipped like any remote prefill.
 
 Unmeasured figures: ``R`` is the mean of the measured ones, else DEFAULT_PREFILL_TOKENS_PER_S;
-``t`` is DEFAULT_DECODE_STEP_MS; ``c`` is ``1000 / R``. Under prefill-heavy load the lean worker
-is dedicated: it keeps no decode rows, so its steps stay prefill-sized, and the split of a static
-1P1D emerges; under decode-heavy or shared-prefix load no worker is busy prefilling, the rows
-balance over all workers and each prefills its own, as co-location does.
+``t`` is DEFAULT_DECODE_STEP_MS; ``c`` is ``1000 / R``. Under prefill-heavy load, while the others
+have decode room, the lean worker is dedicated: it keeps no decode rows, so its steps stay
+prefill-sized, and the split of a static 1P1D emerges; under decode-heavy or shared-prefix load,
+or when the decode steps leave no room, the rows balance over all workers, as co-location does.
 """
 from __future__ import annotations
 
@@ -56,7 +54,7 @@ from pdserve.router.pd_policy import DEFAULT_DECODE_STEP_MS, LOCAL, REMOTE, PdCo
 
 LEAN_SHARE = 0.7    # a decode worker has room while its decode step is under this share of the TPOT SLO
 TTFT_SHARE = 0.6    # a prefill place keeps the TTFT SLO while its estimate is under this share of it
-GUARD_MARGIN = 0.1  # the workers' default --tpot-margin (the budget the router expects of them)
+GUARD_MARGIN = 0.0  # the workers' default --tpot-margin (the budget the router expects of them)
 MAX_MOVES_PER_ROUND = 4   # decodes one worker gives away per round of pick_moves
 LEAN_BUSY_SHARE = 0.25    # the lean worker is kept free of decode rows while given this share of its prefill rate
 
@@ -81,23 +79,27 @@ def pick_decode(workers: Sequence[FleetWorker], slo_tpot_ms: float, window_s: fl
     """D (module docstring) among the workers that can decode (at least one)."""
     decoders = [w for w in workers if w.can_decode]
     lean = dedicated_lean(workers, slo_tpot_ms, window_s)
-    cands = [w for w in decoders if w is not lean]
-    room = [w for w in cands if w.decode_rows == 0 or _step_ms(w) <= LEAN_SHARE * slo_tpot_ms]
-    keeps = [w for w in cands if _step_ms(w) <= (1.0 - GUARD_MARGIN) * slo_tpot_ms]
-    return min(room or keeps or cands or decoders, key=lambda w: (w.decode_rows, w.uncached_tokens, w.key))
+    room = [w for w in decoders if w is not lean and _has_room(w, slo_tpot_ms)]
+    return min(room or decoders, key=lambda w: (w.decode_rows, w.uncached_tokens, w.key))
+
+
+def _has_room(w: FleetWorker, slo_tpot_ms: float) -> bool:
+    return w.decode_rows == 0 or _step_ms(w) <= LEAN_SHARE * slo_tpot_ms
 
 
 def dedicated_lean(workers: Sequence[FleetWorker], slo_tpot_ms: float, window_s: float) -> FleetWorker | None:
-    """The lean worker, kept free of decode rows, while it is busy prefilling (module docstring):
-    the decode-capable worker with the fewest rows (then the largest W) when the prompt tokens it
-    was given lately reach LEAN_BUSY_SHARE of what it computes in prefill-sized steps; None
-    otherwise (or with fewer than two decode-capable workers)."""
+    """The lean worker, kept free of decode rows, while it is busy prefilling and the others can
+    decode without it (module docstring): the decode-capable worker with the fewest rows (then
+    the largest W) when the prompt tokens it was given lately reach LEAN_BUSY_SHARE of what it
+    computes in prefill-sized steps and another decode-capable worker has room; None otherwise
+    (or with fewer than two decode-capable workers)."""
     decoders = [w for w in workers if w.can_decode]
     if len(decoders) < 2:
         return None
     lean = min(decoders, key=lambda w: (w.decode_rows, -w.recent_tokens, w.key))
     full = full_rate(lean, _mean_measured([w.tokens_per_s for w in workers]))
-    return lean if lean.recent_tokens / window_s >= LEAN_BUSY_SHARE * full else None
+    busy = lean.recent_tokens / window_s >= LEAN_BUSY_SHARE * full
+    return lean if busy and any(w is not lean and _has_room(w, slo_tpot_ms) for w in decoders) else None
 
 
 def full_rate(w: FleetWorker, fallback: float) -> float:

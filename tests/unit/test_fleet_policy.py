@@ -33,8 +33,9 @@ def test_a_busy_prefiller_gets_no_decode_rows():
     a, b = w("a", recent_tokens=BUSY), w("b", decode_rows=5, decode_step_ms=6.0)
     assert dedicated_lean([a, b], 12.0, 2.0) is a
     assert pick_decode([a, b], 12.0) is b                 # b has room (6 <= 0.7 * 12)
-    over = w("b", decode_rows=40, decode_step_ms=11.5)    # no room, over the goal 10.8: still b, not a
-    assert pick_decode([a, over], 12.0) is over
+    # b has no room (11.5 > 8.4): every GPU's decode bandwidth is needed, the rows balance onto a
+    over = w("b", decode_rows=40, decode_step_ms=11.5)
+    assert dedicated_lean([a, over], 12.0, 2.0) is None and pick_decode([a, over], 12.0) is a
     # 9k tokens = 4.5k/s < 10k/s: not busy, so the rows balance: a has the fewest
     idle = w("a", recent_tokens=9000.0)
     assert dedicated_lean([idle, b], 12.0, 2.0) is None and pick_decode([idle, b], 12.0) is idle
@@ -46,7 +47,7 @@ def test_the_lean_is_the_fewest_rows_then_the_most_prompt_tokens():
     # a 20k/s measured rate but 0.025 ms a prompt token: a full step computes 40k/s, so 15k/s is busy
     slow = w("a", recent_tokens=BUSY, tokens_per_s=20_000.0, ms_per_prompt_token=0.025)
     assert full_rate(slow, 8000.0) == pytest.approx(40_000.0)
-    assert dedicated_lean([slow, w("b", decode_rows=1)], 12.0, 2.0) is slow
+    assert dedicated_lean([slow, w("b", decode_rows=1, decode_step_ms=5.0)], 12.0, 2.0) is slow
 
 
 def test_decode_spills_to_the_fewest_rows_when_no_other_has_room():
@@ -144,8 +145,11 @@ def test_no_move_without_risk_room_or_a_gap():
                        w("b", decode_rows=1, decode_step_ms=5.0)], 12.0) == []               # gap under 2
     assert pick_moves([w("a", decode_rows=8, decode_step_ms=11.0),
                        w("p", can_decode=False)], 12.0) == []                                # p never decodes
-    assert pick_moves([w("a", decode_rows=10, decode_step_ms=11.0),
-                       w("b", recent_tokens=BUSY)], 12.0) == []                              # b is busy prefilling
+    # b is busy prefilling and c has room: b is dedicated, the decodes go to c
+    busy, c = w("b", recent_tokens=BUSY), w("c", decode_rows=2, decode_step_ms=5.0)
+    assert pick_moves([w("a", decode_rows=10, decode_step_ms=11.0), busy, c], 12.0) == [("a", "c", 4)]
+    # no other has room: b is not kept free, it takes them
+    assert pick_moves([w("a", decode_rows=10, decode_step_ms=11.0), busy], 12.0) == [("a", "b", 4)]
 
 
 def test_each_worker_is_in_one_move_per_round():

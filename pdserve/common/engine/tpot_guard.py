@@ -61,7 +61,7 @@ class TpotGuard:
 
     timer: StepTimer
     target_ms: float = 0.0      # the worker's target; 0 = only requests that set one are guarded
-    margin: float = 0.1         # share of the target kept free for the model's error
+    margin: float = 0.0         # share of the target kept free for the model's error
     credit_ms: float = 0.0      # S
     _goal_ms: float = 0.0       # the goal of the last guarded step (0: the last step was not guarded)
 
