@@ -113,8 +113,11 @@ def _add_admission_arguments(p: argparse.ArgumentParser, d: RouterSettings) -> N
                         "their first token; 0 = no bound (env PDSERVE_ROUTER_MAX_WAITING_REQUESTS)")
     g.add_argument("--admission-slo-multiple", type=float,
                    default=env.get_float("ROUTER_ADMISSION_SLO_MULTIPLE", a.slo_multiple),
-                   help="refuse a new request whose estimated queue wait on the least busy worker (queued "
-                        "prompt tokens / its prefill rate) exceeds this multiple of --slo-ttft-ms; 0 = off "
+                   help="refuse a new request whose estimated TTFT (the prompt tokens queued ahead of it, then "
+                        "its own, at the worker's prefill rate, plus its decode rows' share of each step) "
+                        "exceeds this multiple of its TTFT objective (--slo-ttft-ms, or the request's own "
+                        "when tighter) on every worker that could prefill it; 1 = a request that cannot meet "
+                        "its objective is refused instead of queued; 0 = off "
                         "(env PDSERVE_ROUTER_ADMISSION_SLO_MULTIPLE)")
 
 
