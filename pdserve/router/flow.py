@@ -31,7 +31,8 @@ from pdserve.common.grpc_utils.convert import finish_reason_name
 from pdserve.common.outputs import FinishReason, SequenceOutput
 from pdserve.common.sampling_params import SamplingParams
 from pdserve.router.admission import AdmissionGate
-from pdserve.router.attempt import Attempt, Cut, Retry
+from pdserve.router.attempt import Attempt
+from pdserve.router.failures import Cut, Retry
 from pdserve.router.job import Job
 from pdserve.router.metrics import RouterMetrics
 from pdserve.router.mover import Mover
@@ -184,7 +185,8 @@ class Flow:
         pdserve.common.grpc_utils domain errors (or a worker's rpc error)."""
         if self.draining:
             raise Unavailable("the router is shutting down")
-        waiting = self.admission.admit(method)     # Overloaded (RESOURCE_EXHAUSTED) over a bound
+        # Overloaded (RESOURCE_EXHAUSTED) over a bound
+        waiting = self.admission.admit(method, len(job.prompt.token_ids), job.slo.ttft_ms)
         started = time.monotonic()
         status = "UNKNOWN"
         run = _Run(job)
@@ -339,7 +341,7 @@ def _continuation(job: Job, generated: list[int]) -> Job:
 def _can_continue(job: Job, generated: list[int]) -> bool:
     """Whether ``job`` may go on from its prompt + ``generated`` elsewhere: within the deadline,
     with tokens left to make, and only when that is the same request (presence / frequency
-    penalties count output tokens only)."""
+    penalties count output tokens only; a guide's grammar would start again from the new prompt)."""
     s = job.sampling
     return (not job.expired() and len(generated) < s.max_tokens
-            and s.presence_penalty == 0.0 and s.frequency_penalty == 0.0)
+            and s.presence_penalty == 0.0 and s.frequency_penalty == 0.0 and s.guide is None)

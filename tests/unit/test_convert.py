@@ -130,3 +130,36 @@ def test_reservation_and_first_token():
     assert first_token_from_proto(ft, "r", logprobs=True) == SequenceOutput(
         "r", [9], [-0.5], FinishReason.LENGTH, num_cached_tokens=32)
     assert first_token_from_proto(ft, "r", logprobs=False).logprobs == []
+
+
+# ----------------------------------------------------------------------------- guides
+GUIDE_CASES = [
+    common_pb2.Guide(json_schema='{"type": "object", "properties": {"a": {"type": "integer"}}}'),
+    common_pb2.Guide(json_object=True),
+    common_pb2.Guide(regex="[a-z]+"),
+    common_pb2.Guide(choice=common_pb2.GuideChoices(choices=["yes", "no"])),
+    common_pb2.Guide(grammar='root ::= "a" | "b"'),
+]
+
+
+@pytest.mark.parametrize("guide", GUIDE_CASES)
+def test_guide_round_trips(guide):
+    s = sampling_params_from_proto(common_pb2.SamplingParams(guide=guide), rest_of_context=8)
+    assert s.guide is not None
+    assert sampling_params_to_proto(s).guide == guide
+
+
+@pytest.mark.parametrize("guide, field", [
+    (common_pb2.Guide(), "params.guide"),
+    (common_pb2.Guide(json_object=False), "params.guide.json_object"),
+    (common_pb2.Guide(json_schema="{oops"), "params.guide.json_schema"),
+    (common_pb2.Guide(json_schema='"a string"'), "params.guide.json_schema"),
+    (common_pb2.Guide(regex=""), "params.guide.regex"),
+    (common_pb2.Guide(regex="(a"), "params.guide.regex"),
+    (common_pb2.Guide(choice=common_pb2.GuideChoices()), "params.guide.choice"),
+    (common_pb2.Guide(grammar="root ::= nothing"), "params.guide.grammar"),
+])
+def test_bad_guides_are_invalid_argument_naming_the_field(guide, field):
+    with pytest.raises(InvalidArgument) as e:
+        sampling_params_from_proto(common_pb2.SamplingParams(guide=guide), rest_of_context=8)
+    assert e.value.field == field

@@ -75,12 +75,12 @@ def test_prefill_rate_by_hand():
     # no rows: the measured rate, or 1000 / c when that is higher (a rate measured beside decode rows)
     assert prefill_rate(w("a"), 12.0, 8000.0) == 40_000.0
     assert prefill_rate(w("a", tokens_per_s=9000.0, ms_per_prompt_token=0.025), 12.0, 8000.0) == 40_000.0
-    # rows: the guard's goal 10.8 ms a step on average, 6 of them for prompts at 0.02 ms: 300 tokens a 10.8 ms
+    # rows: the guard's goal 12 ms a step on average (margin 0), 7.2 of them for prompts at 0.02 ms: 360 tokens a 12 ms
     busy = w("a", decode_rows=8, decode_step_ms=4.8, ms_per_prompt_token=0.02, max_num_batched_tokens=4096)
-    assert prefill_rate(busy, 12.0, 8000.0) == pytest.approx(1000.0 * 300 / 10.8)
+    assert prefill_rate(busy, 12.0, 8000.0) == pytest.approx(1000.0 * 360 / 12.0)
     # decode rows over the goal: the guard's floor, 32 tokens a step of 11 + 0.64 ms
-    full = w("a", decode_rows=8, decode_step_ms=11.0, ms_per_prompt_token=0.02)
-    assert prefill_rate(full, 12.0, 8000.0) == pytest.approx(1000.0 * 32 / (11.0 + 0.64))
+    full = w("a", decode_rows=8, decode_step_ms=11.8, ms_per_prompt_token=0.02)
+    assert prefill_rate(full, 12.0, 8000.0) == pytest.approx(1000.0 * 32 / (11.8 + 0.64))
 
 
 def test_local_when_the_decode_worker_is_the_fastest_place():
@@ -114,7 +114,7 @@ def test_over_the_ttft_share_the_fastest_wins():
     a = w("a", recent_tokens=BUSY, queued_tokens=30_000)
     b = w("b", decode_rows=20, decode_step_ms=5.0, ms_per_prompt_token=0.02, max_num_batched_tokens=4096)
     d, dec = decide([a, b], CFG)
-    assert d == "b" and dec.kind == LOCAL     # b: (10.8 - 5) / 0.02 = 290 a 10.8 ms step -> 1000 in ~37 ms
+    assert d == "b" and dec.kind == LOCAL     # b: (12 - 5) / 0.02 = 350 a 12 ms step -> 1000 in ~34 ms
 
 
 def test_prefill_only_workers_never_decode_and_decode_only_never_prefill_for_others():
@@ -128,32 +128,32 @@ def test_prefill_only_workers_never_decode_and_decode_only_never_prefill_for_oth
 
 
 def test_moves_off_a_worker_whose_rows_break_the_tpot():
-    # a: 10 rows at 11 ms (> 0.9 * 12 = 10.8), b: 2 rows at 6 ms (room: <= 0.7 * 12) -> (10 - 2) // 2 = 4
-    a = w("a", decode_rows=10, decode_step_ms=11.0)
+    # a: 10 rows at 12.5 ms (> the goal 12, margin 0), b: 2 rows at 6 ms (room: <= 0.7 * 12) -> (10 - 2) // 2 = 4
+    a = w("a", decode_rows=10, decode_step_ms=12.5)
     b = w("b", decode_rows=2, decode_step_ms=6.0)
     assert pick_moves([a, b], 12.0) == [("a", "b", 4)]
     # capped per round
-    big = w("a", decode_rows=30, decode_step_ms=11.0)
+    big = w("a", decode_rows=30, decode_step_ms=12.5)
     assert pick_moves([big, w("b")], 12.0) == [("a", "b", MAX_MOVES_PER_ROUND)]
 
 
 def test_no_move_without_risk_room_or_a_gap():
     assert pick_moves([w("a", decode_rows=10, decode_step_ms=10.0), w("b")], 12.0) == []     # TPOT kept
-    assert pick_moves([w("a", decode_rows=10, decode_step_ms=11.0),
+    assert pick_moves([w("a", decode_rows=10, decode_step_ms=12.5),
                        w("b", decode_rows=3, decode_step_ms=9.0)], 12.0) == []               # b has no room
-    assert pick_moves([w("a", decode_rows=2, decode_step_ms=11.0),
+    assert pick_moves([w("a", decode_rows=2, decode_step_ms=12.5),
                        w("b", decode_rows=1, decode_step_ms=5.0)], 12.0) == []               # gap under 2
-    assert pick_moves([w("a", decode_rows=8, decode_step_ms=11.0),
+    assert pick_moves([w("a", decode_rows=8, decode_step_ms=12.5),
                        w("p", can_decode=False)], 12.0) == []                                # p never decodes
     # b is busy prefilling and c has room: b is dedicated, the decodes go to c
     busy, c = w("b", recent_tokens=BUSY), w("c", decode_rows=2, decode_step_ms=5.0)
-    assert pick_moves([w("a", decode_rows=10, decode_step_ms=11.0), busy, c], 12.0) == [("a", "c", 4)]
+    assert pick_moves([w("a", decode_rows=10, decode_step_ms=12.5), busy, c], 12.0) == [("a", "c", 4)]
     # no other has room: b is not kept free, it takes them
-    assert pick_moves([w("a", decode_rows=10, decode_step_ms=11.0), busy], 12.0) == [("a", "b", 4)]
+    assert pick_moves([w("a", decode_rows=10, decode_step_ms=12.5), busy], 12.0) == [("a", "b", 4)]
 
 
 def test_each_worker_is_in_one_move_per_round():
-    a = w("a", decode_rows=12, decode_step_ms=11.0)
-    b = w("b", decode_rows=10, decode_step_ms=11.0)
+    a = w("a", decode_rows=12, decode_step_ms=12.5)
+    b = w("b", decode_rows=10, decode_step_ms=12.5)
     c, d = w("c"), w("d", decode_rows=1, decode_step_ms=4.0)
     assert pick_moves([a, b, c, d], 12.0) == [("a", "c", 4), ("b", "d", 4)]

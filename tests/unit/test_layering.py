@@ -105,6 +105,8 @@ ROUTER_PB2_EDGE = {
     "pdserve.router.kserve.servicer", "pdserve.router.kserve.convert", "pdserve.router.kserve.tensors",
     "pdserve.router.openai_api.requests",    # OpenAI JSON -> GenerateRequest
     "pdserve.router.openai_api.slo_headers", # ... and its x-slo-* headers into GenerateRequest.slo
+    "pdserve.router.openai_api.structured",  # ... response_format / guided_* into SamplingParams.guide
+    "pdserve.router.openai_api.tools",       # ... tools and tool_choice into a guide
 }
 
 

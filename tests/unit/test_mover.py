@@ -17,7 +17,7 @@ class Run:
 
 
 def fleet(rows_a: int) -> list[FleetWorker]:
-    return [FleetWorker("a", 0, decode_rows=rows_a, decode_step_ms=11.0), FleetWorker("b", 0)]
+    return [FleetWorker("a", 0, decode_rows=rows_a, decode_step_ms=12.5), FleetWorker("b", 0)]
 
 
 def test_a_round_marks_the_runs_with_most_tokens_left():

@@ -3,6 +3,8 @@
 tests/integration/test_openai_api.py)."""
 from __future__ import annotations
 
+import json
+
 import pytest
 
 from pdserve.common.grpc_utils import InvalidArgument, ResourceExhausted, Unavailable
@@ -36,7 +38,15 @@ def test_completion_prompts_text_ids_and_batches():
 
 
 @pytest.mark.parametrize("body, param", [
-    ({"prompt": "x", "n": 3}, "n"),
+    ({"prompt": "x", "n": 0}, "n"),
+    ({"prompt": ["a"] * 40, "n": 2}, "n"),
+    ({"prompt": "x", "n": 2, "best_of": 3}, "best_of"),
+    ({"prompt": "x", "response_format": {"type": "yaml"}}, "response_format.type"),
+    ({"prompt": "x", "response_format": {"type": "json_schema"}}, "response_format.json_schema"),
+    ({"prompt": "x", "response_format": {"type": "json_schema", "json_schema": {"schema": []}}},
+     "response_format.json_schema.schema"),
+    ({"prompt": "x", "guided_json": 3}, "guided_json"),
+    ({"prompt": "x", "guided_regex": "a", "guided_choice": ["b"]}, "guided_choice"),
     ({"prompt": "x", "max_tokens": 0}, "max_tokens"),
     ({"prompt": "x", "temperature": True}, "temperature"),
     ({"prompt": "x", "top_p": 0}, "top_p"),
@@ -53,12 +63,26 @@ def test_bad_completion_bodies_name_the_field(body, param):
     assert e.value.status == 400 and e.value.param == param
 
 
+TOOL = {"type": "function", "function": {"name": "get_weather", "parameters": {
+    "type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}}
+
+
 @pytest.mark.parametrize("body, param", [
     ({"messages": "hi"}, "messages"),
     ({"messages": [{"role": "user", "content": [{"type": "image_url"}]}]}, "messages[0].content[0].type"),
     ({"messages": [{"content": "hi"}]}, "messages[0].role"),
     ({"messages": [{"role": "user", "content": "hi"}], "top_logprobs": 2}, "top_logprobs"),
-    ({"messages": [{"role": "user", "content": "hi"}], "tools": [{"type": "function"}]}, "tools"),
+    ({"messages": [{"role": "user", "content": "hi"}], "tools": [{"type": "function"}]}, "tools[0]"),
+    ({"messages": [{"role": "user", "content": "hi"}], "tools": [{"type": "function", "function": {}}]},
+     "tools[0].function.name"),
+    ({"messages": [{"role": "user", "content": "hi"}], "tool_choice": "required"}, "tool_choice"),
+    ({"messages": [{"role": "user", "content": "hi"}], "tools": [TOOL], "tool_choice": "maybe"}, "tool_choice"),
+    ({"messages": [{"role": "user", "content": "hi"}], "tools": [TOOL],
+      "tool_choice": {"type": "function", "function": {"name": "nope"}}}, "tool_choice.function.name"),
+    ({"messages": [{"role": "user", "content": "hi"}], "tools": [TOOL], "tool_choice": "required",
+      "response_format": {"type": "json_object"}}, "tools"),
+    ({"messages": [{"role": "assistant", "content": "", "tool_calls": [{"function": {"name": "f"}}]}]},
+     "messages[0].tool_calls[0]"),
 ])
 def test_bad_chat_bodies_name_the_field(body, param):
     with pytest.raises(ApiError) as e:
@@ -80,3 +104,41 @@ def test_request_path_errors_get_openai_names_and_statuses():
     assert (down.status, down.code) == (503, "unavailable")
     assert down.body() == {"error": {"message": "no decode worker is up", "type": "service_unavailable",
                                      "param": None, "code": "unavailable"}}
+
+
+def test_n_fans_out_with_seeds_and_unique_ids():
+    api = parse_completion({"prompt": ["a", "b"], "n": 3, "seed": 7})
+    assert api.n == 3 and len(api.inputs) == 6 and api.input_fields == ("prompt[0]",) * 3 + ("prompt[1]",) * 3
+    assert [r.params.seed for r in api.inputs] == [7, 8, 9, 7, 8, 9]
+    assert [r.text for r in api.inputs] == ["a"] * 3 + ["b"] * 3
+    assert len({r.request_id for r in api.inputs}) == 6
+    unseeded = parse_chat({"messages": [{"role": "user", "content": "hi"}], "n": 2})
+    assert not any(r.params.HasField("seed") for r in unseeded.inputs) and len(unseeded.inputs) == 2
+
+
+def test_structured_outputs_become_a_guide():
+    schema = {"type": "object", "properties": {"a": {"type": "integer"}}}
+    api = parse_chat({"messages": [{"role": "user", "content": "hi"}], "response_format": {
+        "type": "json_schema", "json_schema": {"name": "A", "schema": schema, "strict": True}}})
+    assert json.loads(api.inputs[0].params.guide.json_schema) == schema
+    assert api.guide_param == "response_format.json_schema.schema"
+    json_object = parse_completion({"prompt": "x", "response_format": {"type": "json_object"}})
+    assert json_object.inputs[0].params.guide.json_object
+    assert not parse_completion({"prompt": "x", "response_format": {"type": "text"}}).inputs[0].params.HasField("guide")
+    assert parse_completion({"prompt": "x", "guided_regex": "[0-9]+"}).inputs[0].params.guide.regex == "[0-9]+"
+    assert list(parse_completion({"prompt": "x", "guided_choice": ["y", "n"]}).inputs[0].params.guide.choice.choices) \
+        == ["y", "n"]
+
+
+def test_tool_choices_become_guides_and_a_rendered_chat():
+    msgs = [{"role": "user", "content": "weather?"}]
+    named = parse_chat({"messages": msgs, "tools": [TOOL],
+                        "tool_choice": {"type": "function", "function": {"name": "get_weather"}}})
+    assert json.loads(named.inputs[0].params.guide.json_schema) == TOOL["function"]["parameters"]
+    assert named.tools.choice == "named" and named.chat_messages == tuple(msgs)
+    assert named.inputs[0].WhichOneof("input") is None           # the front renders it
+    required = parse_chat({"messages": msgs, "tools": [TOOL], "tool_choice": "required"})
+    branch = json.loads(required.inputs[0].params.guide.json_schema)["anyOf"][0]
+    assert branch["properties"]["name"] == {"const": "get_weather"}
+    auto = parse_chat({"messages": msgs, "tools": [TOOL]})
+    assert auto.tools.choice == "auto" and not auto.inputs[0].params.HasField("guide")

@@ -73,7 +73,7 @@ def test_guard_reads_the_timer_and_keeps_credit():
     guard.observe(30.0, 0)                                   # a step without decode rows: no change
     assert guard.credit_ms == pytest.approx(-10.0)
     assert TpotGuard(timer).budget(rows, 4096) == 4096       # off: no target anywhere
-    assert TpotGuard(timer).budget([seq(4, tpot=6.0)], 4096) == 140   # its own: (6 * 0.9 - 4) / 0.01
+    assert TpotGuard(timer).budget([seq(4, tpot=6.0)], 4096) == 200   # its own: (6 - 4) / 0.01 (margin 0)
 
 
 def test_timer_model_moves_with_measurements():

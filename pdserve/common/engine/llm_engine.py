@@ -11,7 +11,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from pdserve.common.config import EngineConfig
-from pdserve.common.engine import overlap
+from pdserve.common.engine import guide_stop, overlap
 from pdserve.common.engine.block_manager import BlockManager
 from pdserve.common.engine.handoff import KvHandoff
 from pdserve.common.engine.model_runner import LaunchedStep, ModelRunner
@@ -20,6 +20,7 @@ from pdserve.common.engine.sequence import Sequence
 from pdserve.common.engine.step_timer import StepTimer
 from pdserve.common.engine.tpot_guard import TpotGuard
 from pdserve.common.engine.warmup import scratch_blocks, warm_up
+from pdserve.common.guided.state import GuideCompiler
 from pdserve.common.loader import ModelSource, resolve_model
 from pdserve.common.outputs import FinishReason
 from pdserve.common.sampling_params import InvalidParameter, SamplingParams
@@ -68,6 +69,7 @@ class LLMEngine:
         self.eos_token_ids = self._eos_token_ids()
         self.scheduler = Scheduler(self._scheduler_config(), self.block_manager)
         self.tokenizer = self._load_tokenizer()
+        self.guides = GuideCompiler(self.tokenizer, self.source.config.vocab_size, self.eos_token_ids)
         self.pending: overlap.PendingStep | None = None   # a step launched, its tokens not yet read
         self.step_timer = StepTimer()
         self.tpot_guard = TpotGuard(self.step_timer, config.tpot_target_ms, config.tpot_margin)
@@ -133,10 +135,14 @@ class LLMEngine:
 
     def new_sequence(self, prompt_token_ids: list[int], params: SamplingParams,
                       request_id: str | None) -> Sequence:
+        """A registered Sequence (its grammar state compiled when guided); raises
+        InvalidParameter (a guide that does not compile too) or DuplicateRequest."""
         self.validate(prompt_token_ids, params)
         if request_id is not None and request_id in self.requests:
             raise DuplicateRequest(f"request_id {request_id!r} is already in flight")
         seq = Sequence(prompt_token_ids, params, self.config.block_size, request_id)
+        if params.guide is not None:
+            seq.guide = self.guides.new_state(params.guide)
         self.requests[seq.request_id] = seq
         return seq
 
@@ -213,7 +219,7 @@ class LLMEngine:
         sampled = launched.seqs
         want = [s.sampling_params.logprobs for s in sampled]
         lp = [x if w else None for x, w in zip(logprobs, want)] if logprobs is not None else None
-        out.finished = self.postprocess(sampled, token_ids, lp)
+        out.finished = self.postprocess(sampled, token_ids, lp, launched.top())
         out.seqs, out.new_token_ids = sampled, token_ids
         return out
 
@@ -221,11 +227,14 @@ class LLMEngine:
         if self.on_prefill_launch is not None:
             self.on_prefill_launch(seqs, launched)
 
-    def postprocess(self, seqs: list[Sequence], token_ids: list[int], logprobs) -> list[Sequence]:
+    def postprocess(self, seqs: list[Sequence], token_ids: list[int], logprobs,
+                    top: tuple[list[list[int]], list[list[float]]] | None = None) -> list[Sequence]:
+        """Append each sequence's new token (its logprob and top logprobs when given), advance
+        its guide, and finish or hold those that stop; returns them."""
         finished = []
         for i, (seq, token_id) in enumerate(zip(seqs, token_ids)):
-            seq.append_token(token_id, logprobs[i] if logprobs is not None else None)
-            reason = self.scheduler.stop_reason(seq)
+            seq.append_token(token_id, logprobs[i] if logprobs is not None else None, seq.top_of_row(top, i))
+            reason = guide_stop.reason(seq) or self.scheduler.stop_reason(seq)
             if seq.prefill_only:
                 self.kv_handoff.hold(seq, reason)
                 finished.append(seq)

@@ -6,6 +6,7 @@
 """
 from __future__ import annotations
 
+import dataclasses
 import logging
 from typing import TYPE_CHECKING
 
@@ -16,6 +17,7 @@ from pdserve.common.config import EngineConfig, ModelConfig, parse_dtype
 from pdserve.common.context import ForwardContext, forward_context
 from pdserve.common.engine.prefill_batch import block_table_array, prefill_batch
 from pdserve.common.engine.sequence import Sequence
+from pdserve.common.guided.state import fill_bitmask
 from pdserve.common.layers.attention_backends import resolve_backend_name
 from pdserve.common.layers.sampler import Sampler, SamplingBatch, prepare_sampling
 from pdserve.common.loader import ModelSource, build_model
@@ -46,31 +48,46 @@ def resolve_dtype(name: str, model_cfg: ModelConfig, device: torch.device) -> to
     return torch.bfloat16 if dtype == torch.float32 else dtype
 
 
+def _to_host(t: torch.Tensor | None, cuda: bool) -> torch.Tensor | None:
+    """A pinned host copy of ``t`` enqueued behind the step (CUDA), or ``t`` itself (CPU)."""
+    if t is None or not cuda:
+        return t
+    host = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
+    host.copy_(t, non_blocking=True)
+    return host
+
+
 class LaunchedStep:
     """A step's sampled tokens on their way to the host (pinned copy + event on CUDA)."""
 
     def __init__(self, token_ids: torch.Tensor, logprobs: torch.Tensor | None, device: torch.device,
-                 seqs: list[Sequence] | None = None) -> None:
+                 seqs: list[Sequence] | None = None, top_token_ids: torch.Tensor | None = None,
+                 top_logprobs: torch.Tensor | None = None) -> None:
         self.seqs = seqs if seqs is not None else []   # row i of the tokens belongs to seqs[i]
         self.token_ids = token_ids          # [B] int64, on the device (feeds the next step)
         self.logprobs = logprobs
         self.event: torch.cuda.Event | None = None
-        if device.type == "cuda":
-            self._host_ids = torch.empty(token_ids.shape, dtype=token_ids.dtype, pin_memory=True)
-            self._host_ids.copy_(token_ids, non_blocking=True)
-            self._host_lp = None
-            if logprobs is not None:
-                self._host_lp = torch.empty(logprobs.shape, dtype=logprobs.dtype, pin_memory=True)
-                self._host_lp.copy_(logprobs, non_blocking=True)
+        cuda = device.type == "cuda"
+        self._host_ids = _to_host(token_ids, cuda)
+        self._host_lp = _to_host(logprobs, cuda)
+        self._host_top_ids = _to_host(top_token_ids, cuda)
+        self._host_top_lp = _to_host(top_logprobs, cuda)
+        if cuda:
             self.event = torch.cuda.Event()
             self.event.record()
-        else:
-            self._host_ids, self._host_lp = token_ids, logprobs
 
     def result(self) -> tuple[list[int], list[float] | None]:
         if self.event is not None:
             self.event.synchronize()
+        assert self._host_ids is not None
         return self._host_ids.tolist(), (self._host_lp.tolist() if self._host_lp is not None else None)
+
+    def top(self) -> tuple[list[list[int]], list[list[float]]] | None:
+        """Per row, the most likely tokens' ids and raw logprobs (the batch's largest
+        ``top_logprobs`` of them, most likely first); None when no row asked. After ``result``."""
+        if self._host_top_ids is None or self._host_top_lp is None:
+            return None
+        return self._host_top_ids.tolist(), self._host_top_lp.tolist()
 
 
 class ModelRunner:
@@ -225,7 +242,8 @@ class ModelRunner:
 
         if sampled:
             out = self.sampler(self.model.compute_logits(hidden), self._sampling_batch(sampled))
-            launched = LaunchedStep(out.token_ids, out.logprobs, self.device, sampled)
+            launched = LaunchedStep(out.token_ids, out.logprobs, self.device, sampled, out.top_token_ids,
+                                    out.top_logprobs)
         else:
             launched = LaunchedStep(hidden.new_empty(0, dtype=torch.int64), None, self.device, sampled)
         if is_prefill:
@@ -248,13 +266,20 @@ class ModelRunner:
 
     def _sampling_batch(self, seqs: list[Sequence]) -> SamplingBatch:
         """The batch's sampling tensors; reused while the same sequences decode together
-        (their parameters never change; batches with penalties depend on tokens: rebuilt)."""
+        (their parameters never change; batches with penalties depend on tokens: rebuilt). A
+        batch with guided sequences gets this step's token bitmask, filled on the host while the
+        forward runs on the device."""
         key = tuple(s.seq_id for s in seqs)
         if key == self._sampling_key and self._sampling_cache is not None:
-            return self._sampling_cache
-        batch = prepare_sampling(seqs, self.model_config.vocab_size, self.device, self.generators)
-        self._sampling_key, self._sampling_cache = (key, batch) if not batch.any_penalty else (None, None)
-        return batch
+            batch = self._sampling_cache
+        else:
+            batch = prepare_sampling(seqs, self.model_config.vocab_size, self.device, self.generators)
+            self._sampling_key, self._sampling_cache = (key, batch) if not batch.any_penalty else (None, None)
+        cuda = self.device.type == "cuda"
+        bitmask = fill_bitmask(seqs, self.model_config.vocab_size, pin=cuda)
+        if bitmask is None:
+            return batch
+        return dataclasses.replace(batch, token_bitmask=bitmask.to(self.device, non_blocking=cuda))
 
     def release(self, seq: Sequence) -> None:
         """Forget per-sequence state (its seeded generator) once it has finished."""

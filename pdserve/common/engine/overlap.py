@@ -3,12 +3,14 @@ decode rows take their input token on the device), so the host prepares while th
 
 Exactness: a launched sequence holds a PLACEHOLDER until its step resolves (in order); one that
 stops on a token value is found a step late and its extra token dropped; a full block reaches
-the prefix cache only once its tokens are known; no overlap with penalties (host history).
+the prefix cache only once its tokens are known; no overlap with penalties (host history) or
+guided sequences (a step's token bitmask needs the previous token accepted by the grammar).
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
 
+from pdserve.common.engine import guide_stop
 from pdserve.common.engine.model_runner import LaunchedStep
 from pdserve.common.engine.sequence import PLACEHOLDER, Sequence, SequenceStatus
 
@@ -27,7 +29,7 @@ def can_overlap(engine) -> bool:
     """May a decode step be launched before the previous step's tokens are read?"""
     sched = engine.scheduler
     return (engine.overlap_enabled and sched.running
-            and not any(s.sampling_params.has_penalties for s in sched.running))
+            and not any(s.sampling_params.has_penalties or s.guide is not None for s in sched.running))
 
 
 def launch(engine, seqs: list[Sequence], is_prefill: bool, prev: PendingStep | None) -> PendingStep:
@@ -59,8 +61,8 @@ def count_decode_rows(seqs: list[Sequence]) -> int:
 def schedule_next(engine, prev: PendingStep) -> PendingStep | None:
     """Launch the step after ``prev`` if nothing prevents it: without chunking a prefill of
     waiting sequences first, else a decode; with chunking whatever the scheduler mixes."""
-    if not engine.overlap_enabled:
-        return None
+    if not engine.overlap_enabled or any(s.guide is not None for s in prev.seqs):
+        return None     # a guided sequence's next mask needs this step's token first
     sched = engine.scheduler
     if not sched.config.enable_chunked_prefill and sched.waiting:
         seqs = sched._schedule_prefill()
@@ -78,6 +80,7 @@ def schedule_next(engine, prev: PendingStep) -> PendingStep | None:
 def resolve(engine, step: PendingStep, out) -> None:
     """Write the step's tokens into its sequences, finish those that stop; fills ``out``."""
     token_ids, logprobs = step.launched.result()
+    top = step.launched.top()
     bm, sched = engine.block_manager, engine.scheduler
     for i, (seq, pos) in enumerate(zip(step.seqs, step.positions)):
         if seq.status == SequenceStatus.FINISHED or pos >= seq.num_tokens:
@@ -88,9 +91,11 @@ def resolve(engine, step: PendingStep, out) -> None:
             seq.last_token = token
         if logprobs is not None and seq.sampling_params.logprobs:
             seq.output_logprobs.append(logprobs[i])
+        if (row_top := seq.top_of_row(top, i)) is not None:
+            seq.output_top_logprobs.append(row_top)
         out.seqs.append(seq)
         out.new_token_ids.append(token)
-        reason = sched.stop_reason_at(seq, token, pos + 1)
+        reason = guide_stop.reason(seq) or sched.stop_reason_at(seq, token, pos + 1)
         if seq.prefill_only:                           # first token out: keep the blocks, stop
             engine.kv_handoff.hold(seq, reason)
             out.finished.append(seq)

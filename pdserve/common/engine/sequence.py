@@ -11,6 +11,8 @@ from pdserve.common.sampling_params import SamplingParams
 if TYPE_CHECKING:
     import torch
 
+    from pdserve.common.guided.state import GuideState
+
 PLACEHOLDER = -1   # a token sampled on the device whose value the host has not read yet
 
 
@@ -44,6 +46,9 @@ class Sequence:
         self.num_cached_tokens = 0
         self.num_scheduled_tokens = 0    # tokens the current step computes (set by the Scheduler)
         self.output_logprobs: list[float] = []
+        # per completion token (when top_logprobs > 0): the most likely tokens' ids and raw logprobs
+        self.output_top_logprobs: list[tuple[list[int], list[float]]] = []
+        self.guide: GuideState | None = None   # grammar state of a guided request (set by the engine)
         self.finish_reason: FinishReason | None = None
         self.num_preemptions = 0
         self.num_prefix_hit_tokens = 0   # prompt tokens served from the prefix cache at admission
@@ -96,11 +101,25 @@ class Sequence:
         """Token ids of logical block ``i``."""
         return self.token_ids[i * self.block_size:(i + 1) * self.block_size]
 
-    def append_token(self, token_id: int, logprob: float | None = None) -> None:
+    def append_token(self, token_id: int, logprob: float | None = None,
+                     top: tuple[list[int], list[float]] | None = None) -> None:
+        """Append a token; ``logprob`` / ``top`` (its top-``top_logprobs`` ids and logprobs) are
+        kept when given."""
         self.token_ids.append(token_id)
         self.last_token = token_id
         if logprob is not None:
             self.output_logprobs.append(logprob)
+        if top is not None:
+            self.output_top_logprobs.append(top)
+
+    def top_of_row(self, top: tuple[list[list[int]], list[list[float]]] | None, row: int
+                   ) -> tuple[list[int], list[float]] | None:
+        """This sequence's share of a step's top logprobs (row ``row``, its own ``top_logprobs``
+        of them); None when it asked for none."""
+        k = self.sampling_params.top_logprobs
+        if top is None or not k:
+            return None
+        return top[0][row][:k], top[1][row][:k]
 
     def finish(self, reason: FinishReason) -> None:
         self.status = SequenceStatus.FINISHED

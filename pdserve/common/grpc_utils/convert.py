@@ -3,7 +3,8 @@ pdserve.common.outputs, pdserve.common.worker_types), used by the router and bot
 
 Zero values follow common.proto: top_p 0 -> 1.0, top_k 0 -> -1, repetition_penalty 0 -> 1.0,
 max_tokens 0 -> ``rest_of_context``; every other zero is the field's "off". A bad field raises
-InvalidArgument naming ``params.<field>``.
+InvalidArgument naming ``params.<field>`` (``params.guide.<kind>`` for a guide that does not
+compile: checked here, once per distinct message at the router, so no worker sees a bad one).
 """
 from __future__ import annotations
 
@@ -11,8 +12,9 @@ import dataclasses
 import math
 
 from pdserve.common.grpc_utils.errors import InvalidArgument
+from pdserve.common.guided.grammar import check_guide
 from pdserve.common.outputs import FinishReason, SequenceOutput
-from pdserve.common.sampling_params import InvalidParameter, SamplingParams
+from pdserve.common.sampling_params import Guide, InvalidParameter, SamplingParams
 from pdserve.common.worker_types import Reservation, Role, WorkerInfo, WorkerStats
 from pdserve.v1 import common_pb2, worker_pb2
 
@@ -56,6 +58,8 @@ def sampling_params_from_proto(p: common_pb2.SamplingParams, rest_of_context: in
                 raise InvalidArgument(f"params.stop_token_ids[{i}]",
                                       f"{tid} is out of the vocabulary (size {vocab_size})")
     try:
+        guide = guide_from_proto(p.guide) if p.HasField("guide") else None
+        check_guide(guide)
         return SamplingParams(
             temperature=p.temperature,
             top_p=p.top_p or 1.0,
@@ -69,6 +73,7 @@ def sampling_params_from_proto(p: common_pb2.SamplingParams, rest_of_context: in
             stop_token_ids=tuple(p.stop_token_ids),
             ignore_eos=p.ignore_eos,
             logprobs=p.logprobs,
+            guide=guide,
         )
     except InvalidParameter as e:
         message, prefix = str(e), f"{e.field}: "
@@ -94,7 +99,34 @@ def sampling_params_to_proto(s: SamplingParams, *, max_tokens: int | None = None
         stop_token_ids=list(s.stop_token_ids), ignore_eos=s.ignore_eos, logprobs=s.logprobs, stop=list(stop))
     if s.seed is not None:
         p.seed = s.seed
+    if s.guide is not None:
+        p.guide.CopyFrom(guide_to_proto(s.guide))
     return p
+
+
+def guide_from_proto(g: common_pb2.Guide) -> Guide:
+    """The domain Guide of a wire Guide (shape checked; compiled by the caller). Raises
+    InvalidParameter naming ``guide`` / ``guide.<kind>``."""
+    kind = g.WhichOneof("kind")
+    if kind is None:
+        raise InvalidParameter("guide", "set one of json_schema, json_object, regex, choice, grammar")
+    if kind == "json_object":
+        if not g.json_object:
+            raise InvalidParameter("guide.json_object", "must be true when set")
+        return Guide("json_object")
+    if kind == "choice":
+        return Guide("choice", choices=tuple(g.choice.choices))
+    return Guide(kind, getattr(g, kind))
+
+
+def guide_to_proto(guide: Guide) -> common_pb2.Guide:
+    if guide.kind == "json_object":
+        return common_pb2.Guide(json_object=True)
+    if guide.kind == "choice":
+        return common_pb2.Guide(choice=common_pb2.GuideChoices(choices=list(guide.choices)))
+    out = common_pb2.Guide()
+    setattr(out, guide.kind, guide.value)       # json_schema, regex or grammar: a string field
+    return out
 
 
 def finish_reason_to_proto(reason: FinishReason | None, stop_string: bool = False) -> common_pb2.FinishReason:

@@ -1,9 +1,12 @@
 """Token sampling for a batch of sequences, with no host synchronisation on the device.
 
-In fp32: raw-logit logprobs; penalties; greedy rows take the argmax (lowest index on ties);
-sampled rows apply temperature, top-k, top-p, min-p, then ``argmax(probs / E)``, E ~ Exp(1),
-seeded rows from their own generator. The engine owns ``generators`` (seq_id -> generator),
-pops a finished sequence's entry, and samples once per token appended to a seeded sequence.
+In fp32: raw-logit logprobs (the chosen token's and, per row, its ``top_logprobs`` most likely
+tokens', under the unmasked, unpenalised distribution); the token bitmask (guided rows: forbidden
+tokens at -inf, layers/token_mask.py); penalties; greedy rows take the argmax (lowest index on
+ties); sampled rows apply temperature, top-k, top-p, min-p, then ``argmax(probs / E)``,
+E ~ Exp(1), seeded rows from their own generator. The engine owns ``generators`` (seq_id ->
+generator), pops a finished sequence's entry, and samples once per token appended to a seeded
+sequence. The bitmask is the caller's, set per step (``SamplingBatch.token_bitmask``).
 """
 from __future__ import annotations
 
@@ -17,6 +20,7 @@ import torch
 from torch import nn
 
 from pdserve.common.layers.fused_dispatch import use_fused
+from pdserve.common.layers.token_mask import apply_token_bitmask
 from pdserve.common.sampling_params import SamplingParams
 
 
@@ -71,6 +75,8 @@ class SamplingBatch:
     sort_k: int           # leading tokens the top-p path sorts (V if a sampled row has no top-k)
     seeded_rows: list[int]   # rows drawing their noise from their own generator
     any_unseeded_sampled: bool
+    max_top_logprobs: int = 0     # largest top_logprobs of the batch (0: none asked)
+    token_bitmask: torch.Tensor | None = None   # [B, ceil(V/32)] int32 on the device; None = all allowed
 
     @property
     def batch_size(self) -> int:
@@ -81,6 +87,8 @@ class SamplingBatch:
 class SamplerOutput:
     token_ids: torch.Tensor               # [B] int64 on the device
     logprobs: torch.Tensor | None         # [B] fp32 on the device, or None
+    top_token_ids: torch.Tensor | None = None   # [B, K] int64, most likely first (K = max_top_logprobs)
+    top_logprobs: torch.Tensor | None = None    # [B, K] fp32, their raw logprobs
 
 
 def _advance(generator: torch.Generator, steps: int, vocab_size: int, device: torch.device) -> None:
@@ -125,6 +133,7 @@ class _Rows:
     any_add: bool = False
     need_logprobs: bool = False
     any_unseeded_sampled: bool = False
+    max_top_logprobs: int = 0
     max_top_k: int = 0
     sort_k: int = 0
 
@@ -143,6 +152,7 @@ class _Rows:
         self.any_rep |= sp.repetition_penalty != 1.0
         self.any_add |= sp.presence_penalty != 0.0 or sp.frequency_penalty != 0.0
         self.need_logprobs |= sp.logprobs
+        self.max_top_logprobs = max(self.max_top_logprobs, sp.top_logprobs)
         if sp.temperature == 0.0:
             self.any_greedy = True
             return
@@ -221,6 +231,7 @@ def prepare_sampling(seqs: Sequence[SampledSequence], vocab_size: int, device: t
         any_penalty=any_penalty, any_repetition_penalty=rows.any_rep, any_additive_penalty=rows.any_add,
         need_logprobs=rows.need_logprobs, max_top_k=rows.max_top_k, sort_k=rows.sort_k or V,
         seeded_rows=rows.seeded_rows, any_unseeded_sampled=rows.any_unseeded_sampled,
+        max_top_logprobs=min(rows.max_top_logprobs, V),
     )
 
 
@@ -229,17 +240,21 @@ class Sampler(nn.Module):
 
     @torch.no_grad()
     def forward(self, logits: torch.Tensor, batch: SamplingBatch) -> SamplerOutput:
+        mask = batch.token_bitmask
         if batch.all_greedy and not batch.any_penalty and not batch.need_logprobs:
             # Upcasting is exact and monotone: the argmax of the raw dtype is the same token.
-            return SamplerOutput(token_ids=logits.argmax(dim=-1), logprobs=None)
+            x = logits if mask is None else apply_token_bitmask(logits, mask)
+            return SamplerOutput(token_ids=x.argmax(dim=-1), logprobs=None)
         if self._fused_ok(logits, batch):
             from pdserve.common.ops.sampling import temperature_sample
             seed = int(torch.randint(0, 2**31 - 1, (1,)))   # host RNG: no device sync
-            return SamplerOutput(token_ids=temperature_sample(logits, batch.temperatures, seed), logprobs=None)
+            x = logits if mask is None else apply_token_bitmask(logits, mask)
+            return SamplerOutput(token_ids=temperature_sample(x, batch.temperatures, seed), logprobs=None)
         raw = logits.float()          # may alias ``logits``: never modified in place
         lse = torch.logsumexp(raw, dim=-1) if batch.need_logprobs else None
 
-        x = self._apply_penalties(raw, batch) if batch.any_penalty else raw
+        x = raw if mask is None else apply_token_bitmask(raw, mask)
+        x = self._apply_penalties(x, batch) if batch.any_penalty else x
 
         if batch.all_greedy:
             token_ids = x.argmax(dim=-1)
@@ -250,10 +265,13 @@ class Sampler(nn.Module):
             else:
                 token_ids = sampled
 
-        logprobs = None
-        if lse is not None:
-            logprobs = raw.gather(1, token_ids.unsqueeze(1)).squeeze(1) - lse
-        return SamplerOutput(token_ids=token_ids, logprobs=logprobs)
+        if lse is None:
+            return SamplerOutput(token_ids=token_ids, logprobs=None)
+        logprobs = raw.gather(1, token_ids.unsqueeze(1)).squeeze(1) - lse
+        if not batch.max_top_logprobs:
+            return SamplerOutput(token_ids=token_ids, logprobs=logprobs)
+        top = raw.topk(batch.max_top_logprobs, dim=-1)      # sorted, most likely first
+        return SamplerOutput(token_ids, logprobs, top.indices, top.values - lse.unsqueeze(1))
 
     @staticmethod
     def _fused_ok(logits: torch.Tensor, batch: SamplingBatch) -> bool:

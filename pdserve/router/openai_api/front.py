@@ -4,7 +4,10 @@
 Each choice's input goes through :meth:`GenerationServicer.job` (validation, tokenization,
 the context check), exactly as a gRPC ``Generate`` does, then through ``Flow.generate`` (the one
 routing decision, the workers, stop strings, detokenization). Closing the generators here
-(client gone) closes the flow's, which cancels the request on every worker.
+(client gone) closes the flow's, which cancels the request on every worker. With ``n`` > 1 the
+other samples of a prompt start once its first one has its first token: its prefill is done and
+its blocks are in the prefix caches, so theirs is mostly hits. A chat with tools is rendered
+here (tools.render) and its output shaped into ``tool_calls`` (tools.py, tool_stream.py).
 """
 from __future__ import annotations
 
@@ -16,8 +19,10 @@ from typing import TypeVar
 
 from pdserve.router.flow import Flow, Job
 from pdserve.router.openai_api import responses as R
-from pdserve.router.openai_api.errors import ApiError, from_exception
+from pdserve.router.openai_api import tools
+from pdserve.router.openai_api.errors import ApiError, bad_request, from_exception
 from pdserve.router.openai_api.requests import CHAT, ApiRequest
+from pdserve.router.openai_api.tool_stream import ToolStream
 from pdserve.router.output import TextOutput
 from pdserve.router.servicer import GenerationServicer
 
@@ -54,14 +59,29 @@ class OpenAIFront:
     # ---- jobs -----------------------------------------------------------------------------
     def jobs(self, api: ApiRequest) -> list[Job]:
         """One job per input, all validated before any runs; errors name the body's fields."""
+        if api.chat_messages:
+            self._render_chat(api)
         out = []
         for req, name in zip(api.inputs, api.input_fields):
             try:
                 out.append(self.servicer.job(req, None))
             except Exception as e:  # noqa: BLE001 - mapped to OpenAI's shape, field renamed
                 self.flow.metrics.rejected(METHODS[api.kind], e)     # refused before it ran
-                raise from_exception(e, name, api.max_tokens_field) from e
+                raise _renamed(from_exception(e, name, api.max_tokens_field), api) from e
         return out
+
+    def _render_chat(self, api: ApiRequest) -> None:
+        """Render a chat with tools (or tool turns) into every input's text."""
+        tok = self.servicer.tokenizer
+        if tok is None or not tok.has_chat_template:
+            raise bad_request("messages", f"model {self.servicer.spec.name!r} has no chat template")
+        try:
+            text = tools.render(tok.hf, list(api.chat_messages), api.tools, api.add_generation_prompt)
+        except Exception as e:  # noqa: BLE001 - jinja errors (raise_exception in templates)
+            raise bad_request("messages", f"chat template failed: {e}") from e
+        for req in api.inputs:
+            req.text = text
+            req.add_special_tokens = False
 
     def token_strings(self, ids: list[int]) -> list[str]:
         tok = self.servicer.tokenizer
@@ -80,7 +100,7 @@ class OpenAIFront:
             finally:
                 await gen.aclose()
             return
-        async for item in _merge([self.flow.generate(j, method) for j in jobs]):
+        async for item in _merge([self.flow.generate(j, method) for j in jobs], api.n):
             yield item
 
     async def complete(self, api: ApiRequest, jobs: list[Job], model: str) -> dict:
@@ -90,24 +110,30 @@ class OpenAIFront:
             async for k, resp in steps:
                 _add(choices[k], resp)
         lps = [self._logprobs(api, c.token_ids, c.logprobs, 0) if api.logprobs else None for c in choices]
-        return R.response(api.kind, api.id, int(time.time()), model, choices, lps)
+        messages = [_tool_message(api.tools, c) for c in choices] if _uses_tools(api) else None
+        return R.response(api.kind, api.id, int(time.time()), model, choices, lps, messages)
 
     async def stream(self, api: ApiRequest, jobs: list[Job], model: str) -> AsyncGenerator[bytes, None]:
         """Server-sent events: a chunk per step and choice, the usage chunk, ``[DONE]``."""
         created = int(time.time())
         choices = [R.Choice(k, len(j.prompt.token_ids)) for k, j in enumerate(jobs)]
         first = [True] * len(jobs)
+        streams = [ToolStream(api.tools) for _ in jobs] if api.tools is not None and _uses_tools(api) else None
         async with contextlib.aclosing(self.steps(api, jobs)) as steps:
             async for k, resp in steps:
                 c = choices[k]
                 offset = sum(len(t) for t in c.texts)
                 _add(c, resp)
                 lp = self._logprobs(api, list(resp.token_ids), list(resp.logprobs), offset) if api.logprobs else None
-                ch = R.chunk(api.kind, api.id, created, model, k, resp.text, first[k], c.finish_reason, lp)
+                if streams is None:
+                    chunks = [R.chunk(api.kind, api.id, created, model, k, resp.text, first[k], c.finish_reason, lp)]
+                else:
+                    chunks = _tool_chunks(api, created, model, c, streams[k], resp.text, first[k], lp)
                 first[k] = False
-                if api.continuous_usage:
-                    ch["usage"] = R.usage(choices)
-                yield R.sse(ch)
+                for ch in chunks:
+                    if api.continuous_usage:
+                        ch["usage"] = R.usage(choices)
+                    yield R.sse(ch)
         if api.include_usage:
             yield R.sse(R.usage_chunk(api.kind, api.id, created, model, choices))
         yield R.DONE
@@ -130,24 +156,80 @@ def _add(c: R.Choice, resp: TextOutput) -> None:
         c.prompt_tokens = resp.num_prompt_tokens or c.prompt_tokens
 
 
-async def _merge(gens: list[AsyncGenerator[T, None]]) -> AsyncGenerator[tuple[int, T], None]:
-    """(index, item) from several async generators at once; the first error ends all of them."""
+def _uses_tools(api: ApiRequest) -> bool:
+    return api.kind == CHAT and api.tools is not None and api.tools.choice != "none"
+
+
+def _renamed(err: ApiError, api: ApiRequest) -> ApiError:
+    """A guide's error (``guide.<kind>``) renamed to the body field the guide came from."""
+    if err.param and err.param.startswith("guide") and api.guide_param:
+        detail = err.message[len(err.param) + 2:] if err.message.startswith(err.param + ": ") else err.message
+        return bad_request(api.guide_param, detail)
+    return err
+
+
+def _tool_message(req: tools.ToolRequest | None, c: R.Choice) -> dict:
+    """A finished chat choice's message with its tool calls (its finish reason updated)."""
+    assert req is not None
+    content, calls = tools.parse_output(req, "".join(c.texts))
+    message: dict = {"role": "assistant", "content": content}
+    if calls:
+        message["tool_calls"] = [call.to_json() for call in calls]
+        if req.choice != "named" and c.finish_reason == "stop":
+            c.finish_reason = "tool_calls"
+    return message
+
+
+def _tool_chunks(api: ApiRequest, created: int, model: str, c: R.Choice, stream: ToolStream, text: str,
+                 first: bool, lp: dict | None) -> list[dict]:
+    """The chunks of one step of a streamed choice with tools (finish reason on the last)."""
+    finished = c.finish_reason is not None
+    deltas = stream.deltas(text, finished)
+    if not deltas and (first or finished):
+        deltas = [{}]
+    reason = (stream.finish_reason_override or c.finish_reason) if finished else None
+    out = []
+    for i, delta in enumerate(deltas):
+        last = i == len(deltas) - 1
+        out.append(R.chunk(api.kind, api.id, created, model, c.index, "", first and i == 0,
+                           reason if last else None, lp if last else None, delta))
+    return out
+
+
+async def _merge(gens: list[AsyncGenerator[T, None]], n: int = 1) -> AsyncGenerator[tuple[int, T], None]:
+    """(index, item) from several async generators at once; the first error ends all of them.
+    In each group of ``n`` (k, k+1, ... k+n-1 with k % n == 0) the others start once the first
+    has yielded its first item (or ended)."""
     queue: asyncio.Queue = asyncio.Queue()
     end = object()
+    tasks: dict[int, asyncio.Future] = {}
+
+    def start(k: int) -> None:
+        tasks[k] = asyncio.ensure_future(pump(k, gens[k]))
+
+    def release_group(k: int) -> None:
+        for j in range(k + 1, min(k + n, len(gens))):
+            if j not in tasks:
+                start(j)
 
     async def pump(k: int, gen: AsyncGenerator[T, None]) -> None:
         try:
             async for item in gen:
                 await queue.put((k, item, None))
+                if k % n == 0:
+                    release_group(k)
+            if k % n == 0:
+                release_group(k)
             await queue.put((k, end, None))
         except Exception as e:  # noqa: BLE001 - handed to the consumer
             await queue.put((k, end, e))
         finally:
             await gen.aclose()
 
-    tasks = [asyncio.ensure_future(pump(k, g)) for k, g in enumerate(gens)]
+    for k in range(0, len(gens), n):
+        start(k)
     try:
-        running = len(tasks)
+        running = len(gens)
         while running:
             k, item, err = await queue.get()
             if err is not None:
@@ -157,6 +239,9 @@ async def _merge(gens: list[AsyncGenerator[T, None]]) -> AsyncGenerator[tuple[in
                 continue
             yield k, item
     finally:
-        for t in tasks:
+        for t in tasks.values():
             t.cancel()
-        await asyncio.gather(*tasks, return_exceptions=True)
+        await asyncio.gather(*tasks.values(), return_exceptions=True)
+        for k, gen in enumerate(gens):
+            if k not in tasks:
+                await gen.aclose()      # never started: nothing to cancel on a worker

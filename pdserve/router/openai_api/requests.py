@@ -2,20 +2,25 @@
 
 Only the JSON is checked here (types, and 0 for ``max_tokens``, ``top_p``, ``repetition_penalty``);
 ranges, the prompt and the context are checked once by
-:meth:`pdserve.router.servicer.GenerationServicer.job`. Unsupported fields (n > 1, best_of > 1,
-echo, suffix, logit_bias, tools, non-text response_format, top_logprobs) are refused with a 400
+:meth:`pdserve.router.servicer.GenerationServicer.job`. ``n`` > 1 becomes n GenerateRequests per
+prompt (seeds ``seed + i``), which the front runs after the first one's prefill (so the others
+hit the prefix cache); structured outputs (structured.py) and tools (tools.py) become a guide.
+Unsupported fields (best_of > 1, echo, suffix, logit_bias, top_logprobs) are refused with a 400
 naming the field; unknown ones are ignored.
 """
 from __future__ import annotations
 
+import dataclasses
 import uuid
 from dataclasses import dataclass
 
 from pdserve.router.openai_api import fields
 from pdserve.router.openai_api.errors import bad_request
+from pdserve.router.openai_api.structured import GuideRequest, parse_guide
+from pdserve.router.openai_api.tools import ToolRequest, parse_tools, tool_guide
 from pdserve.v1 import common_pb2, router_pb2
 
-MAX_PROMPTS = 64
+MAX_PROMPTS = 64          # choices of one request: prompts times n
 CHAT, COMPLETION = "chat.completion", "text_completion"
 COMPLETION_DEFAULT_MAX_TOKENS = 16
 
@@ -34,6 +39,11 @@ class ApiRequest:
     logprobs: bool = False
     max_tokens_field: str = "max_tokens"
     input_fields: tuple[str, ...] = ("prompt",)   # the body's name of each input (errors)
+    n: int = 1                                  # choices per prompt: inputs[k * n + i]
+    guide_param: str = ""                       # the body field of the guide (errors), "" = none
+    tools: ToolRequest | None = None
+    chat_messages: tuple[dict, ...] = ()        # set when the front renders the chat (tools)
+    add_generation_prompt: bool = True
 
 
 def parse_chat(body: dict) -> ApiRequest:
@@ -42,19 +52,27 @@ def parse_chat(body: dict) -> ApiRequest:
     if fields.integer(body, "top_logprobs", 0, 0, 20):
         raise bad_request("top_logprobs", "the engine reports only the chosen token's log-probability: "
                                           "top_logprobs must be 0 (use logprobs: true)")
-    fields.only(body, "tools", ([],), "tools are not supported")
-    fields.only(body, "tool_choice", ("none", "auto"), "tools are not supported")
+    tools = parse_tools(body)
+    guide = _guide(params, parse_guide(body), tool_guide(tools) if tools is not None else None)
     params.logprobs = logprobs
     req = _base_request(body, params)
-    req.chat.CopyFrom(_messages(body))
-    req.skip_generation_prompt = not fields.boolean(body, "add_generation_prompt", True)
+    add_prompt = fields.boolean(body, "add_generation_prompt", True)
+    rendered: tuple[dict, ...] = ()
+    if tools is not None or _has_tool_turns(body):
+        rendered = tuple(_tool_messages(body))      # the front renders them (tools.render)
+    else:
+        req.chat.CopyFrom(_messages(body))
+        req.skip_generation_prompt = not add_prompt
     api_id = f"chatcmpl-{uuid.uuid4().hex}"
     req.request_id = api_id
-    return _finish(body, CHAT, api_id, (req,), logprobs, max_field, ("messages",))
+    api = _finish(body, CHAT, api_id, (req,), logprobs, max_field, ("messages",))
+    return dataclasses.replace(api, guide_param=guide, tools=tools, chat_messages=rendered,
+                               add_generation_prompt=add_prompt)
 
 
 def parse_completion(body: dict) -> ApiRequest:
     params, max_field = _sampling(body, COMPLETION_DEFAULT_MAX_TOKENS)
+    guide = _guide(params, parse_guide(body))
     n_logprobs = fields.integer(body, "logprobs", None, 0, 20)
     if n_logprobs:
         raise bad_request("logprobs", "the engine reports only the chosen token's log-probability: "
@@ -75,26 +93,54 @@ def parse_completion(body: dict) -> ApiRequest:
         inputs.append(req)
     single = isinstance(body["prompt"], str) or not isinstance(body["prompt"][0], (str, list))   # text or ids
     names = ("prompt",) if single else tuple(f"prompt[{k}]" for k in range(len(prompts)))
-    return _finish(body, COMPLETION, api_id, tuple(inputs), params.logprobs, max_field, names)
+    api = _finish(body, COMPLETION, api_id, tuple(inputs), params.logprobs, max_field, names)
+    return dataclasses.replace(api, guide_param=guide)
 
 
 def _finish(body: dict, kind: str, api_id: str, inputs: tuple, logprobs: bool, max_field: str,
             names: tuple[str, ...]) -> ApiRequest:
-    n = fields.integer(body, "n", 1, 1)
-    if n != 1:
-        raise bad_request("n", "only n = 1 is supported for now; send n requests (with different seeds)")
-    if fields.integer(body, "best_of", 1, 1) != 1:
-        raise bad_request("best_of", "only best_of = 1 is supported")
+    n = fields.integer(body, "n", 1, 1, MAX_PROMPTS) or 1
+    if n * len(inputs) > MAX_PROMPTS:
+        raise bad_request("n", f"n ({n}) times the prompts ({len(inputs)}) is over {MAX_PROMPTS} choices")
+    best_of = fields.integer(body, "best_of", None, 1)
+    if best_of is not None and best_of != n:
+        raise bad_request("best_of", "only best_of = n is supported (every sample is returned)")
     fields.only(body, "logit_bias", ({},), "logit_bias is not supported")
-    fmt = fields.obj(body, "response_format")
-    if fmt is not None and fmt.get("type") != "text":
-        raise bad_request("response_format", "only {\"type\": \"text\"} is supported")
     stream = fields.boolean(body, "stream", False)
     opts = fields.obj(body, "stream_options") or {}
     include_usage = fields.boolean(opts, "include_usage", False)
     continuous = fields.boolean(opts, "continuous_usage_stats", False)
+    inputs, names = _fan_out(inputs, names, n, api_id)
     return ApiRequest(kind, api_id, fields.string(body, "model"), inputs, stream, stream and include_usage,
-                      stream and continuous, logprobs, max_field, names)
+                      stream and continuous, logprobs, max_field, names, n)
+
+
+def _fan_out(inputs: tuple, names: tuple[str, ...], n: int, api_id: str) -> tuple[tuple, tuple[str, ...]]:
+    """n requests per input (choice ``k * n + i``), sample ``i`` seeded ``seed + i`` when seeded."""
+    if n == 1:
+        return inputs, names
+    out, out_names = [], []
+    for k, (req, name) in enumerate(zip(inputs, names)):
+        for i in range(n):
+            copy = router_pb2.GenerateRequest()
+            copy.CopyFrom(req)
+            copy.request_id = f"{api_id}-{k * n + i}"
+            if req.params.HasField("seed"):
+                copy.params.seed = (req.params.seed + i) % 2**64
+            out.append(copy)
+            out_names.append(name)
+    return tuple(out), tuple(out_names)
+
+
+def _guide(params: common_pb2.SamplingParams, *found: GuideRequest | None) -> str:
+    """Put the one guide of ``found`` into ``params``; its body field ("" when none)."""
+    guides = [g for g in found if g is not None]
+    if len(guides) > 1:
+        raise bad_request(guides[1].param, f"cannot be combined with {guides[0].param}")
+    if not guides:
+        return ""
+    params.guide.CopyFrom(guides[0].guide)
+    return guides[0].param
 
 
 def _sampling(body: dict, default_max_tokens: int | None) -> tuple[common_pb2.SamplingParams, str]:
@@ -140,9 +186,39 @@ def _messages(body: dict) -> router_pb2.ChatMessages:
         role = m.get("role")
         if not isinstance(role, str) or not role:
             raise bad_request(f"messages[{i}].role", "must be a non-empty string")
-        if m.get("tool_calls"):
-            raise bad_request(f"messages[{i}].tool_calls", "tool calls are not supported")
         out.messages.add(role=role, content=_content(m.get("content"), f"messages[{i}].content"))
+    return out
+
+
+def _has_tool_turns(body: dict) -> bool:
+    msgs = body.get("messages")
+    return isinstance(msgs, list) and any(isinstance(m, dict) and (m.get("tool_calls") or m.get("role") == "tool")
+                                          for m in msgs)
+
+
+def _tool_messages(body: dict) -> list[dict]:
+    """The messages as plain dicts for a render with tools: text content, checked tool calls."""
+    msgs = body.get("messages")
+    if not isinstance(msgs, list) or not msgs:
+        raise bad_request("messages", "must be a non-empty list of messages")
+    out = []
+    for i, m in enumerate(msgs):
+        if not isinstance(m, dict) or not isinstance(m.get("role"), str) or not m["role"]:
+            raise bad_request(f"messages[{i}].role", "must be a non-empty string")
+        msg: dict = {"role": m["role"], "content": _content(m.get("content"), f"messages[{i}].content")}
+        calls = m.get("tool_calls") or []
+        if not isinstance(calls, list):
+            raise bad_request(f"messages[{i}].tool_calls", "must be a list")
+        for j, c in enumerate(calls):
+            fn = c.get("function") if isinstance(c, dict) else None
+            if not isinstance(fn, dict) or not isinstance(fn.get("name"), str) or \
+                    not isinstance(fn.get("arguments"), (str, dict)):
+                raise bad_request(f"messages[{i}].tool_calls[{j}]", "must have function.name and function.arguments")
+        if calls:
+            msg["tool_calls"] = calls
+        if m.get("tool_call_id") is not None:
+            msg["tool_call_id"] = fields.string(m, "tool_call_id")
+        out.append(msg)
     return out
 
 

@@ -64,15 +64,16 @@ def _envelope(kind: str, api_id: str, created: int, model: str, chunk: bool) -> 
 
 
 def response(kind: str, api_id: str, created: int, model: str, choices: list[Choice],
-             logprobs: list[dict | None]) -> dict:
-    """The whole (non-streamed) response."""
+             logprobs: list[dict | None], messages: list[dict] | None = None) -> dict:
+    """The whole (non-streamed) response; ``messages``: chat messages to answer instead of the
+    plain text ones (tool calls)."""
     out = _envelope(kind, api_id, created, model, chunk=False)
     items = []
-    for c, lp in zip(choices, logprobs):
+    for k, (c, lp) in enumerate(zip(choices, logprobs)):
         text = "".join(c.texts)
         if kind == CHAT:
-            items.append({"index": c.index, "message": {"role": "assistant", "content": text},
-                          "logprobs": lp, "finish_reason": c.finish_reason})
+            message = messages[k] if messages is not None else {"role": "assistant", "content": text}
+            items.append({"index": c.index, "message": message, "logprobs": lp, "finish_reason": c.finish_reason})
         else:
             items.append({"index": c.index, "text": text, "logprobs": lp, "finish_reason": c.finish_reason})
     out["choices"] = items
@@ -81,11 +82,13 @@ def response(kind: str, api_id: str, created: int, model: str, choices: list[Cho
 
 
 def chunk(kind: str, api_id: str, created: int, model: str, index: int, text: str, first: bool,
-          finish_reason: str | None, logprobs: dict | None) -> dict:
-    """One streamed chunk of one choice."""
+          finish_reason: str | None, logprobs: dict | None, delta: dict | None = None) -> dict:
+    """One streamed chunk of one choice; ``delta``: a chat delta to send instead of ``text``'s."""
     out = _envelope(kind, api_id, created, model, chunk=True)
     if kind == CHAT:
-        delta = {"role": "assistant", "content": text} if first else {"content": text}
+        delta = dict(delta) if delta is not None else {"content": text}
+        if first:
+            delta = {"role": "assistant", **delta}
         item = {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish_reason}
     else:
         item = {"index": index, "text": text, "logprobs": logprobs, "finish_reason": finish_reason}
