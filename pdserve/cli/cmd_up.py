@@ -27,7 +27,7 @@ from pdserve.common.grpc_utils.errors import Unavailable
 from pdserve.common.security.config import ClientSecurity
 from pdserve.common.security.deployment import DeploymentSecurity, add_deployment_arguments, deployment_security
 from pdserve.common.serving.worker_args import DEFAULT_BUDGET, ENGINE_DEFAULTS
-from pdserve.loadtest import procs
+from pdserve.loadtest import procs, up_layout
 from pdserve.router.settings import DEFAULT_PORT as ROUTER_PORT
 
 logger = logging.getLogger(__name__)
@@ -62,6 +62,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--prefill-gpus", default="",
                    help="comma list of GPU ids for prefill workers (CUDA_VISIBLE_DEVICES)")
     p.add_argument("--decode-gpus", default="", help="comma list of GPU ids for decode workers")
+    up_layout.add_layout_arguments(p)
     p.add_argument("--router-port", type=int, default=ROUTER_PORT, help="the router's gRPC port (the public API)")
     p.add_argument("--http-port", type=int, default=DEFAULT_HTTP_PORT,
                    help="the router's OpenAI-compatible HTTP API (http://127.0.0.1:PORT/v1); 0 = off")
@@ -134,6 +135,7 @@ def _gpu(gpus: str, index: int) -> str | None:
 def plan(args: argparse.Namespace, security: DeploymentSecurity | None = None) -> list[Child]:
     """The services to start, workers first, the router last, with ``security`` (default: as
     the flags give it, no token made)."""
+    up_layout.apply(args)
     security = security if security is not None else DeploymentSecurity.from_args(args)
     children: list[Child] = []
     addresses: dict[str, list[str]] = {"decode": [], "prefill": []}

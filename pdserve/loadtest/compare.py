@@ -17,7 +17,7 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
-from pdserve.loadtest import arrivals, capacity, datasets, metrics, phases, ports, procs, schedule
+from pdserve.loadtest import arrivals, capacity, datasets, metrics, phases, ports, procs, schedule, up_layout
 from pdserve.loadtest.runner import (
     RunOptions,
     Workload,
@@ -61,11 +61,18 @@ def parse_targets(spec: str) -> list[tuple[str, str]]:
 
 
 def _up_counts(up_args: str) -> argparse.Namespace:
+    """The worker layout of a `pdserve up` command line (``--gpus`` laid out as ``up`` does)."""
     p = argparse.ArgumentParser(add_help=False)
     p.add_argument("--prefill", type=int, default=1)
     p.add_argument("--decode", type=int, default=1)
     p.add_argument("--role", default="decode")
-    return p.parse_known_args(shlex.split(up_args))[0]
+    for flag in ("--prefill-gpus", "--decode-gpus", "--extra-router-args", "--extra-decode-args"):
+        p.add_argument(flag, default="")
+    p.add_argument("--device", default="cpu")
+    up_layout.add_layout_arguments(p)
+    args = p.parse_known_args(shlex.split(up_args))[0]
+    up_layout.apply(args)
+    return args
 
 
 def expected_workers(up_args: str) -> tuple[int, int]:

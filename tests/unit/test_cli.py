@@ -137,6 +137,33 @@ def test_up_passes_metrics_ports_and_worker_flags():
     assert "--max-num-batched-tokens" not in by_role[2].cmd      # the router gets neither
 
 
+def test_up_lays_out_one_worker_per_gpu():
+    from pdserve.cli import cmd_up
+    from pdserve.loadtest.compare import expected_workers
+
+    def value(cmd, flag):
+        return cmd[cmd.index(flag) + 1]
+
+    def up(*flags):
+        return cmd_up.plan(cli.build_parser().parse_args(["up", "--gpus", "0,1", *flags]))
+    *workers, router = up()                                  # co-located, the default
+    assert [(c.name, c.gpu) for c in workers] == [("decode worker 0", "0"), ("decode worker 1", "1")]
+    assert all(value(c.cmd, "--role") == "both" and value(c.cmd, "--device") == "cuda" for c in workers)
+    assert all(value(c.cmd, "--max-num-batched-tokens") == "512" for c in workers)
+    assert value(router.cmd, "--pd-policy") == "never"
+    *workers, router = up("--placement", "disagg", "--extra-router-args=--pd-policy adaptive")
+    assert [(c.name, c.gpu) for c in workers] == [("decode worker 0", "1"), ("prefill worker 0", "0")]
+    assert router.cmd[router.cmd.index("--pd-policy"):][:4] == ["--pd-policy", "always", "--pd-policy", "adaptive"]
+    *workers, router = up("--placement", "fleet")
+    assert all(value(c.cmd, "--tpot-target-ms") == "50" for c in workers)
+    assert value(router.cmd, "--pd-policy") == "fleet"
+    assert expected_workers("--gpus 0,1") == (2, 2) and expected_workers("--gpus 0,1,2,3 --placement disagg") == (2, 2)
+    with pytest.raises(SystemExit, match="--role"):
+        up("--role", "both")
+    with pytest.raises(SystemExit, match="two GPUs"):
+        cmd_up.plan(cli.build_parser().parse_args(["up", "--gpus", "0", "--placement", "disagg"]))
+
+
 def test_up_fails_fast_when_a_service_exits():
     base, router = free_port_range(4), free_port()
     proc = pdserve("up", "--base-port", str(base), "--router-port", str(router), "--http-port", "0",

@@ -1,0 +1,67 @@
+"""``pdserve up --gpus 0,1,...``: one worker per GPU, laid out by ``--placement``.
+
+- ``colocated`` (the default): every GPU a worker of role ``both`` that prefills its own requests
+  in chunks of COLOCATED_BUDGET tokens beside its decode rows, router ``--pd-policy never``; the
+  deployment docs/benchmarks.md ("Fleet placement") measured best on traffic that shifts;
+- ``disagg``: the first half of the GPUs prefill workers, the rest decode workers, router
+  ``--pd-policy always`` (the static split);
+- ``fleet``: every GPU a worker of role ``both`` with the TPOT guard at the router's TPOT
+  objective, router ``--pd-policy fleet`` (pdserve/router/fleet_policy.py).
+
+Flags given through ``--extra-*-args`` come after these, so they win. ``--gpus`` lays the workers
+out itself: with ``--prefill``, ``--decode``, ``--role``, ``--prefill-gpus`` or ``--decode-gpus``
+it is a usage error (SystemExit naming them).
+"""
+from __future__ import annotations
+
+import argparse
+
+from pdserve.router.pd_policy import PdConfig
+
+PLACEMENTS = ("colocated", "disagg", "fleet")
+DEFAULT_PLACEMENT = "colocated"
+COLOCATED_BUDGET = 512          # prompt tokens a co-located step carries beside its decode rows
+_LAYOUT_DEFAULTS = {"prefill": 1, "decode": 1, "role": "decode", "prefill_gpus": "", "decode_gpus": ""}
+
+
+def add_layout_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--gpus", default="",
+                   help="comma list of GPU ids: one worker per GPU, laid out by --placement (implies "
+                        "--device cuda; replaces --prefill, --decode, --role, --prefill-gpus, --decode-gpus)")
+    p.add_argument("--placement", choices=PLACEMENTS, default=DEFAULT_PLACEMENT,
+                   help="with --gpus: colocated (every GPU prefills and decodes its own requests, chunked), "
+                        "disagg (half the GPUs prefill, half decode) or fleet (every GPU serves both phases, "
+                        "the router places each request's prefill and decode; TPOT guard on)")
+
+
+def apply(args: argparse.Namespace) -> None:
+    """Rewrite ``args``' worker layout for ``--gpus`` (nothing without it; once: a second call on
+    the same ``args`` changes nothing)."""
+    ids = [g.strip() for g in args.gpus.split(",") if g.strip()]
+    if not ids or getattr(args, "_layout_applied", False):
+        return
+    args._layout_applied = True
+    given = [f"--{k.replace('_', '-')}" for k, v in _LAYOUT_DEFAULTS.items() if getattr(args, k) != v]
+    if given:
+        raise SystemExit(f"pdserve up: --gpus lays the workers out itself; drop {', '.join(given)} or --gpus")
+    if args.device == "cpu":
+        args.device = "cuda"
+    n, router, decode_extra = len(ids), "", ""
+    if args.placement == "disagg":
+        if n < 2:
+            raise SystemExit("pdserve up: --placement disagg needs two GPUs or more in --gpus")
+        half = n // 2
+        args.prefill, args.decode = half, n - half
+        args.prefill_gpus, args.decode_gpus = ",".join(ids[:half]), ",".join(ids[half:])
+        router = "--pd-policy always"
+    else:
+        args.prefill, args.decode, args.role, args.decode_gpus = 0, n, "both", ",".join(ids)
+        if args.placement == "colocated":
+            router = "--pd-policy never"
+            if not hasattr(args, "max_num_batched_tokens"):
+                decode_extra = f"--max-num-batched-tokens {COLOCATED_BUDGET}"
+        else:
+            router = "--pd-policy fleet"
+            decode_extra = f"--tpot-target-ms {PdConfig().slo_tpot_ms:g}"
+    args.extra_router_args = f"{router} {args.extra_router_args}".strip()
+    args.extra_decode_args = f"{decode_extra} {args.extra_decode_args}".strip()
