@@ -214,6 +214,9 @@ def _demo(router: str, metadata: Sequence[tuple[str, str]] = ()) -> None:
 
 def run(args: argparse.Namespace) -> int:
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))    # stop the services on SIGTERM too
+    # Ctrl-C stops them even when this process was started with SIGINT ignored (a background job
+    # of a shell without job control, nohup): Python then installs no handler of its own
+    signal.signal(signal.SIGINT, signal.default_int_handler)
     with deployment_security(args) as security:
         return _run(args, security)
 
