@@ -21,12 +21,13 @@ output in the model dtype before its residual add or activation); only the GEMMs
 order differs.
 
 Taken (``takes_chain``) for a decode forward (no prompt rows) of 1 to ``WIDE_ROWS`` rows on a GPU
-with programmatic dependent launch (pdserve/common/ops/pdl.py; with the same kernels launched
-plainly the chain is no faster than the usual path, measured on an H100 with PDL switched off:
-bench/NOTES.md run 33), when the model ``supports`` the range's tiling, the fused kernels are on
+with programmatic dependent launch (pdserve/common/ops/pdl.py; launched plainly, the same kernels
+gain nothing over the usual path), when the model ``supports`` the range's tiling, the fused kernels are on
 and ``PDSERVE_DATAFLOW_DECODE`` is on (default); the wide range also needs a Hopper GPU, a Triton
 with Gluon and ``PDSERVE_DATAFLOW_WIDE`` on (default). Otherwise the model runs its usual forward.
 Import it only where Triton is importable (the decoder does so on CUDA with the fused kernels on).
+
+What the chain gains and where its time goes, as measured: bench/notes/decode_chain.md.
 """
 from __future__ import annotations
 
@@ -155,8 +156,8 @@ def takes_chain(rows: int, is_prefill: bool, pdl: bool, enabled: bool, supported
 
 
 def qkv_preloads(rows: int, hidden: int) -> bool:
-    """QKV through ``preload_linear`` (each program holds its whole K: 0.01-0.06 ms a step faster at
-    <= 16 rows on the Qwen3-0.6B geometry, bench/NOTES.md run 39), else split over K."""
+    """QKV through ``preload_linear`` (each program holds its whole K) at <= PRELOAD_ROWS rows when
+    hidden is one or two K tiles, else split over K (bench/notes/decode_chain.md, "Small range")."""
     return rows <= PRELOAD_ROWS and hidden in (BK, 2 * BK)
 
 

@@ -1,15 +1,13 @@
 """Triton kernels of the decode chain's small range, 1 to ``MAX_ROWS`` rows, and the partial-summing
 kernels both of its ranges share (pdserve/common/models/dataflow_decode.py).
 
-At a handful of rows a decode step's projections are latency-bound: cuBLAS takes 5-8 us for a
-4-12 MB weight whose bytes need 1.4-4 us, and its kernels start reading only after the kernel
-before them has finished. Here every kernel is launched with programmatic dependent launch (PDL)
-and releases the next kernel at its start, and a GEMM program first loads its weight tile
+At a handful of rows a decode step's projections are latency-bound: a GEMM's weight bytes take
+less time than the kernel's start and ramp, and a usual kernel starts reading only after the
+kernel before it has finished. Here every kernel is launched with programmatic dependent launch
+(PDL) and releases the next kernel at its start, and a GEMM program first loads its weight tile
 (``BN x BK`` = 32 x 512, 32 KB) into registers, which needs nothing from earlier kernels, then
 waits (``gdc_wait``) for its input. The weight reads of a projection then overlap the kernels
-before it (bench/NOTES.md run 33: the dense half of a Qwen3-0.6B layer 32-33 -> 22-24 us at
-M <= 16; run 38: 26-28 us against 34 at M = 24-32, break-even at 48, slower beyond: every N
-tile re-reads the activations).
+before it. Every N tile re-reads the activations, so the range stops at ``MAX_ROWS``.
 
 Rules:
 - ``M <= MAX_ROWS`` rows: one ``tl.dot`` takes the whole batch (padded to 16 or 32).
@@ -19,11 +17,13 @@ Rules:
   ``fused.qk_norm_rope``), rounding to the activation dtype first, where the unfused path
   rounds its GEMM output.
 - ``preload_linear`` (K = BK or K = 2 * BK, M <= PRELOAD_ROWS) holds a program's whole K and
-  writes the activation dtype directly: at <= 16 rows QKV this way is 0.01-0.06 ms a step faster
-  than split over K (run 39), beyond that slower.
+  writes the activation dtype directly (the chain takes it for QKV at <= PRELOAD_ROWS rows).
 - Weights are contiguous ``[N, K]``; activations contiguous ``[M, K]``; N % BN == 0, K % BK == 0.
 - Without PDL (pdserve/common/ops/pdl.py; or under the interpreter) the same kernels run with
   plain launches.
+
+The timings behind these rules (dense half against cuBLAS by rows, preload against split-K):
+bench/notes/decode_chain.md, "Small range".
 """
 from __future__ import annotations
 

@@ -7,16 +7,12 @@ tiles do not fit falls back to the usual forward instead of failing in a kernel.
 A program computes one ``bm x bn`` output tile over ``K / splits`` columns in ``bk`` steps,
 through a ring of ``stages`` shared-memory buffers; ``overlap`` keeps one warp-group MMA in flight
 while the slot of the one before refills; ``m_fast`` orders the grid M tiles first, so that the
-programs reading one weight tile start together (0.6-1.4 us a layer better at >= 128 rows, run
-48). Shared memory per program:
+programs reading one weight tile start together. Shared memory per program:
 
     stages * (bm + weight_tiles * bn) * bk * 2 B   (the rings; weight_tiles = 2 for gate_up)
   + bm * bn * out_bytes                             (the output tile)
 
-which must stay within ``SMEM_BYTES``. The choices below are the fastest of the configurations
-timed on an H100 for the Qwen3-0.6B geometry's dense half of a layer, each projection's tiles
-varied in turn behind the kernels of the chain (bench/dataflow_layer_probe.py --sweep, bench/NOTES.md
-runs 47-49; first sorted by bench/gluon_gemm_probe.py, run 45):
+which must stay within ``SMEM_BYTES``. The tiles by projection and rows (``wide_tiles``):
 
 - ``qkv``: (bm 64, bn 32, bk 128, 4 stages) up to 128 rows, (64, 64, 128, 3) beyond;
 - ``gate_up`` (gate and up tiles in one program, SiLU-mul in its epilogue): (64, 32, 128, 3) up
@@ -27,14 +23,14 @@ runs 47-49; first sorted by bench/gluon_gemm_probe.py, run 45):
   overlap (the partials' bytes grow with the rows).
 
 Each program reads the whole activation for its N tile: (N / bn) x M x K x 2 B from L2 against
-the weight's N x K x 2 B, which the 0.6B's 2-13 MB weights absorb (a dense half of a layer 4.5-8.5
-us faster than cuBLAS at 48-256 rows, W-nano +1.9%: run 48) but the Qwen3-8B geometry's 34-201 MB
-weights do not (its W-nano 7,930 -> 7,003 tok/s, -12%). So a geometry is taken only when every
-projection weight is at most ``MAX_WEIGHT_BYTES`` (``wide_fits``).
+the weight's N x K x 2 B. So a geometry is taken only when every projection weight is at most
+``MAX_WEIGHT_BYTES`` (``wide_fits``); larger weights keep the usual forward.
 
-The activations a chain of them reads have ``padded_rows`` rows, whole M tiles: a TMA load that
-runs past the end of its tensor (zero-filling rows) made a projection 30-50% slower at 160-192
-rows (bench/gluon_rows_probe.py, NOTES run 48), more than computing the padding rows costs.
+The activations a chain of them reads have ``padded_rows`` rows, whole M tiles, so that no TMA
+load runs past the end of its tensor.
+
+Why these tiles and limits (the timings that chose them, and what lost):
+bench/notes/decode_chain.md, "Tile choices of the wide range".
 """
 from __future__ import annotations
 
