@@ -170,7 +170,7 @@ class Lab:
         self.workers = [Worker(f"w{i}", r, budgets[r]) for i, r in enumerate(roles)]
         for w in self.workers:
             if guard_ms and w.role != "prefill":
-                w.guard = TpotGuard(w.timer, guard_ms)
+                w.guard = TpotGuard(w.timer, guard_ms, fleet_policy.GUARD_MARGIN)
         self.fleet = mode == "fleet"
         self.cfg = pd.PdConfig(mode="never" if self.fleet else mode, slo_ttft_ms=slo_ttft, slo_tpot_ms=slo_tpot)
         self.gpu, self.prefix_len = gpu, prefix_len
@@ -275,7 +275,7 @@ class Lab:
             w.key, self.uncached(w, r), w.queued_tokens(), w.stats[2], len(w.rows), w.stats[0],
             w.timer.ms_per_prompt_token, w.budget, pd.decayed_rate(w.counter, w.counter_at, now, window))
             for w in self.workers]
-        d_key, decision = fleet_policy.decide(snaps, self.cfg)
+        d_key, decision = fleet_policy.decide(snaps, self.cfg, self.pick_decode(r).key)
         by_key = {w.key: w for w in self.workers}
         d = r.decode_worker = by_key[d_key]
         where = d if decision.kind == pd.LOCAL else by_key[decision.prefill_key]

@@ -133,7 +133,7 @@ class EngineConfig:
     max_num_partial_prefills: int = 1       # prompts partly prefilled at once (chunked prefill)
     long_prefill_token_threshold: int = 0   # cap on one prompt's chunk per step; 0 = no cap
     tpot_target_ms: float = 0.0             # TPOT guard (engine/tpot_guard.py); 0 = only per-request targets
-    tpot_margin: float = 0.0                # share of the TPOT target the guard keeps free
+    tpot_margin: float = 0.05               # share of the TPOT target the guard keeps free
     extra: dict = field(default_factory=dict)
 
     def __post_init__(self) -> None:

@@ -1,48 +1,50 @@
 """Placement over a fleet of workers that all serve both phases (``--pd-policy fleet``): per request,
 the worker that decodes it (``D``) and the worker that prefills it (``P``), chosen from all
-decode-capable workers, so the split between prefill and decode emerges from the load. ``P == D``
-is a local prefill (Submit); otherwise the router reserves on ``D`` and ships the KV from ``P``.
+decode-capable workers. ``P == D`` is a local prefill (Submit); otherwise the router reserves on
+``D`` and ships the KV from ``P``.
 
-It relies on each worker's TPOT guard (pdserve/common/engine/tpot_guard.py): a worker with decode
-rows carries only the prompt tokens that keep their TPOT, and one without decode rows prefills in
-full-size steps. So prefill on a decoding worker costs its rows time but never their SLO, and a
-worker with no decode rows is the fastest place to prefill. Pure functions over snapshots
-(:class:`FleetWorker`); the formulas, per worker ``w`` (ms; ``U_w`` the request's prompt tokens
-``w`` lacks, ``Q_w`` prompt tokens queued there, ``R_w`` its measured prefill rate in tokens/s,
-``rows_w`` its decode rows, ``t_w`` its decode step, ``c_w`` the extra ms per prompt token of
-its mixed steps, ``W_w`` the prompt tokens this router gave it lately)::
+Local first: the request goes where co-location would send it (``home``: the decode pick of
+pdserve.router.policy, cached prefix and load), and is prefilled there, unless that breaks an
+objective; so under the loads where co-location keeps every SLO the fleet *is* co-location, and it
+departs from it only where co-location would fail. It relies on each worker's TPOT guard
+(pdserve/common/engine/tpot_guard.py): a worker with decode rows carries only the prompt tokens
+that keep their TPOT, and one without decode rows prefills in full-size steps. Pure functions over
+snapshots (:class:`FleetWorker`); the formulas, per worker ``w`` (ms; ``U_w`` the request's prompt
+tokens ``w`` lacks, ``Q_w`` prompt tokens queued there, ``R_w`` its measured prefill rate in
+tokens/s, ``rows_w`` its decode rows, ``t_w`` its decode step, ``c_w`` the extra ms per prompt
+token of its mixed steps)::
 
     full_w      = max(R_w, 1000 / c_w)             (what w computes in a step without decode rows)
-    room_w      = rows_w == 0 or t_w <= lean_share * slo_tpot
-    lean        = the decode-capable worker with the fewest rows (then the largest W), *dedicated*
-                  while W_lean / window >= LEAN_BUSY_SHARE * full_lean (it is busy prefilling for
-                  the others) and another decode-capable worker has room (two or more only)
-    D           = the fewest rows among the workers with room but a dedicated lean, fewer U
-                  breaking ties; none: the fewest rows of all (the rows balance: when no worker
-                  has room, every GPU's decode bandwidth is needed, and none is kept for prefill)
+    room_w      = rows_w == 0 or t_w <= LEAN_SHARE * slo_tpot
     goal        = slo_tpot * (1 - GUARD_MARGIN)     (the workers' guard: steps take goal on average)
+    D           = home                              if t_home <= goal or no decode-capable worker has room
+                = the fewest rows among the workers with room, fewer U breaking ties   otherwise
+                  (home's decode rows alone break its guard's goal: a worker with room decodes it)
     rate_w      = full_w                           if rows_w == 0 (a prefill-sized step: R_w may
                   have been measured in guarded steps beside decode rows)
                 = 1000 * (goal - t_w) / (c_w * goal)   otherwise: the slack of each step, on average
                   (the guard's floor of MIN_CHUNK_TOKENS a step, when the slack holds fewer)
     ttft_w      = 1000 * (Q_w + U_w) / rate_w  (+ remote_overhead_ms + U_D * transfer_us / 1000 if w != D)
     cost_w      = ttft_w + rows_w * U_w * c_w     (this request's wait + each decode row's wait)
-    P           = the lowest cost among the workers with ttft_w <= ttft_share * slo_ttft;
+    P           = D                                 while ttft_D <= TTFT_SHARE * slo_ttft and D is not
+                                                    role decode (local: co-location)
+                = the lowest cost among the workers with ttft_w <= TTFT_SHARE * slo_ttft   otherwise;
                   none: the lowest ttft (ties: the key)
 
 Moving decodes (:func:`pick_moves`, run every ``--pd-move-interval-s``): a worker whose decode
-rows alone take the guard's whole target (``t_w > (1 - GUARD_MARGIN) * slo_tpot``: the guard can
-no longer keep their TPOT) and that holds at least two rows more than the decode-capable worker
-with the fewest rows moves ``min((rows_src - rows_dst) // 2, MAX_MOVES_PER_ROUND)`` of them
-there, when that worker has room and is not the dedicated lean. A moved
-decode is continued on ``dst`` from its prompt and the tokens already sent, prefilled on ``src``
-(whose prefix cache holds all of its full blocks) and its KV shipped like any remote prefill.
+rows alone take the guard's whole goal (``t_w > goal``: the guard can no longer keep their TPOT)
+and that holds at least two rows more than the decode-capable worker with the fewest rows moves
+``min((rows_src - rows_dst) // 2, MAX_MOVES_PER_ROUND)`` of them there, when that worker has
+room. A moved decode is continued on ``dst`` from its prompt and the tokens already sent,
+prefilled on ``src`` (whose prefix cache holds all of its full blocks) and its KV shipped like any
+remote prefill.
 
 Unmeasured figures: ``R`` is the mean of the measured ones, else DEFAULT_PREFILL_TOKENS_PER_S;
-``t`` is DEFAULT_DECODE_STEP_MS; ``c`` is ``1000 / R``. Under prefill-heavy load, while the others
-have decode room, the lean worker is dedicated: it keeps no decode rows, so its steps stay
-prefill-sized, and the split of a static 1P1D emerges; under decode-heavy or shared-prefix load,
-or when the decode steps leave no room, the rows balance over all workers, as co-location does.
+``t`` is DEFAULT_DECODE_STEP_MS; ``c`` is ``1000 / R``. No worker is kept free of decode rows: the
+decode rows balance as co-location balances them, because a Qwen3-8B decode step on an H100 already
+takes most of a 12 ms TPOT objective (bench/results/fleet_h100x2/README.md), so every GPU's decode
+bandwidth is needed; prefill moves to another worker only when the home worker's queue would
+break the TTFT objective.
 """
 from __future__ import annotations
 
@@ -54,9 +56,8 @@ from pdserve.router.pd_policy import DEFAULT_DECODE_STEP_MS, LOCAL, REMOTE, PdCo
 
 LEAN_SHARE = 0.7    # a decode worker has room while its decode step is under this share of the TPOT SLO
 TTFT_SHARE = 0.6    # a prefill place keeps the TTFT SLO while its estimate is under this share of it
-GUARD_MARGIN = 0.0  # the workers' default --tpot-margin (the budget the router expects of them)
+GUARD_MARGIN = 0.05  # the workers' default --tpot-margin (the budget the router expects of them)
 MAX_MOVES_PER_ROUND = 4   # decodes one worker gives away per round of pick_moves
-LEAN_BUSY_SHARE = 0.25    # the lean worker is kept free of decode rows while given this share of its prefill rate
 
 
 @dataclass(frozen=True, slots=True)
@@ -70,36 +71,25 @@ class FleetWorker:
     decode_step_ms: float = 0.0     # t; 0 = unmeasured
     ms_per_prompt_token: float = 0.0  # c; 0 = unmeasured
     max_num_batched_tokens: int = 0   # B; 0 = unknown
-    recent_tokens: float = 0.0      # W
+    recent_tokens: float = 0.0      # W: prompt tokens this router gave it lately (reported, not decided on)
     can_decode: bool = True         # role both or decode (a candidate for D)
     can_prefill: bool = True        # role both or prefill (a candidate for P; D may always prefill its own)
 
 
-def pick_decode(workers: Sequence[FleetWorker], slo_tpot_ms: float, window_s: float = 2.0) -> FleetWorker:
-    """D (module docstring) among the workers that can decode (at least one)."""
+def pick_decode(workers: Sequence[FleetWorker], slo_tpot_ms: float, home: str | None = None) -> FleetWorker:
+    """D (module docstring) among the workers that can decode (at least one); ``home`` is
+    co-location's pick (None: no preference, the fewest rows)."""
     decoders = [w for w in workers if w.can_decode]
-    lean = dedicated_lean(workers, slo_tpot_ms, window_s)
-    room = [w for w in decoders if w is not lean and _has_room(w, slo_tpot_ms)]
+    own = next((w for w in decoders if w.key == home), None)
+    room = [w for w in decoders if _has_room(w, slo_tpot_ms)]
+    if own is not None and (own.decode_rows == 0 or _step_ms(own) <= slo_tpot_ms * (1.0 - GUARD_MARGIN)
+                            or not room):
+        return own
     return min(room or decoders, key=lambda w: (w.decode_rows, w.uncached_tokens, w.key))
 
 
 def _has_room(w: FleetWorker, slo_tpot_ms: float) -> bool:
     return w.decode_rows == 0 or _step_ms(w) <= LEAN_SHARE * slo_tpot_ms
-
-
-def dedicated_lean(workers: Sequence[FleetWorker], slo_tpot_ms: float, window_s: float) -> FleetWorker | None:
-    """The lean worker, kept free of decode rows, while it is busy prefilling and the others can
-    decode without it (module docstring): the decode-capable worker with the fewest rows (then
-    the largest W) when the prompt tokens it was given lately reach LEAN_BUSY_SHARE of what it
-    computes in prefill-sized steps and another decode-capable worker has room; None otherwise
-    (or with fewer than two decode-capable workers)."""
-    decoders = [w for w in workers if w.can_decode]
-    if len(decoders) < 2:
-        return None
-    lean = min(decoders, key=lambda w: (w.decode_rows, -w.recent_tokens, w.key))
-    full = full_rate(lean, _mean_measured([w.tokens_per_s for w in workers]))
-    busy = lean.recent_tokens / window_s >= LEAN_BUSY_SHARE * full
-    return lean if busy and any(w is not lean and _has_room(w, slo_tpot_ms) for w in decoders) else None
 
 
 def full_rate(w: FleetWorker, fallback: float) -> float:
@@ -122,10 +112,11 @@ def prefill_rate(w: FleetWorker, slo_tpot_ms: float, fallback: float) -> float:
     return min(r, 1000.0 * (goal - t) / (c * goal))
 
 
-def decide(workers: Sequence[FleetWorker], cfg: PdConfig) -> tuple[str, PdDecision]:
+def decide(workers: Sequence[FleetWorker], cfg: PdConfig, home: str | None = None) -> tuple[str, PdDecision]:
     """(D's key, the decision: local on D, or remote with P's key) for one request; ``workers``
-    holds at least one that can decode. Reason ``fleet`` on every decision."""
-    d = pick_decode(workers, cfg.slo_tpot_ms, cfg.rate_window_s)
+    holds at least one that can decode; ``home``: co-location's pick. Reason ``fleet`` on every
+    decision."""
+    d = pick_decode(workers, cfg.slo_tpot_ms, home)
     fallback = _mean_measured([w.tokens_per_s for w in workers])
     transfer = cfg.remote_overhead_ms + d.uncached_tokens * cfg.transfer_us_per_token / 1000.0
     options = []
@@ -138,7 +129,12 @@ def decide(workers: Sequence[FleetWorker], cfg: PdConfig) -> tuple[str, PdDecisi
         ttft += 0.0 if w is d else transfer
         options.append((ttft, ttft + w.decode_rows * w.uncached_tokens * c, w))
     keeps = [o for o in options if o[0] <= TTFT_SHARE * cfg.slo_ttft_ms]
-    ttft, _, p = min(keeps, key=lambda o: (o[1], o[2].key)) if keeps else min(options, key=lambda o: (o[0], o[2].key))
+    local = next((o for o in keeps if o[2] is d and d.can_prefill), None)
+    if local is not None:
+        ttft, p = local[0], d
+    else:
+        ttft, _, p = (min(keeps, key=lambda o: (o[1], o[2].key)) if keeps
+                      else min(options, key=lambda o: (o[0], o[2].key)))
     tpot = _step_ms(d)
     if p is d:
         return d.key, PdDecision(LOCAL, None, "fleet", ttft, tpot, d.uncached_tokens)
@@ -149,19 +145,17 @@ def _step_ms(w: FleetWorker) -> float:
     return w.decode_step_ms if w.decode_step_ms > 0 else DEFAULT_DECODE_STEP_MS
 
 
-def pick_moves(workers: Sequence[FleetWorker], slo_tpot_ms: float, window_s: float = 2.0) -> list[tuple[str, str, int]]:
+def pick_moves(workers: Sequence[FleetWorker], slo_tpot_ms: float) -> list[tuple[str, str, int]]:
     """(source key, destination key, how many decodes) to move now (module docstring); at most one
-    move per source, each destination used once, the most loaded sources first; never onto a
-    dedicated lean worker (:func:`dedicated_lean`)."""
+    move per source, each destination used once, the most loaded sources first."""
     decoders = sorted((w for w in workers if w.can_decode), key=lambda w: (-w.decode_rows, w.key))
     moves: list[tuple[str, str, int]] = []
-    lean = dedicated_lean(workers, slo_tpot_ms, window_s)
-    taken: set[str] = {lean.key} if lean is not None else set()
+    taken: set[str] = set()
     for src in decoders:
         if src.decode_rows < 2 or _step_ms(src) <= (1.0 - GUARD_MARGIN) * slo_tpot_ms or src.key in taken:
             continue
         room = [w for w in decoders if w is not src and w.key not in taken and w.decode_rows <= src.decode_rows - 2
-                and (w.decode_rows == 0 or _step_ms(w) <= LEAN_SHARE * slo_tpot_ms)]
+                and _has_room(w, slo_tpot_ms)]
         if not room:
             continue
         dst = min(room, key=lambda w: (w.decode_rows, w.key))

@@ -50,19 +50,20 @@ class Placement:
             known = [c for c in self.registry.clients.values() if c.can_decode or not c.info]
             why = "; ".join(f"{c.key}: {c.last_error or 'down'}" for c in known[:4])
             raise Unavailable("no decode worker is up" + (f" ({why})" if why else ""))
-        if self.settings.pd.mode == "fleet":
-            return self._choose_fleet(job, decoders, excluded)
         turn = next(self._turn)     # one per request: round-robin covers every worker of each pool
+        if self.settings.pd.mode == "fleet":
+            return self._choose_fleet(job, decoders, excluded, turn)
         decode = self._choose_decode(job, decoders, turn)
         prefillers = [c for c in self.registry.prefill_workers(excluded) if c is not decode]
         decision = self._place_prefill(job, decode, prefillers, turn)
         prefill = self.registry.clients[decision.prefill_key] if decision.prefill_key else None
         return decode, prefill, decision
 
-    def _choose_fleet(self, job: Job, decoders: list[WorkerClient],
-                      excluded: set[str]) -> tuple[WorkerClient, WorkerClient | None, PdDecision]:
+    def _choose_fleet(self, job: Job, decoders: list[WorkerClient], excluded: set[str],
+                      turn: int) -> tuple[WorkerClient, WorkerClient | None, PdDecision]:
         """Both workers at once (pdserve.router.fleet_policy) over the current figures of the decode
-        workers and the prefill workers."""
+        workers and the prefill workers, from co-location's decode pick (``home``)."""
+        home = self._choose_decode(job, decoders, turn).key
         clients = {c.key: c for c in decoders}
         clients.update((c.key, c) for c in self.registry.prefill_workers(excluded))
         bs, n, cfg = self.registry.block_size, len(job.prompt.token_ids), tighten(self.settings.pd, job.slo)
@@ -70,7 +71,7 @@ class Placement:
         now = time.monotonic()
         snaps = [_fleet_worker(c, uncached_tokens(n, matches.get(c.key, 0), bs), now, cfg.rate_window_s)
                  for c in clients.values()]
-        d_key, decision = fleet_policy.decide(snaps, cfg)
+        d_key, decision = fleet_policy.decide(snaps, cfg, home)
         prefill = clients[decision.prefill_key] if decision.prefill_key else None
         return clients[d_key], prefill, decision
 

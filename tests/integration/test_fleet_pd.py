@@ -1,11 +1,13 @@
 """``--pd-policy fleet`` as separate processes on the CPU (embedded model, Gloo): a router in front
 of two workers of role both, each running the TPOT guard. Per request the router picks the worker
 that decodes and the worker that prefills: a prompt no worker holds is prefilled where it decodes
-(local); while the worker that holds a long prefix decodes another stream, a prompt with that
-prefix decodes on the other worker (fewer rows) and is prefilled where the prefix is cached, its KV
-shipped (cross-worker). Greedy outputs equal the offline engine's, and both pools end whole, also after a
-cancel in each path. A request's own latency objectives (gRPC ``slo``, the OpenAI API's ``x-slo-*``
-headers) are served, and bad ones refused naming the field.
+(local, co-location's path); while the worker that holds a long prefix decodes another stream, a
+prompt with that prefix and a tight objective of its own (TPOT: that worker has no room; TTFT:
+nowhere keeps it, so the fastest place prefills) decodes on the other worker and is prefilled where
+the prefix is cached, its KV shipped (cross-worker). Greedy outputs equal the offline engine's,
+and both pools end whole, also after a cancel in each path. A request's own latency objectives
+(gRPC ``slo``, the OpenAI API's ``x-slo-*`` headers) are served, and bad ones refused naming the
+field.
 """
 from __future__ import annotations
 
@@ -46,18 +48,28 @@ HTTP_PORT = free_port()
 def deployment(tmp_path_factory):
     dep = services.start(tmp_path_factory.mktemp("logs"), decode_role="both", num_decode=2, num_prefill=0,
                          metrics=True, extra_worker_args=["--tpot-target-ms", "500"],
-                         router_args=["--pd-policy", "fleet", "--slo-tpot-ms", "500", "--http-port", str(HTTP_PORT)])
+                         router_args=["--pd-policy", "fleet", "--slo-tpot-ms", "500", "--http-port", str(HTTP_PORT),
+                                      "--admission-slo-multiple", "0"])   # TIGHT requests are not refused
     yield dep
     dep.stop()
 
 
-def _request(tokens: list[int], max_tokens: int = MAX_TOKENS) -> router_pb2.GenerateRequest:
-    return router_pb2.GenerateRequest(token_ids=router_pb2.TokenIds(ids=tokens),
+# A request objective no place keeps: TPOT 1 ms (a worker with decode rows has no room for it), TTFT
+# 10 ms (no prefill estimate is under its 0.6 share): decoded where there are no rows, prefilled at
+# the lowest TTFT estimate, the worker that holds its prefix.
+TIGHT = router_pb2.RequestSlo(ttft_ms=10.0, tpot_ms=1.0)
+
+
+def _request(tokens: list[int], max_tokens: int = MAX_TOKENS,
+             slo: router_pb2.RequestSlo | None = None) -> router_pb2.GenerateRequest:
+    return router_pb2.GenerateRequest(token_ids=router_pb2.TokenIds(ids=tokens), slo=slo,
                                       params=common_pb2.SamplingParams(temperature=0, max_tokens=max_tokens))
 
 
-def _stream(dep, tokens: list[int], max_tokens: int = MAX_TOKENS) -> list[int]:
-    return [t for msg in dep.router_stub().Generate(_request(tokens, max_tokens), timeout=180) for t in msg.token_ids]
+def _stream(dep, tokens: list[int], max_tokens: int = MAX_TOKENS, slo: router_pb2.RequestSlo | None = None
+            ) -> list[int]:
+    return [t for msg in dep.router_stub().Generate(_request(tokens, max_tokens, slo), timeout=180)
+            for t in msg.token_ids]
 
 
 def _decisions(dep, kind: str) -> float:
@@ -92,14 +104,14 @@ def test_local_and_cross_worker_prefill_match_offline_and_pools_whole(deployment
     # first: nothing cached anywhere, no decode rows: prefilled where it decodes
     assert _stream(deployment, prompts[0]) == expected[0]
     assert _decisions(deployment, "local") == 1 and _transfers(deployment) == 0
-    # a long stream that shares the system prompt decodes where that prompt is cached (the fewest
-    # uncached tokens break the tie of no rows), prefilled there
+    # a long stream that shares the system prompt decodes where that prompt is cached (co-location's
+    # pick: the cached prefix), prefilled there
     long_call = deployment.router_stub().Generate(_request(prompts[2], 400), timeout=180)
     _first_tokens(long_call, 2)
     assert _decisions(deployment, "local") == 2
-    # while it runs: the other worker has fewer rows, so it decodes the next request, whose system
-    # prompt only the first worker holds: prefilled there and its KV shipped over
-    assert _stream(deployment, prompts[1]) == expected[1]
+    # while it runs, a TIGHT request with that system prompt: the other worker (no rows) decodes it,
+    # the first (its prompt cached, the lowest TTFT estimate) prefills it and ships the KV over
+    assert _stream(deployment, prompts[1], slo=TIGHT) == expected[1]
     long_call.cancel()
     assert _decisions(deployment, "remote") == 1
     sent = sum(deployment.stats(w).kv_transfer_bytes for w in deployment.decode)
@@ -107,8 +119,8 @@ def test_local_and_cross_worker_prefill_match_offline_and_pools_whole(deployment
     _whole(deployment)
 
 
-def _cancel_after_tokens(dep, tokens: list[int], n: int = 3) -> int:
-    return dep.cancel_after_tokens(_request(tokens, max_tokens=400), n)
+def _cancel_after_tokens(dep, tokens: list[int], n: int = 3, slo: router_pb2.RequestSlo | None = None) -> int:
+    return dep.cancel_after_tokens(_request(tokens, 400, slo), n)
 
 
 def test_cancel_in_each_path_leaves_both_pools_whole(deployment, offline, prompts):
@@ -124,7 +136,7 @@ def test_cancel_in_each_path_leaves_both_pools_whole(deployment, offline, prompt
         if busy is not None:
             _first_tokens(busy, 2)
             local += 1
-        assert _cancel_after_tokens(deployment, tokens) >= 3
+        assert _cancel_after_tokens(deployment, tokens, slo=TIGHT if busy is not None else None) >= 3
         paths.append("local" if _decisions(deployment, "local") > local else "remote")
         if busy is not None:
             busy.cancel()

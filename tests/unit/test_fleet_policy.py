@@ -9,8 +9,6 @@ from pdserve.router.fleet_policy import (
     MAX_MOVES_PER_ROUND,
     FleetWorker,
     decide,
-    dedicated_lean,
-    full_rate,
     pick_decode,
     pick_moves,
     prefill_rate,
@@ -25,96 +23,88 @@ def w(key: str, u: int = 1000, **kw) -> FleetWorker:
     return FleetWorker(key, u, **{"tokens_per_s": 40_000.0, **kw})
 
 
-BUSY = 30_000.0    # W of a worker given 15k prompt tokens/s lately: >= LEAN_BUSY_SHARE (0.25) of 40k/s
+def test_decode_stays_home_while_home_has_room():
+    # home a: 5 rows at 6 ms, or 30 at 11 ms (both within the guard's goal, 11.4); b idle: home kept
+    a, b = w("a", decode_rows=5, decode_step_ms=6.0), w("b")
+    assert pick_decode([a, b], 12.0, home="a") is a
+    assert pick_decode([w("a", decode_rows=30, decode_step_ms=11.0), b], 12.0, home="a").key == "a"
+    # home's rows alone over the goal (11.5 > 11.4) while b has room: b decodes it
+    over = w("a", decode_rows=40, decode_step_ms=11.5)
+    assert pick_decode([over, b], 12.0, home="a") is b
+    # nobody has room: home keeps it (every GPU's decode bandwidth is in use anyway)
+    full = w("b", decode_rows=38, decode_step_ms=11.0)
+    assert pick_decode([over, full], 12.0, home="a") is over
 
 
-def test_a_busy_prefiller_gets_no_decode_rows():
-    # a: no rows, given 30k tokens in the last 2 s window = 15k/s >= 0.25 * 40k/s: the dedicated lean
-    a, b = w("a", recent_tokens=BUSY), w("b", decode_rows=5, decode_step_ms=6.0)
-    assert dedicated_lean([a, b], 12.0, 2.0) is a
-    assert pick_decode([a, b], 12.0) is b                 # b has room (6 <= 0.7 * 12)
-    # b has no room (11.5 > 8.4): every GPU's decode bandwidth is needed, the rows balance onto a
-    over = w("b", decode_rows=40, decode_step_ms=11.5)
-    assert dedicated_lean([a, over], 12.0, 2.0) is None and pick_decode([a, over], 12.0) is a
-    # 9k tokens = 4.5k/s < 10k/s: not busy, so the rows balance: a has the fewest
-    idle = w("a", recent_tokens=9000.0)
-    assert dedicated_lean([idle, b], 12.0, 2.0) is None and pick_decode([idle, b], 12.0) is idle
-
-
-def test_the_lean_is_the_fewest_rows_then_the_most_prompt_tokens():
-    a, b = w("a", recent_tokens=BUSY), w("b", recent_tokens=BUSY + 1)
-    assert dedicated_lean([a, b], 12.0, 2.0) is b and pick_decode([a, b], 12.0) is a
-    # a 20k/s measured rate but 0.025 ms a prompt token: a full step computes 40k/s, so 15k/s is busy
-    slow = w("a", recent_tokens=BUSY, tokens_per_s=20_000.0, ms_per_prompt_token=0.025)
-    assert full_rate(slow, 8000.0) == pytest.approx(40_000.0)
-    assert dedicated_lean([slow, w("b", decode_rows=1, decode_step_ms=5.0)], 12.0, 2.0) is slow
-
-
-def test_decode_spills_to_the_fewest_rows_when_no_other_has_room():
-    a = w("a", recent_tokens=9000.0, decode_rows=2, decode_step_ms=5.0)
+def test_without_home_the_fewest_rows_then_the_cached_prefix_then_the_key():
+    a = w("a", decode_rows=2, decode_step_ms=5.0)
     b = w("b", decode_rows=40, decode_step_ms=LEAN_SHARE * 12.0 + 0.1)
     assert pick_decode([a, b], 12.0) is a
     # a worker without rows always has room, whatever its last decode step was
     assert pick_decode([a, w("b", decode_step_ms=50.0)], 12.0).key == "b"
-
-
-def test_decode_ties_go_to_the_cached_prefix_then_the_key():
-    a, b, c = w("a"), w("b", u=200), w("c", u=900)
-    assert pick_decode([a, b, c], 12.0) is b
+    assert pick_decode([w("a"), w("b", u=200), w("c", u=900)], 12.0).key == "b"
     assert pick_decode([w("x"), w("z"), w("y")], 12.0).key == "x"
+    # an unknown home is no preference
+    assert pick_decode([a, b], 12.0, home="gone") is a
 
 
 def test_a_tighter_tpot_leaves_fewer_with_room():
-    a = w("a", recent_tokens=BUSY)                                   # the dedicated lean
-    b, c = w("b", decode_rows=3, decode_step_ms=7.5), w("c", decode_rows=6, decode_step_ms=5.0)
-    assert pick_decode([a, b, c], 12.0) is b              # both have room (<= 8.4): the fewer rows
-    assert pick_decode([a, b, c], 8.0) is c               # only c has room (<= 5.6)
+    b, c = w("b", decode_rows=3, decode_step_ms=7.8), w("c", decode_rows=6, decode_step_ms=5.0)
+    assert pick_decode([b, c], 12.0, home="b") is b      # 7.8 <= 11.4: within the goal, home keeps it
+    assert pick_decode([b, c], 8.0, home="b") is c       # 7.8 > 7.6 = 8 * 0.95; c has room (5 <= 5.6)
 
 
 def test_prefill_rate_by_hand():
     # no rows: the measured rate, or 1000 / c when that is higher (a rate measured beside decode rows)
     assert prefill_rate(w("a"), 12.0, 8000.0) == 40_000.0
     assert prefill_rate(w("a", tokens_per_s=9000.0, ms_per_prompt_token=0.025), 12.0, 8000.0) == 40_000.0
-    # rows: the guard's goal 12 ms a step on average (margin 0), 7.2 of them for prompts at 0.02 ms: 360 tokens a 12 ms
+    # rows: the guard's goal 11.4 ms a step on average (12 ms, margin 0.05), 6.6 of them for prompts at
+    # 0.02 ms: 330 tokens every 11.4 ms
     busy = w("a", decode_rows=8, decode_step_ms=4.8, ms_per_prompt_token=0.02, max_num_batched_tokens=4096)
-    assert prefill_rate(busy, 12.0, 8000.0) == pytest.approx(1000.0 * 360 / 12.0)
+    assert prefill_rate(busy, 12.0, 8000.0) == pytest.approx(1000.0 * 330 / 11.4)
     # decode rows over the goal: the guard's floor, 32 tokens a step of 11 + 0.64 ms
     full = w("a", decode_rows=8, decode_step_ms=11.8, ms_per_prompt_token=0.02)
     assert prefill_rate(full, 12.0, 8000.0) == pytest.approx(1000.0 * 32 / (11.8 + 0.64))
 
 
-def test_local_when_the_decode_worker_is_the_fastest_place():
-    a, b = w("a", recent_tokens=BUSY), w("b")
-    d, dec = decide([a, b], CFG)
+def test_local_on_home_while_it_keeps_the_ttft():
+    # home b has 20 rows at 5 ms: (11.4 - 5) / 0.02 = 320 prompt tokens every 11.4 ms = 28,070/s, so
+    # 1000 tokens in 35.6 ms <= 0.6 s: local, though a (no rows, 40k/s) would be faster
+    a = w("a")
+    b = w("b", decode_rows=20, decode_step_ms=5.0, ms_per_prompt_token=0.02, max_num_batched_tokens=4096)
+    d, dec = decide([a, b], CFG, home="b")
     assert d == "b" and dec.kind == LOCAL and dec.prefill_key is None
-    assert dec.ttft_ms == pytest.approx(25.0)             # 1000 tokens at 40k/s
+    assert dec.ttft_ms == pytest.approx(1000.0 / (1000.0 * 6.4 / (0.02 * 11.4)) * 1000.0)
     assert dec.prefill_tokens == 1000
 
 
-def test_remote_where_the_prefix_is_cached():
-    # b decodes (a leans); a holds all but 100 of the prompt's tokens
-    a, b = w("a", u=100, recent_tokens=BUSY), w("b", u=2100)
-    d, dec = decide([a, b], CFG)
-    # a: 100 / 40k = 2.5 ms + 2 ms + 2100 tokens * 1 us = 6.6 ms; b: 2100 / 40k = 52.5 ms
+def test_remote_when_home_would_break_the_ttft():
+    # home b's queue: 20k tokens at 28,070/s = 748 ms > 600; a holds all but 100 of the prompt
+    a = w("a", u=100)
+    b = w("b", u=2100, queued_tokens=20_000, decode_rows=20, decode_step_ms=5.0, ms_per_prompt_token=0.02)
+    d, dec = decide([a, b], CFG, home="b")
+    # a: 100 / 40k = 2.5 ms + 2 ms + 2100 tokens * 1 us = 6.6 ms
     assert d == "b" and dec.kind == REMOTE and dec.prefill_key == "a"
     assert dec.ttft_ms == pytest.approx(6.6) and dec.prefill_tokens == 100
 
 
-def test_decode_rows_wait_counts_against_a_local_prefill():
-    # b decodes 20 rows at 0.02 ms a prompt token: a local 1000-token prompt costs them 400 ms of waiting
-    a = w("a", recent_tokens=BUSY)
-    b = w("b", decode_rows=20, decode_step_ms=5.0, ms_per_prompt_token=0.02, max_num_batched_tokens=4096)
-    d, dec = decide([a, b], CFG)
-    assert d == "b" and dec.kind == REMOTE and dec.prefill_key == "a"
+def test_among_the_others_the_decode_rows_wait_counts():
+    # home h is over its TTFT share; a (no rows) and b (20 rows at 0.02 ms a token) both keep it:
+    # a costs 25 + 3 ms; b 1000 / 28,070/s + 3 + 20 * 1000 * 0.02 = 435.6 ms: a
+    h = w("h", queued_tokens=40_000, decode_rows=1, decode_step_ms=5.0, ms_per_prompt_token=0.02)
+    a = w("a")
+    b = w("b", decode_rows=20, decode_step_ms=5.0, ms_per_prompt_token=0.02)
+    d, dec = decide([h, a, b], CFG, home="h")
+    assert d == "h" and dec.kind == REMOTE and dec.prefill_key == "a"
     assert dec.ttft_ms == pytest.approx(25.0 + 2.0 + 1.0)
 
 
-def test_over_the_ttft_share_the_fastest_wins():
-    # a's queue is long: 30k tokens at 40k/s = 750 ms > 0.6 s; b has rows but a short queue
-    a = w("a", recent_tokens=BUSY, queued_tokens=30_000)
-    b = w("b", decode_rows=20, decode_step_ms=5.0, ms_per_prompt_token=0.02, max_num_batched_tokens=4096)
-    d, dec = decide([a, b], CFG)
-    assert d == "b" and dec.kind == LOCAL     # b: (12 - 5) / 0.02 = 350 a 12 ms step -> 1000 in ~34 ms
+def test_over_the_ttft_share_everywhere_the_fastest_wins():
+    # every place is over 0.6 s: the lowest ttft, here home's own queue (750 ms) beats a's (1000 ms + 3)
+    h = w("h", queued_tokens=29_000)
+    a = w("a", queued_tokens=39_000)
+    d, dec = decide([h, a], CFG, home="h")
+    assert d == "h" and dec.kind == LOCAL and dec.ttft_ms == pytest.approx(750.0)
 
 
 def test_prefill_only_workers_never_decode_and_decode_only_never_prefill_for_others():
@@ -145,11 +135,9 @@ def test_no_move_without_risk_room_or_a_gap():
                        w("b", decode_rows=1, decode_step_ms=5.0)], 12.0) == []               # gap under 2
     assert pick_moves([w("a", decode_rows=8, decode_step_ms=12.5),
                        w("p", can_decode=False)], 12.0) == []                                # p never decodes
-    # b is busy prefilling and c has room: b is dedicated, the decodes go to c
-    busy, c = w("b", recent_tokens=BUSY), w("c", decode_rows=2, decode_step_ms=5.0)
-    assert pick_moves([w("a", decode_rows=10, decode_step_ms=12.5), busy, c], 12.0) == [("a", "c", 4)]
-    # no other has room: b is not kept free, it takes them
-    assert pick_moves([w("a", decode_rows=10, decode_step_ms=12.5), busy], 12.0) == [("a", "b", 4)]
+    # the destination is the fewest rows among those with room
+    b, c = w("b", decode_rows=3, decode_step_ms=5.0), w("c", decode_rows=2, decode_step_ms=5.0)
+    assert pick_moves([w("a", decode_rows=10, decode_step_ms=12.5), b, c], 12.0) == [("a", "c", 4)]
 
 
 def test_each_worker_is_in_one_move_per_round():

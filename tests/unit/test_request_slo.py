@@ -38,14 +38,13 @@ def test_a_request_only_tightens_the_routers_objectives():
 
 
 def test_a_tighter_tpot_changes_the_decode_pick():
-    # a is busy prefilling (no rows, 15k prompt tokens/s lately); b decodes 3 rows at 7.5 ms, c 6 at 5 ms
-    a = FleetWorker("a", 1000, tokens_per_s=40_000.0, recent_tokens=30_000.0)
-    b = FleetWorker("b", 1000, tokens_per_s=40_000.0, decode_rows=3, decode_step_ms=7.5)
+    # home b decodes 3 rows at 7.8 ms, c 6 at 5 ms
+    b = FleetWorker("b", 1000, tokens_per_s=40_000.0, decode_rows=3, decode_step_ms=7.8)
     c = FleetWorker("c", 1000, tokens_per_s=40_000.0, decode_rows=6, decode_step_ms=5.0)
-    # router's 12 ms: both have room (<= 0.7 * 12 = 8.4), the fewer rows win
-    assert pick_decode([a, b, c], slo.tighten(CFG, slo.NONE).slo_tpot_ms) is b
-    # the request's 8 ms: only c has room (<= 5.6)
-    assert pick_decode([a, b, c], slo.tighten(CFG, slo.RequestSlo(tpot_ms=8.0)).slo_tpot_ms) is c
+    # router's 12 ms: home's step is within the guard's goal (7.8 <= 11.4) and keeps it
+    assert pick_decode([b, c], slo.tighten(CFG, slo.NONE).slo_tpot_ms, home="b") is b
+    # the request's 8 ms: home's step breaks the goal (7.8 > 7.6), c has room (5 <= 0.7 * 8)
+    assert pick_decode([b, c], slo.tighten(CFG, slo.RequestSlo(tpot_ms=8.0)).slo_tpot_ms, home="b") is c
 
 
 @pytest.mark.parametrize("value", [-1.0, math.nan, math.inf, slo.MAX_SLO_MS + 1])

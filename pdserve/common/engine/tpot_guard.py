@@ -33,7 +33,7 @@ from pdserve.common.worker_types import MIN_CHUNK_TOKENS  # the floor, which the
 
 UNMEASURED_TOKENS = 512     # the budget before the first mixed step is measured
 MAX_STEP_SHARE = 2.0        # no guarded step longer than this many targets (the ITL bound)
-CREDIT_CAP_SHARE = 50.0     # the credit saved is at most this many goals (an average over ~50 steps)
+CREDIT_CAP_SHARE = 20.0     # the credit saved is at most this many goals (an average over ~20 steps)
 
 
 def prompt_budget(target_ms: float, margin: float, credit_ms: float, decode_step_ms: float,
