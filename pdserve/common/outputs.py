@@ -17,10 +17,15 @@ class FinishReason(Enum):
     ERROR = "error"
 
 
+TopLogprobs = tuple[list[int], list[float]]   # a position's most likely token ids and their logprobs
+
+
 @dataclass(slots=True)
 class SequenceOutput:
     """New tokens of one request since its last output. ``num_prompt_tokens`` is set once, on
-    the request's first output; ``finish_reason`` on its last."""
+    the request's first output; ``finish_reason`` on its last. ``top_logprobs``: one entry per
+    token when the request asked for them; ``prompt_logprobs`` / ``prompt_top_logprobs``: prompt
+    tokens 1..n-1, in the first output only (SamplingParams.prompt_logprobs)."""
     request_id: str = ""
     token_ids: list[int] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)
@@ -28,3 +33,6 @@ class SequenceOutput:
     num_prompt_tokens: int = 0
     num_cached_tokens: int = 0
     error: str = ""
+    top_logprobs: list[TopLogprobs] = field(default_factory=list)
+    prompt_logprobs: list[float] = field(default_factory=list)
+    prompt_top_logprobs: list[TopLogprobs] = field(default_factory=list)

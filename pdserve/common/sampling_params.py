@@ -4,6 +4,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 MAX_TOP_LOGPROBS = 20
+MAX_LOGIT_BIAS = 300          # entries of logit_bias (OpenAI's limit)
+LOGIT_BIAS_RANGE = 100.0      # each bias in [-100, 100]
 GUIDE_KINDS = ("json_schema", "json_object", "regex", "choice", "grammar")
 
 
@@ -41,8 +43,13 @@ class SamplingParams:
     presence/frequency_penalty (0.0 = off) subtract for tokens seen in the output. ``seed``
     makes a sampled request reproducible; ``logprobs`` returns each chosen token's raw logprob,
     ``top_logprobs`` (0..20, needs ``logprobs``) also the most likely tokens' ids and raw logprobs
-    at each position; ``guide`` constrains the output (the engine masks the logits before
-    sampling, greedy or random).
+    at each position; ``prompt_logprobs`` (needs ``logprobs``) also returns every prompt token's
+    logprob after the first (and its top ``top_logprobs``), computed by the prefill, which then
+    skips the prefix cache; ``guide`` constrains the output (the engine masks the logits before
+    sampling, greedy or random). ``logit_bias`` ((token id, bias) pairs, bias in [-100, 100],
+    ids unique) is added to the logits before sampling; ``min_tokens`` (<= max_tokens, not with a
+    guide) masks the EOS ids (unless ``ignore_eos``) and ``stop_token_ids`` until that many tokens
+    exist.
     """
 
     temperature: float = 1.0
@@ -59,6 +66,9 @@ class SamplingParams:
     logprobs: bool = False
     top_logprobs: int = 0
     guide: Guide | None = None
+    prompt_logprobs: bool = False
+    logit_bias: tuple[tuple[int, float], ...] = ()
+    min_tokens: int = 0
 
     def __post_init__(self) -> None:
         _check(self.temperature >= 0.0, "temperature", f"must be >= 0, got {self.temperature}")
@@ -77,6 +87,12 @@ class SamplingParams:
         _check(isinstance(self.top_logprobs, int) and 0 <= self.top_logprobs <= MAX_TOP_LOGPROBS, "top_logprobs",
                f"must be an integer in [0, {MAX_TOP_LOGPROBS}], got {self.top_logprobs}")
         _check(self.logprobs or not self.top_logprobs, "top_logprobs", "needs logprobs")
+        _check(self.logprobs or not self.prompt_logprobs, "prompt_logprobs", "needs logprobs")
+        _check(isinstance(self.min_tokens, int) and 0 <= self.min_tokens <= self.max_tokens, "min_tokens",
+               f"must be an integer in [0, max_tokens={self.max_tokens}], got {self.min_tokens}")
+        _check(not (self.min_tokens and self.guide is not None), "min_tokens",
+               "cannot be combined with a guide (a finished grammar allows only EOS)")
+        object.__setattr__(self, "logit_bias", _logit_bias(self.logit_bias))
         object.__setattr__(self, "stop_token_ids", tuple(int(t) for t in self.stop_token_ids))
 
     @property
@@ -87,6 +103,19 @@ class SamplingParams:
     def has_penalties(self) -> bool:
         return (self.repetition_penalty != 1.0 or self.presence_penalty != 0.0
                 or self.frequency_penalty != 0.0)
+
+
+def _logit_bias(pairs) -> tuple[tuple[int, float], ...]:
+    """``pairs`` as a tuple of (int id, float bias), checked: unique ids >= 0, finite biases in
+    range, at most MAX_LOGIT_BIAS (the vocabulary bound is the caller's: it knows the model)."""
+    out = tuple((int(t), float(b)) for t, b in pairs)
+    _check(len(out) <= MAX_LOGIT_BIAS, "logit_bias", f"at most {MAX_LOGIT_BIAS} entries, got {len(out)}")
+    _check(len({t for t, _ in out}) == len(out), "logit_bias", "token ids must be unique")
+    for t, b in out:
+        _check(t >= 0, "logit_bias", f"token id must be >= 0, got {t}")
+        _check(-LOGIT_BIAS_RANGE <= b <= LOGIT_BIAS_RANGE, "logit_bias",
+               f"bias of token {t} must be in [-{LOGIT_BIAS_RANGE:g}, {LOGIT_BIAS_RANGE:g}], got {b}")
+    return out
 
 
 def _check(ok: bool, name: str, message: str) -> None:

@@ -145,6 +145,9 @@ def _merge(items: list[list[SequenceOutput]]) -> list[worker_pb2.SequenceOutput]
             out = merged.setdefault(u.request_id, SequenceOutput(u.request_id))
             out.token_ids += u.token_ids
             out.logprobs += u.logprobs
+            out.top_logprobs += u.top_logprobs
+            out.prompt_logprobs += u.prompt_logprobs
+            out.prompt_top_logprobs += u.prompt_top_logprobs
             if u.num_prompt_tokens:
                 out.num_prompt_tokens, out.num_cached_tokens = u.num_prompt_tokens, u.num_cached_tokens
             if u.finish_reason is not None:

@@ -244,8 +244,12 @@ class DecodeState:
                 continue
             u = SequenceOutput(seq.request_id, [token],
                           [seq.output_logprobs[-1]] if seq.sampling_params.logprobs and seq.output_logprobs else [])
+            if seq.sampling_params.top_logprobs and seq.output_top_logprobs:
+                u.top_logprobs = [seq.output_top_logprobs[-1]]
             if not t.first_sent:
                 u.num_prompt_tokens, u.num_cached_tokens = seq.num_prompt_tokens, seq.num_prefix_hit_tokens
+                u.prompt_logprobs = list(seq.prompt_logprobs or ())      # co-located: computed here
+                u.prompt_top_logprobs = list(seq.prompt_top_logprobs or ())
                 t.first_sent = True
             by_router.setdefault(t.router_id, {})[seq.request_id] = u
         for seq in out.finished:

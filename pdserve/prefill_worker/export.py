@@ -20,7 +20,7 @@ import grpc
 from pdserve.common import telemetry
 from pdserve.common.engine.llm_engine import DuplicateRequest
 from pdserve.common.grpc_utils.channels import RenewingChannels
-from pdserve.common.grpc_utils.convert import finish_reason_to_proto, sampling_params_for_prompt
+from pdserve.common.grpc_utils.convert import finish_reason_to_proto, sampling_params_for_prompt, top_logprobs_to_proto
 from pdserve.common.grpc_utils.errors import (
     AlreadyExists,
     Cancelled,
@@ -33,7 +33,13 @@ from pdserve.common.kv_transfer.transport import Sender
 from pdserve.common.outputs import FinishReason
 from pdserve.common.serving.engine_loop import EngineHooks
 from pdserve.common.serving.worker_runtime import WorkerRuntime
-from pdserve.prefill_worker.state import CancelledBefore, LaunchedPrefill, PrefillAborted, PrefillState
+from pdserve.prefill_worker.state import (
+    CancelledBefore,
+    FirstTokenResult,
+    LaunchedPrefill,
+    PrefillAborted,
+    PrefillState,
+)
 from pdserve.v1 import worker_pb2, worker_pb2_grpc
 
 logger = logging.getLogger(__name__)
@@ -126,9 +132,7 @@ class KvExport:
             ship = asyncio.ensure_future(self.runtime.metrics.observe_send(
                 rid, self._ship(request, await self._wait(rid, launched))))
             result = await self._wait(rid, first)
-            yield worker_pb2.PrefillResponse(first_token=worker_pb2.FirstToken(
-                token_id=result.token_id, logprob=result.logprob, num_cached_tokens=result.num_cached_tokens,
-                finish_reason=finish_reason_to_proto(result.finish_reason)))
+            yield worker_pb2.PrefillResponse(first_token=first_token_to_proto(result))
             if result.finish_reason is not None:
                 return               # the router cancels the decode side; the send may still end
             done = await asyncio.shield(ship)
@@ -210,3 +214,14 @@ class KvExport:
             release()
         else:
             transfer.add_done_callback(release)
+
+
+def first_token_to_proto(result: FirstTokenResult) -> worker_pb2.FirstToken:
+    """The FirstToken message of a prefill's result (top and prompt logprobs when it has them)."""
+    msg = worker_pb2.FirstToken(
+        token_id=result.token_id, logprob=result.logprob, num_cached_tokens=result.num_cached_tokens,
+        finish_reason=finish_reason_to_proto(result.finish_reason), prompt_logprobs=result.prompt_logprobs or [],
+        prompt_top_logprobs=top_logprobs_to_proto(result.prompt_top_logprobs or []))
+    if result.top_logprobs is not None:
+        msg.top_logprobs.CopyFrom(top_logprobs_to_proto([result.top_logprobs])[0])
+    return msg

@@ -50,6 +50,9 @@ class FirstTokenResult:
     logprob: float
     num_cached_tokens: int
     finish_reason: FinishReason | None   # set when the first token ends the request
+    top_logprobs: tuple[list[int], list[float]] | None = None     # when params.top_logprobs
+    prompt_logprobs: list[float] | None = None                   # when params.prompt_logprobs
+    prompt_top_logprobs: list[tuple[list[int], list[float]]] | None = None
 
 
 @dataclass
@@ -124,7 +127,9 @@ class PrefillState:
             if p is None:
                 continue
             logprob = seq.output_logprobs[-1] if seq.output_logprobs else 0.0
-            self._resolve(p, FirstTokenResult(seq.last_token, logprob, seq.num_prefix_hit_tokens, seq.finish_reason))
+            top = seq.output_top_logprobs[-1] if seq.output_top_logprobs else None
+            self._resolve(p, FirstTokenResult(seq.last_token, logprob, seq.num_prefix_hit_tokens, seq.finish_reason,
+                                              top, seq.prompt_logprobs, seq.prompt_top_logprobs))
 
     def cancel(self, engine: LLMEngine, request_id: str, reason: FinishReason = FinishReason.CANCELLED) -> bool:
         """End a request before its first token. Before its step is launched its blocks are

@@ -279,6 +279,9 @@ class Attempt:
             raise self._fail(err, self.decode, "decode")
         step.token_ids.extend(out.token_ids)
         step.logprobs.extend(out.logprobs)
+        step.top_logprobs.extend(out.top_logprobs)
+        step.prompt_logprobs.extend(out.prompt_logprobs)
+        step.prompt_top_logprobs.extend(out.prompt_top_logprobs)
         step.finish_reason = out.finish_reason
 
     def _on_decode_output(self, item) -> None:

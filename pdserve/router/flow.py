@@ -311,6 +311,9 @@ class Flow:
         if not done and not toks and not text:
             return None
         resp = TextOutput(job.request_id, toks, step.logprobs if job.sampling.logprobs else [], text=text)
+        if job.sampling.logprobs:
+            resp.top_logprobs = step.top_logprobs
+            resp.prompt_logprobs, resp.prompt_top_logprobs = step.prompt_logprobs, step.prompt_top_logprobs
         if done:
             resp.finish_reason = reason
             resp.num_prompt_tokens = len(job.prompt.token_ids)
@@ -333,7 +336,9 @@ def _continuation(job: Job, generated: list[int]) -> Job:
     """The rest of ``job``: its prompt followed by the tokens already sent as the new prompt, the
     tokens left as its budget; the output processor goes on as it was."""
     return replace(job, prompt=Prompt(job.prompt.token_ids + generated, job.prompt.field),
-                   sampling=replace(job.sampling, max_tokens=job.sampling.max_tokens - len(generated)),
+                   sampling=replace(job.sampling, max_tokens=job.sampling.max_tokens - len(generated),
+                                    min_tokens=max(0, job.sampling.min_tokens - len(generated)),
+                                    prompt_logprobs=False),     # sent once, with the first token
                    hash_chain=None, matched=None, on_dispatch=None, origin=job.origin or job)
 
 

@@ -15,7 +15,7 @@ from typing import Any
 import pdserve
 from pdserve.common import telemetry
 from pdserve.common.grpc_utils import Service
-from pdserve.common.grpc_utils.convert import finish_reason_to_proto, worker_info_to_proto
+from pdserve.common.grpc_utils.convert import finish_reason_to_proto, top_logprobs_to_proto, worker_info_to_proto
 from pdserve.common.grpc_utils.protocol import PROTOCOL_VERSION
 from pdserve.common.worker_types import DECODE_ROLES, PREFILL_CAPABLE, Role, WorkerInfo
 from pdserve.router import slo
@@ -64,8 +64,10 @@ class EarlyHeaders:
 
 def generate_response(out: TextOutput) -> router_pb2.GenerateResponse:
     """The wire form of one output; finish reason, usage and matched stop on the last only."""
-    resp = router_pb2.GenerateResponse(request_id=out.request_id, token_ids=out.token_ids, text=out.text,
-                                       logprobs=out.logprobs)
+    resp = router_pb2.GenerateResponse(
+        request_id=out.request_id, token_ids=out.token_ids, text=out.text, logprobs=out.logprobs,
+        top_logprobs=top_logprobs_to_proto(out.top_logprobs), prompt_logprobs=out.prompt_logprobs,
+        prompt_top_logprobs=top_logprobs_to_proto(out.prompt_top_logprobs))
     if out.finish_reason is not None:
         resp.finish_reason = finish_reason_to_proto(out.finish_reason, out.matched_stop is not None)
         resp.usage.prompt_tokens = out.num_prompt_tokens
@@ -137,6 +139,9 @@ class GenerationServicer(router_pb2_grpc.GenerationServicer):
             texts.append(out.text)
             result.token_ids.extend(out.token_ids)
             result.logprobs.extend(out.logprobs)
+            result.top_logprobs.extend(top_logprobs_to_proto(out.top_logprobs))
+            result.prompt_logprobs.extend(out.prompt_logprobs)
+            result.prompt_top_logprobs.extend(top_logprobs_to_proto(out.prompt_top_logprobs))
             if out.finish_reason is not None:
                 last = generate_response(out)
                 result.finish_reason = last.finish_reason

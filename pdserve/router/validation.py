@@ -37,7 +37,7 @@ def from_proto(p: common_pb2.SamplingParams, vocab_size: int, has_tokenizer: boo
     for i, s in enumerate(stop):
         if not s or len(s) > MAX_STOP_CHARS:
             raise InvalidArgument(f"params.stop[{i}]", f"must be 1..{MAX_STOP_CHARS} characters long")
-    sampling = sampling_params_from_proto(p, rest_of_context=1, vocab_size=vocab_size)
+    sampling = sampling_params_from_proto(p, rest_of_context=max(1, p.min_tokens), vocab_size=vocab_size)
     return RequestParams(sampling, int(p.max_tokens), stop)
 
 
@@ -72,7 +72,8 @@ class ParamsCache:
         client converts it, pdserve.common.grpc_utils.convert.sampling_params_to_proto)."""
         out = self._resolved.get((key, max_tokens))
         if out is None:
-            out = dataclasses.replace(params.sampling, max_tokens=max_tokens)
+            out = dataclasses.replace(params.sampling, max_tokens=max_tokens,   # min_tokens within it
+                                      min_tokens=min(params.sampling.min_tokens, max_tokens))
             if len(self._resolved) >= self.max_entries:
                 self._resolved.clear()
             self._resolved[(key, max_tokens)] = out

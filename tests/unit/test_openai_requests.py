@@ -50,8 +50,11 @@ def test_completion_prompts_text_ids_and_batches():
     ({"prompt": "x", "max_tokens": 0}, "max_tokens"),
     ({"prompt": "x", "temperature": True}, "temperature"),
     ({"prompt": "x", "top_p": 0}, "top_p"),
-    ({"prompt": "x", "logprobs": 2}, "logprobs"),
-    ({"prompt": "x", "echo": True}, "echo"),
+    ({"prompt": "x", "logprobs": 21}, "logprobs"),
+    ({"prompt": "x", "echo": "yes"}, "echo"),
+    ({"prompt": "x", "logit_bias": {"a": 1}}, "logit_bias"),
+    ({"prompt": "x", "logit_bias": {"5": "high"}}, "logit_bias"),
+    ({"prompt": "x", "min_tokens": -1}, "min_tokens"),
     ({"prompt": "x", "stop": [1]}, "stop"),
     ({"prompt": []}, "prompt"),
     ({"prompt": ["a", 1.5]}, "prompt[1]"),
@@ -72,6 +75,7 @@ TOOL = {"type": "function", "function": {"name": "get_weather", "parameters": {
     ({"messages": [{"role": "user", "content": [{"type": "image_url"}]}]}, "messages[0].content[0].type"),
     ({"messages": [{"content": "hi"}]}, "messages[0].role"),
     ({"messages": [{"role": "user", "content": "hi"}], "top_logprobs": 2}, "top_logprobs"),
+    ({"messages": [{"role": "user", "content": "hi"}], "logprobs": True, "top_logprobs": 21}, "top_logprobs"),
     ({"messages": [{"role": "user", "content": "hi"}], "tools": [{"type": "function"}]}, "tools[0]"),
     ({"messages": [{"role": "user", "content": "hi"}], "tools": [{"type": "function", "function": {}}]},
      "tools[0].function.name"),
@@ -142,3 +146,16 @@ def test_tool_choices_become_guides_and_a_rendered_chat():
     assert branch["properties"]["name"] == {"const": "get_weather"}
     auto = parse_chat({"messages": msgs, "tools": [TOOL]})
     assert auto.tools.choice == "auto" and not auto.inputs[0].params.HasField("guide")
+
+
+def test_logprobs_echo_logit_bias_and_min_tokens_reach_the_params():
+    api = parse_completion({"prompt": "x", "logprobs": 3, "echo": True, "logit_bias": {"17": -100, "4": 2.5},
+                            "min_tokens": 2})
+    p = api.inputs[0].params
+    assert (api.echo, api.top_logprobs, p.logprobs, p.top_logprobs, p.prompt_logprobs) == (True, 3, True, 3, True)
+    assert dict(p.logit_bias) == {17: -100.0, 4: 2.5} and p.min_tokens == 2
+    plain = parse_completion({"prompt": "x", "echo": True}).inputs[0].params
+    assert not plain.logprobs and not plain.prompt_logprobs          # echo alone: text only
+    chat = parse_chat({"messages": [{"role": "user", "content": "hi"}], "logprobs": True, "top_logprobs": 4})
+    assert chat.top_logprobs == 4 and chat.inputs[0].params.top_logprobs == 4
+    assert not chat.inputs[0].params.prompt_logprobs

@@ -113,8 +113,11 @@ class BlockManager:
                 self.on_stored(h)
 
     def _prefix_hits(self, seq: Sequence) -> list[int]:
-        """Block ids of the leading full blocks of ``seq`` found in the cache (never the last)."""
+        """Block ids of the leading full blocks of ``seq`` found in the cache (never the last;
+        none while it needs prompt logprobs: every position must be computed)."""
         hits: list[int] = []
+        if seq.needs_prompt_logprobs:
+            return hits
         parent = NO_PARENT
         for i in range((seq.num_tokens - 1) // self.block_size):
             token_ids = seq.block(i)

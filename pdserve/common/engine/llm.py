@@ -35,6 +35,9 @@ class RequestOutput:
     finish_reason: str
     logprobs: list[float] = field(default_factory=list)
     num_cached_tokens: int = 0
+    top_logprobs: list[tuple[list[int], list[float]]] = field(default_factory=list)   # per token
+    prompt_logprobs: list[float] = field(default_factory=list)      # prompt tokens 1..n-1
+    prompt_top_logprobs: list[tuple[list[int], list[float]]] = field(default_factory=list)
 
 
 class LLM:
@@ -131,7 +134,10 @@ class LLM:
         text = self.tokenizer.decode(ids, skip_special_tokens=True) if self.tokenizer is not None else ""
         return RequestOutput(request_id=seq.request_id, prompt_token_ids=seq.prompt_token_ids, token_ids=ids,
                              text=text, finish_reason=seq.finish_reason.value, logprobs=list(seq.output_logprobs),
-                             num_cached_tokens=seq.num_prefix_hit_tokens)
+                             num_cached_tokens=seq.num_prefix_hit_tokens,
+                             top_logprobs=list(seq.output_top_logprobs),
+                             prompt_logprobs=list(seq.prompt_logprobs or ()),
+                             prompt_top_logprobs=list(seq.prompt_top_logprobs or ()))
 
 
 def _is_token_ids(prompts: Prompt | Seq[Prompt]) -> TypeIs[list[int]]:

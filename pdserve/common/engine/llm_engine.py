@@ -67,6 +67,7 @@ class LLMEngine:
         if self.model_runner.device.type == "cuda" and config.warmup:
             warm_up(self.model_runner, scratch_blocks(self.block_manager), self.max_model_len)
         self.eos_token_ids = self._eos_token_ids()
+        self.model_runner.eos_token_ids = self.eos_token_ids
         self.scheduler = Scheduler(self._scheduler_config(), self.block_manager)
         self.tokenizer = self._load_tokenizer()
         self.guides = GuideCompiler(self.tokenizer, self.source.config.vocab_size, self.eos_token_ids)

@@ -16,6 +16,7 @@ import torch
 from pdserve.common.config import EngineConfig, ModelConfig, parse_dtype
 from pdserve.common.context import ForwardContext, forward_context
 from pdserve.common.engine.prefill_batch import block_table_array, prefill_batch
+from pdserve.common.engine.prompt_logprobs import PromptLogprobsPlan, PromptLogprobsStep
 from pdserve.common.engine.sequence import Sequence
 from pdserve.common.guided.state import fill_bitmask
 from pdserve.common.layers.attention_backends import resolve_backend_name
@@ -62,7 +63,7 @@ class LaunchedStep:
 
     def __init__(self, token_ids: torch.Tensor, logprobs: torch.Tensor | None, device: torch.device,
                  seqs: list[Sequence] | None = None, top_token_ids: torch.Tensor | None = None,
-                 top_logprobs: torch.Tensor | None = None) -> None:
+                 top_logprobs: torch.Tensor | None = None, prompt: PromptLogprobsStep | None = None) -> None:
         self.seqs = seqs if seqs is not None else []   # row i of the tokens belongs to seqs[i]
         self.token_ids = token_ids          # [B] int64, on the device (feeds the next step)
         self.logprobs = logprobs
@@ -72,13 +73,18 @@ class LaunchedStep:
         self._host_lp = _to_host(logprobs, cuda)
         self._host_top_ids = _to_host(top_token_ids, cuda)
         self._host_top_lp = _to_host(top_logprobs, cuda)
+        self.prompt = prompt                # the step's prompt logprobs, if any row asked
         if cuda:
             self.event = torch.cuda.Event()
             self.event.record()
 
     def result(self) -> tuple[list[int], list[float] | None]:
+        """The tokens and their logprobs; also stores the step's prompt logprobs in their
+        sequences (engine/prompt_logprobs.py)."""
         if self.event is not None:
             self.event.synchronize()
+        if self.prompt is not None:
+            self.prompt.write()
         assert self._host_ids is not None
         return self._host_ids.tolist(), (self._host_lp.tolist() if self._host_lp is not None else None)
 
@@ -107,6 +113,7 @@ class ModelRunner:
         self.mixed_graph_runner: MixedGraphRunner | None = None
         self._sampling_key: tuple[int, ...] | None = None
         self._sampling_cache: SamplingBatch | None = None
+        self.eos_token_ids: tuple[int, ...] = tuple(source.config.eos_token_ids)   # min_tokens bans them
 
     @property
     def block_bytes(self) -> int:
@@ -232,8 +239,13 @@ class ModelRunner:
             src = self._to_device(src_rows[:nd], torch.int64)
             input_ids[:nd] = torch.where(src >= 0, prev_tokens[src.clamp(min=0)], input_ids[:nd])
         sampled = [s for s in seqs if s.completes_in_step] if is_prefill else list(seqs)
+        prompt = None
         if is_prefill:
-            hidden = self._forward_prefill(input_ids, positions, ctx, seqs)   # [len(sampled), H]
+            plan = PromptLogprobsPlan.of(seqs)
+            if plan is None:
+                hidden = self._forward_prefill(input_ids, positions, ctx, seqs)   # [len(sampled), H]
+            else:
+                hidden, prompt = self._forward_scored(input_ids, positions, ctx, seqs, plan)
         elif self.graph_runner is not None and self.graph_runner.can_run(len(seqs)):
             hidden = self.graph_runner.run(input_ids, positions, ctx)
         else:
@@ -243,9 +255,10 @@ class ModelRunner:
         if sampled:
             out = self.sampler(self.model.compute_logits(hidden), self._sampling_batch(sampled))
             launched = LaunchedStep(out.token_ids, out.logprobs, self.device, sampled, out.top_token_ids,
-                                    out.top_logprobs)
+                                    out.top_logprobs, prompt)
         else:
-            launched = LaunchedStep(hidden.new_empty(0, dtype=torch.int64), None, self.device, sampled)
+            launched = LaunchedStep(hidden.new_empty(0, dtype=torch.int64), None, self.device, sampled,
+                                    prompt=prompt)
         if is_prefill:
             for seq in sampled:   # a KV sender waits for this step only
                 seq.kv_ready = launched.event
@@ -264,6 +277,16 @@ class ModelRunner:
             hidden = self.model(input_ids, positions)
         return hidden[rows]
 
+    def _forward_scored(self, input_ids: torch.Tensor, positions: torch.Tensor, ctx: ForwardContext,
+                        seqs: list[Sequence], plan: PromptLogprobsPlan
+                        ) -> tuple[torch.Tensor, PromptLogprobsStep]:
+        """A prefill step with prompt logprobs (always eager): the sampled rows' hidden states,
+        and the plan's scoring enqueued from every row's hidden state."""
+        rows = self._to_device(_last_rows(seqs), torch.int64)
+        with forward_context(ctx):
+            hidden = self.model(input_ids, positions)
+        return hidden[rows], plan.launch(self.model.compute_logits, hidden)
+
     def _sampling_batch(self, seqs: list[Sequence]) -> SamplingBatch:
         """The batch's sampling tensors; reused while the same sequences decode together
         (their parameters never change; batches with penalties depend on tokens: rebuilt). A
@@ -273,8 +296,9 @@ class ModelRunner:
         if key == self._sampling_key and self._sampling_cache is not None:
             batch = self._sampling_cache
         else:
-            batch = prepare_sampling(seqs, self.model_config.vocab_size, self.device, self.generators)
-            self._sampling_key, self._sampling_cache = (key, batch) if not batch.any_penalty else (None, None)
+            batch = prepare_sampling(seqs, self.model_config.vocab_size, self.device, self.generators,
+                                     self.eos_token_ids)
+            self._sampling_key, self._sampling_cache = (key, batch) if not batch.per_step else (None, None)
         cuda = self.device.type == "cuda"
         bitmask = fill_bitmask(seqs, self.model_config.vocab_size, pin=cuda)
         if bitmask is None:

@@ -48,6 +48,10 @@ class Sequence:
         self.output_logprobs: list[float] = []
         # per completion token (when top_logprobs > 0): the most likely tokens' ids and raw logprobs
         self.output_top_logprobs: list[tuple[list[int], list[float]]] = []
+        # prompt_logprobs: per prompt position p < num_prompt_tokens - 1, the logprob of token p + 1
+        # (and its top tokens when top_logprobs > 0); None until a step scores one
+        self.prompt_logprobs: list[float] | None = None
+        self.prompt_top_logprobs: list[tuple[list[int], list[float]]] | None = None
         self.guide: GuideState | None = None   # grammar state of a guided request (set by the engine)
         self.finish_reason: FinishReason | None = None
         self.num_preemptions = 0
@@ -84,6 +88,24 @@ class Sequence:
     def completes_in_step(self) -> bool:
         """Whether the scheduled step computes up to the last token (so a token is sampled)."""
         return self.num_cached_tokens + self.num_scheduled_tokens == self.num_tokens
+
+    @property
+    def needs_prompt_logprobs(self) -> bool:
+        """Asked for prompt logprobs and has no token yet: its prefill scores every prompt
+        position (engine/prompt_logprobs.py), so no prefix-cache hit may skip one."""
+        return self.sampling_params.prompt_logprobs and self.num_completion_tokens == 0
+
+    def set_prompt_logprob(self, position: int, logprob: float,
+                           top: tuple[list[int], list[float]] | None) -> None:
+        """Store the logprob of prompt token ``position + 1`` (and its position's top tokens)."""
+        n = self.num_prompt_tokens - 1
+        if self.prompt_logprobs is None:
+            self.prompt_logprobs = [0.0] * n
+            if top is not None:
+                self.prompt_top_logprobs = [([], [])] * n
+        self.prompt_logprobs[position] = logprob
+        if top is not None and self.prompt_top_logprobs is not None:
+            self.prompt_top_logprobs[position] = top
 
     @property
     def num_blocks(self) -> int:

@@ -13,7 +13,7 @@ import math
 
 from pdserve.common.grpc_utils.errors import InvalidArgument
 from pdserve.common.guided.grammar import check_guide
-from pdserve.common.outputs import FinishReason, SequenceOutput
+from pdserve.common.outputs import FinishReason, SequenceOutput, TopLogprobs
 from pdserve.common.sampling_params import Guide, InvalidParameter, SamplingParams
 from pdserve.common.worker_types import Reservation, Role, WorkerInfo, WorkerStats
 from pdserve.v1 import common_pb2, worker_pb2
@@ -57,6 +57,10 @@ def sampling_params_from_proto(p: common_pb2.SamplingParams, rest_of_context: in
             if tid >= vocab_size:
                 raise InvalidArgument(f"params.stop_token_ids[{i}]",
                                       f"{tid} is out of the vocabulary (size {vocab_size})")
+        for tid in p.logit_bias:
+            if tid >= vocab_size:
+                raise InvalidArgument("params.logit_bias",
+                                      f"token id {tid} is out of the vocabulary (size {vocab_size})")
     try:
         guide = guide_from_proto(p.guide) if p.HasField("guide") else None
         check_guide(guide)
@@ -73,6 +77,10 @@ def sampling_params_from_proto(p: common_pb2.SamplingParams, rest_of_context: in
             stop_token_ids=tuple(p.stop_token_ids),
             ignore_eos=p.ignore_eos,
             logprobs=p.logprobs,
+            top_logprobs=p.top_logprobs,
+            prompt_logprobs=p.prompt_logprobs,
+            logit_bias=tuple(sorted(p.logit_bias.items())),
+            min_tokens=p.min_tokens,
             guide=guide,
         )
     except InvalidParameter as e:
@@ -96,7 +104,9 @@ def sampling_params_to_proto(s: SamplingParams, *, max_tokens: int | None = None
         temperature=s.temperature, top_p=s.top_p, top_k=s.top_k, min_p=s.min_p,
         repetition_penalty=s.repetition_penalty, presence_penalty=s.presence_penalty,
         frequency_penalty=s.frequency_penalty, max_tokens=s.max_tokens if max_tokens is None else max_tokens,
-        stop_token_ids=list(s.stop_token_ids), ignore_eos=s.ignore_eos, logprobs=s.logprobs, stop=list(stop))
+        stop_token_ids=list(s.stop_token_ids), ignore_eos=s.ignore_eos, logprobs=s.logprobs, stop=list(stop),
+        top_logprobs=s.top_logprobs, prompt_logprobs=s.prompt_logprobs, logit_bias=dict(s.logit_bias),
+        min_tokens=s.min_tokens)
     if s.seed is not None:
         p.seed = s.seed
     if s.guide is not None:
@@ -149,23 +159,39 @@ def finish_reason_name(reason: FinishReason | None, stop_string: bool = False) -
     return common_pb2.FinishReason.Name(finish_reason_to_proto(reason, stop_string))
 
 
+def top_logprobs_to_proto(tops: list[TopLogprobs]) -> list[common_pb2.TopLogprobs]:
+    return [common_pb2.TopLogprobs(token_ids=ids, logprobs=lps) for ids, lps in tops]
+
+
+def top_logprobs_from_proto(tops) -> list[TopLogprobs]:
+    return [(list(t.token_ids), list(t.logprobs)) for t in tops]
+
+
 def sequence_output_from_proto(p: worker_pb2.SequenceOutput) -> SequenceOutput:
     return SequenceOutput(p.request_id, list(p.token_ids), list(p.logprobs), _FINISH_FROM_PROTO.get(p.finish_reason),
-                          p.num_prompt_tokens, p.num_cached_tokens, p.error)
+                          p.num_prompt_tokens, p.num_cached_tokens, p.error, top_logprobs_from_proto(p.top_logprobs),
+                          list(p.prompt_logprobs), top_logprobs_from_proto(p.prompt_top_logprobs))
 
 
 def sequence_output_to_proto(out: SequenceOutput) -> worker_pb2.SequenceOutput:
     return worker_pb2.SequenceOutput(
         request_id=out.request_id, token_ids=out.token_ids, logprobs=out.logprobs,
         finish_reason=finish_reason_to_proto(out.finish_reason), num_prompt_tokens=out.num_prompt_tokens,
-        num_cached_tokens=out.num_cached_tokens, error=out.error)
+        num_cached_tokens=out.num_cached_tokens, error=out.error, top_logprobs=top_logprobs_to_proto(out.top_logprobs),
+        prompt_logprobs=out.prompt_logprobs, prompt_top_logprobs=top_logprobs_to_proto(out.prompt_top_logprobs))
 
 
 def first_token_from_proto(p: worker_pb2.FirstToken, request_id: str, logprobs: bool) -> SequenceOutput:
-    """A Prefill stream's FirstToken as the request's first output (its logprob only when the
-    request asked for logprobs)."""
-    return SequenceOutput(request_id, [p.token_id], [p.logprob] if logprobs else [],
-                          _FINISH_FROM_PROTO.get(p.finish_reason), num_cached_tokens=p.num_cached_tokens)
+    """A Prefill stream's FirstToken as the request's first output (its logprob, top logprobs
+    and prompt logprobs only when the request asked for logprobs)."""
+    out = SequenceOutput(request_id, [p.token_id], [p.logprob] if logprobs else [],
+                         _FINISH_FROM_PROTO.get(p.finish_reason), num_cached_tokens=p.num_cached_tokens)
+    if logprobs:
+        if p.HasField("top_logprobs"):
+            out.top_logprobs = top_logprobs_from_proto([p.top_logprobs])
+        out.prompt_logprobs = list(p.prompt_logprobs)
+        out.prompt_top_logprobs = top_logprobs_from_proto(p.prompt_top_logprobs)
+    return out
 
 
 def role_to_proto(role: Role | None) -> common_pb2.Role:

@@ -2,7 +2,8 @@
 
 In fp32: raw-logit logprobs (the chosen token's and, per row, its ``top_logprobs`` most likely
 tokens', under the unmasked, unpenalised distribution); the token bitmask (guided rows: forbidden
-tokens at -inf, layers/token_mask.py); penalties; greedy rows take the argmax (lowest index on
+tokens at -inf, layers/token_mask.py); logit bias and the min_tokens ban (layers/logit_bias.py);
+penalties; greedy rows take the argmax (lowest index on
 ties); sampled rows apply temperature, top-k, top-p, min-p, then ``argmax(probs / E)``,
 E ~ Exp(1), seeded rows from their own generator. The engine owns ``generators`` (seq_id ->
 generator), pops a finished sequence's entry, and samples once per token appended to a seeded
@@ -20,6 +21,7 @@ import torch
 from torch import nn
 
 from pdserve.common.layers.fused_dispatch import use_fused
+from pdserve.common.layers.logit_bias import LogitBias, apply_logit_bias, build_logit_bias
 from pdserve.common.layers.token_mask import apply_token_bitmask
 from pdserve.common.sampling_params import SamplingParams
 
@@ -77,10 +79,17 @@ class SamplingBatch:
     any_unseeded_sampled: bool
     max_top_logprobs: int = 0     # largest top_logprobs of the batch (0: none asked)
     token_bitmask: torch.Tensor | None = None   # [B, ceil(V/32)] int32 on the device; None = all allowed
+    logit_bias: LogitBias | None = None         # logit_bias / min_tokens entries; None = none
 
     @property
     def batch_size(self) -> int:
         return len(self.generators)
+
+    @property
+    def per_step(self) -> bool:
+        """Whether the batch depends on the rows' tokens (penalties, min_tokens): rebuild it
+        every step instead of reusing it while the same sequences decode."""
+        return self.any_penalty or (self.logit_bias is not None and self.logit_bias.per_step)
 
 
 @dataclass
@@ -204,10 +213,11 @@ def _penalty_tensors(seqs: Sequence[SampledSequence], V: int, device: torch.devi
 
 
 def prepare_sampling(seqs: Sequence[SampledSequence], vocab_size: int, device: torch.device,
-                     generators: dict[int, torch.Generator]) -> SamplingBatch:
+                     generators: dict[int, torch.Generator], eos_token_ids: Sequence[int] = ()) -> SamplingBatch:
     """Build the :class:`SamplingBatch` for ``seqs`` (row ``i`` is ``seqs[i]``); ``vocab_size``
-    is the logits' width. Creates missing generators of seeded sampled sequences in the
-    engine-owned ``generators``, advanced past their existing completion tokens."""
+    is the logits' width; ``eos_token_ids``: the model's, which ``min_tokens`` bans. Creates
+    missing generators of seeded sampled sequences in the engine-owned ``generators``, advanced
+    past their existing completion tokens."""
     device = torch.device(device)
     V = int(vocab_size)
     pin = device.type == "cuda"
@@ -232,6 +242,7 @@ def prepare_sampling(seqs: Sequence[SampledSequence], vocab_size: int, device: t
         need_logprobs=rows.need_logprobs, max_top_k=rows.max_top_k, sort_k=rows.sort_k or V,
         seeded_rows=rows.seeded_rows, any_unseeded_sampled=rows.any_unseeded_sampled,
         max_top_logprobs=min(rows.max_top_logprobs, V),
+        logit_bias=build_logit_bias(seqs, V, device, eos_token_ids),
     )
 
 
@@ -241,7 +252,7 @@ class Sampler(nn.Module):
     @torch.no_grad()
     def forward(self, logits: torch.Tensor, batch: SamplingBatch) -> SamplerOutput:
         mask = batch.token_bitmask
-        if batch.all_greedy and not batch.any_penalty and not batch.need_logprobs:
+        if batch.all_greedy and not batch.any_penalty and not batch.need_logprobs and batch.logit_bias is None:
             # Upcasting is exact and monotone: the argmax of the raw dtype is the same token.
             x = logits if mask is None else apply_token_bitmask(logits, mask)
             return SamplerOutput(token_ids=x.argmax(dim=-1), logprobs=None)
@@ -254,6 +265,7 @@ class Sampler(nn.Module):
         lse = torch.logsumexp(raw, dim=-1) if batch.need_logprobs else None
 
         x = raw if mask is None else apply_token_bitmask(raw, mask)
+        x = x if batch.logit_bias is None else apply_logit_bias(x, batch.logit_bias)
         x = self._apply_penalties(x, batch) if batch.any_penalty else x
 
         if batch.all_greedy:
@@ -276,7 +288,7 @@ class Sampler(nn.Module):
     @staticmethod
     def _fused_ok(logits: torch.Tensor, batch: SamplingBatch) -> bool:
         """Temperature-only unseeded rows on CUDA: one fused pass (ops/sampling.py)."""
-        return (use_fused(logits) and not batch.any_penalty and not batch.need_logprobs
+        return (use_fused(logits) and not batch.any_penalty and not batch.need_logprobs and batch.logit_bias is None
                 and not batch.any_top_k and not batch.any_top_p and not batch.any_min_p
                 and not batch.seeded_rows)
 

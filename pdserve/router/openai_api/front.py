@@ -18,6 +18,7 @@ from collections.abc import AsyncGenerator
 from typing import TypeVar
 
 from pdserve.router.flow import Flow, Job
+from pdserve.router.openai_api import logprobs as L
 from pdserve.router.openai_api import responses as R
 from pdserve.router.openai_api import tools
 from pdserve.router.openai_api.errors import ApiError, bad_request, from_exception
@@ -109,7 +110,11 @@ class OpenAIFront:
         async with contextlib.aclosing(self.steps(api, jobs)) as steps:
             async for k, resp in steps:
                 _add(choices[k], resp)
-        lps = [self._logprobs(api, c.token_ids, c.logprobs, 0) if api.logprobs else None for c in choices]
+        lps = []
+        for c, job in zip(choices, jobs):
+            lps.append(self._logprobs(api, c, job, c.token_ids, c.logprobs, c.top_logprobs, 0, api.echo))
+            if api.echo:
+                c.texts.insert(0, self._echo_text(api, c.index, job))
         messages = [_tool_message(api.tools, c) for c in choices] if _uses_tools(api) else None
         return R.response(api.kind, api.id, int(time.time()), model, choices, lps, messages)
 
@@ -124,9 +129,15 @@ class OpenAIFront:
                 c = choices[k]
                 offset = sum(len(t) for t in c.texts)
                 _add(c, resp)
-                lp = self._logprobs(api, list(resp.token_ids), list(resp.logprobs), offset) if api.logprobs else None
+                echo = api.echo and first[k]
+                lp = self._logprobs(api, c, jobs[k], list(resp.token_ids), list(resp.logprobs), resp.top_logprobs,
+                                    offset, echo)
+                text = resp.text
+                if echo:          # the prompt goes out first, with the first step
+                    c.texts.insert(0, self._echo_text(api, k, jobs[k]))
+                    text = c.texts[0] + text
                 if streams is None:
-                    chunks = [R.chunk(api.kind, api.id, created, model, k, resp.text, first[k], c.finish_reason, lp)]
+                    chunks = [R.chunk(api.kind, api.id, created, model, k, text, first[k], c.finish_reason, lp)]
                 else:
                     chunks = _tool_chunks(api, created, model, c, streams[k], resp.text, first[k], lp)
                 first[k] = False
@@ -138,17 +149,34 @@ class OpenAIFront:
             yield R.sse(R.usage_chunk(api.kind, api.id, created, model, choices))
         yield R.DONE
 
-    def _logprobs(self, api: ApiRequest, ids: list[int], lps: list[float], offset: int) -> dict:
-        tokens = self.token_strings(ids)
+    def _logprobs(self, api: ApiRequest, c: R.Choice, job: Job, ids: list[int], lps: list[float],
+                  tops: list, offset: int, echo: bool) -> dict | None:
+        """The logprobs object of ``ids`` (None when not asked); ``echo``: the prompt's first."""
+        if not api.logprobs:
+            return None
         if api.kind == CHAT:
-            return R.chat_logprobs(tokens, lps)
-        return R.completion_logprobs(tokens, lps, offset)
+            return L.chat_logprobs(self.token_strings, ids, lps, tops)
+        if echo:
+            return L.echo_logprobs(self.token_strings, list(job.prompt.token_ids), c.prompt_logprobs,
+                                   c.prompt_top_logprobs, ids, lps, tops, api.top_logprobs)
+        return L.completion_logprobs(self.token_strings, ids, lps, offset, tops if api.top_logprobs else None)
+
+    def _echo_text(self, api: ApiRequest, k: int, job: Job) -> str:
+        """Choice ``k``'s prompt as echoed: the text sent, or its token ids decoded."""
+        req = api.inputs[k]
+        if req.WhichOneof("input") == "text":
+            return req.text
+        tok = self.servicer.tokenizer
+        return tok.decode(list(job.prompt.token_ids), skip_special_tokens=False) if tok is not None else ""
 
 
 def _add(c: R.Choice, resp: TextOutput) -> None:
     c.texts.append(resp.text)
     c.token_ids.extend(resp.token_ids)
     c.logprobs.extend(resp.logprobs)
+    c.top_logprobs.extend(resp.top_logprobs)
+    c.prompt_logprobs.extend(resp.prompt_logprobs)
+    c.prompt_top_logprobs.extend(resp.prompt_top_logprobs)
     if resp.finish_reason is not None:
         c.finish_reason = R.FINISH_REASONS.get(resp.finish_reason, "stop")
         c.matched_stop = resp.matched_stop

@@ -5,8 +5,11 @@ ranges, the prompt and the context are checked once by
 :meth:`pdserve.router.servicer.GenerationServicer.job`. ``n`` > 1 becomes n GenerateRequests per
 prompt (seeds ``seed + i``), which the front runs after the first one's prefill (so the others
 hit the prefix cache); structured outputs (structured.py) and tools (tools.py) become a guide.
-Unsupported fields (best_of > 1, echo, suffix, logit_bias, top_logprobs) are refused with a 400
-naming the field; unknown ones are ignored.
+Log-probabilities: chat ``logprobs`` + ``top_logprobs`` (0..20), completions ``logprobs`` (an
+integer 0..20: the top count); completions ``echo`` returns the prompt first, with its
+logprobs (SamplingParams.prompt_logprobs) when ``logprobs`` is set. ``logit_bias`` (token id
+string -> bias) and vLLM's ``min_tokens`` go to the sampler. Unsupported fields (best_of other
+than n, suffix) are refused with a 400 naming the field; unknown ones are ignored.
 """
 from __future__ import annotations
 
@@ -21,6 +24,7 @@ from pdserve.router.openai_api.tools import ToolRequest, parse_tools, tool_guide
 from pdserve.v1 import common_pb2, router_pb2
 
 MAX_PROMPTS = 64          # choices of one request: prompts times n
+MAX_TOP_LOGPROBS = 20
 CHAT, COMPLETION = "chat.completion", "text_completion"
 COMPLETION_DEFAULT_MAX_TOKENS = 16
 
@@ -44,17 +48,19 @@ class ApiRequest:
     tools: ToolRequest | None = None
     chat_messages: tuple[dict, ...] = ()        # set when the front renders the chat (tools)
     add_generation_prompt: bool = True
+    top_logprobs: int = 0                       # most likely tokens per position (logprobs only)
+    echo: bool = False                          # completions: the prompt comes first
 
 
 def parse_chat(body: dict) -> ApiRequest:
     params, max_field = _sampling(body, None)
     logprobs = fields.boolean(body, "logprobs", False)
-    if fields.integer(body, "top_logprobs", 0, 0, 20):
-        raise bad_request("top_logprobs", "the engine reports only the chosen token's log-probability: "
-                                          "top_logprobs must be 0 (use logprobs: true)")
+    top = fields.integer(body, "top_logprobs", 0, 0, MAX_TOP_LOGPROBS) or 0
+    if top and not logprobs:
+        raise bad_request("top_logprobs", "needs logprobs: true")
     tools = parse_tools(body)
     guide = _guide(params, parse_guide(body), tool_guide(tools) if tools is not None else None)
-    params.logprobs = logprobs
+    params.logprobs, params.top_logprobs = logprobs, top
     req = _base_request(body, params)
     add_prompt = fields.boolean(body, "add_generation_prompt", True)
     rendered: tuple[dict, ...] = ()
@@ -67,19 +73,18 @@ def parse_chat(body: dict) -> ApiRequest:
     req.request_id = api_id
     api = _finish(body, CHAT, api_id, (req,), logprobs, max_field, ("messages",))
     return dataclasses.replace(api, guide_param=guide, tools=tools, chat_messages=rendered,
-                               add_generation_prompt=add_prompt)
+                               add_generation_prompt=add_prompt, top_logprobs=top)
 
 
 def parse_completion(body: dict) -> ApiRequest:
     params, max_field = _sampling(body, COMPLETION_DEFAULT_MAX_TOKENS)
     guide = _guide(params, parse_guide(body))
-    n_logprobs = fields.integer(body, "logprobs", None, 0, 20)
-    if n_logprobs:
-        raise bad_request("logprobs", "the engine reports only the chosen token's log-probability: "
-                                      "logprobs must be 0")
-    fields.only(body, "echo", (False,), "echo is not supported")
+    n_logprobs = fields.integer(body, "logprobs", None, 0, MAX_TOP_LOGPROBS)
+    echo = fields.boolean(body, "echo", False)
     fields.only(body, "suffix", ("",), "suffix is not supported")
     params.logprobs = n_logprobs is not None
+    params.top_logprobs = n_logprobs or 0
+    params.prompt_logprobs = echo and params.logprobs
     api_id = f"cmpl-{uuid.uuid4().hex}"
     prompts = _prompts(body)
     inputs = []
@@ -94,7 +99,7 @@ def parse_completion(body: dict) -> ApiRequest:
     single = isinstance(body["prompt"], str) or not isinstance(body["prompt"][0], (str, list))   # text or ids
     names = ("prompt",) if single else tuple(f"prompt[{k}]" for k in range(len(prompts)))
     api = _finish(body, COMPLETION, api_id, tuple(inputs), params.logprobs, max_field, names)
-    return dataclasses.replace(api, guide_param=guide)
+    return dataclasses.replace(api, guide_param=guide, top_logprobs=params.top_logprobs, echo=echo)
 
 
 def _finish(body: dict, kind: str, api_id: str, inputs: tuple, logprobs: bool, max_field: str,
@@ -105,7 +110,6 @@ def _finish(body: dict, kind: str, api_id: str, inputs: tuple, logprobs: bool, m
     best_of = fields.integer(body, "best_of", None, 1)
     if best_of is not None and best_of != n:
         raise bad_request("best_of", "only best_of = n is supported (every sample is returned)")
-    fields.only(body, "logit_bias", ({},), "logit_bias is not supported")
     stream = fields.boolean(body, "stream", False)
     opts = fields.obj(body, "stream_options") or {}
     include_usage = fields.boolean(opts, "include_usage", False)
@@ -162,7 +166,24 @@ def _sampling(body: dict, default_max_tokens: int | None) -> tuple[common_pb2.Sa
     p.max_tokens = fields.integer(body, max_field, default_max_tokens, 1, 2**32 - 1) or 0
     p.stop.extend(fields.string_list(body, "stop"))
     p.stop_token_ids.extend(fields.int_list(body, "stop_token_ids"))
+    p.min_tokens = fields.integer(body, "min_tokens", 0, 0, 2**32 - 1) or 0
+    for token, bias in _logit_bias(body).items():
+        p.logit_bias[token] = bias
     return p, max_field
+
+
+def _logit_bias(body: dict) -> dict[int, float]:
+    """``logit_bias``: token ids (as JSON object keys, strings of digits) -> numbers; the ranges
+    are checked by the request path."""
+    raw = fields.obj(body, "logit_bias") or {}
+    out = {}
+    for key, value in raw.items():
+        if not (isinstance(key, str) and key.isdigit() and int(key) < 2**32):
+            raise bad_request("logit_bias", f"keys must be token ids, got {key!r}")
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise bad_request("logit_bias", f"the bias of {key} must be a number, got {value!r}")
+        out[int(key)] = float(value)
+    return out
 
 
 def _base_request(body: dict, params: common_pb2.SamplingParams) -> router_pb2.GenerateRequest:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass, field
 
-from pdserve.common.outputs import FinishReason
+from pdserve.common.outputs import FinishReason, TopLogprobs
 from pdserve.router.openai_api.requests import CHAT
 
 FINISH_REASONS = {      # a stop string ends with STOP too; the rest: "stop"
@@ -24,6 +24,9 @@ class Choice:
     texts: list[str] = field(default_factory=list)
     token_ids: list[int] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)
+    top_logprobs: list[TopLogprobs] = field(default_factory=list)
+    prompt_logprobs: list[float] = field(default_factory=list)         # echo: prompt tokens 1..n-1
+    prompt_top_logprobs: list[TopLogprobs] = field(default_factory=list)
     finish_reason: str | None = None
     matched_stop: str | None = None
     cached_tokens: int = 0
@@ -43,19 +46,6 @@ def usage(choices: list[Choice]) -> dict:
     n = sum(c.completion_tokens for c in choices)
     return {"prompt_tokens": p, "completion_tokens": n, "total_tokens": p + n,
             "prompt_tokens_details": {"cached_tokens": sum(c.cached_tokens for c in choices)}}
-
-
-def chat_logprobs(tokens: list[str], logprobs: list[float]) -> dict:
-    return {"content": [{"token": t, "logprob": lp, "bytes": list(t.encode()), "top_logprobs": []}
-                        for t, lp in zip(tokens, logprobs)]}
-
-
-def completion_logprobs(tokens: list[str], logprobs: list[float], offset: int) -> dict:
-    offsets = []
-    for t in tokens:
-        offsets.append(offset)
-        offset += len(t)
-    return {"tokens": tokens, "token_logprobs": logprobs, "top_logprobs": None, "text_offset": offsets}
 
 
 def _envelope(kind: str, api_id: str, created: int, model: str, chunk: bool) -> dict:
