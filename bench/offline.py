@@ -26,7 +26,12 @@ import torch
 from bench.common import copy_bandwidth, matmul_throughput, write_result
 from bench.workloads import decode_bytes, prefill_flops, w_nano, w_uniform
 from pdserve.common.engine import LLM, SamplingParams
-from pdserve.common.engine.engine_args import add_chunked_prefill_arguments, chunked_prefill_kwargs
+from pdserve.common.engine.engine_args import (
+    add_chunked_prefill_arguments,
+    add_fp8_arguments,
+    chunked_prefill_kwargs,
+    fp8_kwargs,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -110,6 +115,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--device", default="auto")
     p.add_argument("--max-num-batched-tokens", type=int, default=16384)
     add_chunked_prefill_arguments(p)
+    add_fp8_arguments(p)
     p.add_argument("--out", default="bench/results/offline.json")
     args = p.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
@@ -118,7 +124,7 @@ def main(argv: list[str] | None = None) -> int:
     llm = LLM(args.model, block_size=args.block_size, max_num_seqs=args.max_num_seqs, device=args.device,
               max_model_len=args.max_model_len, attention_backend=args.attention_backend,
               enforce_eager=args.enforce_eager, max_num_batched_tokens=args.max_num_batched_tokens,
-              **chunked_prefill_kwargs(args))
+              **chunked_prefill_kwargs(args), **fp8_kwargs(args))
     llm.generate([[1, 2, 3, 4] * 8] * 4, SamplingParams(max_tokens=32, ignore_eos=True), use_tqdm=False)  # warm-up
     makers = {"nano": w_nano, "uniform": w_uniform}
     results = []

@@ -49,6 +49,9 @@ WORKER_FLAGS = (
     ("--max-model-len", int, "longest sequence in tokens (default: the model's)"),
     ("--kv-memory-gb", float, "memory for each worker's KV pool in GiB (default: the workers' own)"),
     ("--attention-backend", str, f"attention kernels of the workers (default: {ENGINE_DEFAULTS.attention_backend})"),
+    ("--kv-cache-dtype", str, "KV cache of every worker: auto or fp8 (default: the workers' own, "
+                              f"{ENGINE_DEFAULTS.kv_cache_dtype})"),
+    ("--quantization", str, "weights of every worker: fp8 (default: the checkpoint's as they are)"),
 )
 
 

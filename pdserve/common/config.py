@@ -11,6 +11,9 @@ SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "qwen3")
 _DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16,
            "float64": torch.float64}
 
+KV_CACHE_DTYPES = ("auto", "fp8")           # vLLM's --kv-cache-dtype names (fp8 = e4m3)
+QUANTIZATIONS = (None, "fp8")               # vLLM's --quantization names
+
 
 def parse_dtype(name: str | torch.dtype) -> torch.dtype:
     if isinstance(name, torch.dtype):
@@ -135,6 +138,8 @@ class EngineConfig:
     tpot_target_ms: float = 0.0             # TPOT guard (engine/tpot_guard.py); 0 = only per-request targets
     tpot_margin: float = 0.05               # share of the TPOT target the guard keeps free
     extra: dict = field(default_factory=dict)
+    kv_cache_dtype: str = "auto"            # "auto" = the model's dtype; "fp8" = e4m3 (docs/design.md, FP8)
+    quantization: str | None = None         # None = the checkpoint's weights as they are; "fp8"
 
     def __post_init__(self) -> None:
         if not self.model:
@@ -159,3 +164,18 @@ class EngineConfig:
             raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
         if self.dtype != "auto":
             parse_dtype(self.dtype)
+        if self.kv_cache_dtype not in KV_CACHE_DTYPES:
+            raise ValueError(f"kv_cache_dtype must be one of {', '.join(KV_CACHE_DTYPES)}, got {self.kv_cache_dtype!r}")
+        if self.quantization not in QUANTIZATIONS:
+            raise ValueError(f"quantization must be one of {', '.join(str(q) for q in QUANTIZATIONS)}, "
+                             f"got {self.quantization!r}")
+
+
+def resolve_kv_cache_dtype(name: str, model_dtype: torch.dtype) -> torch.dtype:
+    """The KV pool's element type for ``--kv-cache-dtype`` ``name``: the model's dtype for
+    "auto", ``torch.float8_e4m3fn`` for "fp8"; ValueError for any other name."""
+    if name == "auto":
+        return model_dtype
+    if name == "fp8":
+        return torch.float8_e4m3fn
+    raise ValueError(f"kv_cache_dtype must be one of {', '.join(KV_CACHE_DTYPES)}, got {name!r}")

@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 
 from pdserve.common import env
-from pdserve.common.config import EngineConfig
+from pdserve.common.config import KV_CACHE_DTYPES, EngineConfig
 
 
 def add_chunked_prefill_arguments(p: argparse.ArgumentParser) -> None:
@@ -36,3 +36,21 @@ def chunked_prefill_kwargs(args: argparse.Namespace) -> dict:
             "max_num_partial_prefills": args.max_num_partial_prefills,
             "long_prefill_token_threshold": args.long_prefill_token_threshold,
             "tpot_target_ms": args.tpot_target_ms, "tpot_margin": args.tpot_margin}
+
+
+def add_fp8_arguments(p: argparse.ArgumentParser) -> None:
+    """vLLM's ``--kv-cache-dtype`` and ``--quantization`` (docs/design.md, "FP8"); defaults:
+    EngineConfig's."""
+    d = EngineConfig()
+    p.add_argument("--kv-cache-dtype", choices=KV_CACHE_DTYPES, default=env.get("KV_CACHE_DTYPE", d.kv_cache_dtype),
+                   help="KV cache element type: auto (the model's dtype) or fp8 (e4m3 with per-tensor scales: "
+                        "twice the blocks in the same memory); every worker of a deployment must agree "
+                        "(env PDSERVE_KV_CACHE_DTYPE)")
+    p.add_argument("--quantization", choices=("fp8",), default=env.get("QUANTIZATION", d.quantization),
+                   help="fp8: FP8 weights (an FP8 checkpoint as published, or a bf16 one quantized at load "
+                        "with per-channel scales) and dynamic per-token activation scales; default: none "
+                        "(env PDSERVE_QUANTIZATION)")
+
+
+def fp8_kwargs(args: argparse.Namespace) -> dict:
+    return {"kv_cache_dtype": args.kv_cache_dtype, "quantization": args.quantization}

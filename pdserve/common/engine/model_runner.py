@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 import torch
 
-from pdserve.common.config import EngineConfig, ModelConfig, parse_dtype
+from pdserve.common.config import EngineConfig, ModelConfig, parse_dtype, resolve_kv_cache_dtype
 from pdserve.common.context import ForwardContext, forward_context
 from pdserve.common.engine.prefill_batch import block_table_array, prefill_batch
 from pdserve.common.engine.prompt_logprobs import PromptLogprobsPlan, PromptLogprobsStep
@@ -102,6 +102,7 @@ class ModelRunner:
         self.model_config = source.config
         self.device = resolve_device(config.device)
         self.dtype = resolve_dtype(config.dtype, source.config, self.device)
+        self.kv_cache_dtype = resolve_kv_cache_dtype(config.kv_cache_dtype, self.dtype)
         self.block_size = config.block_size
         self.backend_name = resolve_backend_name(config.attention_backend, self.device.type)
         self.model = build_model(source, self.dtype, self.device, self.backend_name, config.seed)
@@ -117,9 +118,11 @@ class ModelRunner:
 
     @property
     def block_bytes(self) -> int:
+        """Bytes of one KV block (all layers, K and V) in the cache dtype: an FP8 cache's blocks
+        are half a bf16 cache's, so the same memory holds twice the blocks."""
         c = self.model_config
         return (c.num_hidden_layers * 2 * self.block_size * c.num_key_value_heads * c.head_dim
-                * torch.tensor([], dtype=self.dtype).element_size())
+                * torch.tensor([], dtype=self.kv_cache_dtype).element_size())
 
     def _num_blocks_from_memory(self) -> int:
         if self.config.kv_cache_memory_gb is not None:
@@ -143,20 +146,22 @@ class ModelRunner:
         return tokens * per_token + logits + (512 << 20)
 
     def allocate_kv_cache(self) -> int:
-        """Allocate the KV pool and bind each layer's views; returns the number of blocks."""
+        """Allocate the KV pool (in ``kv_cache_dtype``) and bind each layer's views; returns the
+        number of blocks. Each layer's FP8 scales stay as the model set them (1.0 by default)."""
         num_blocks = self.config.num_kv_blocks or self._num_blocks_from_memory()
         if num_blocks < 1:
             raise RuntimeError("not enough memory for a single KV block; lower max_num_batched_tokens "
                                "or raise the KV memory")
         c = self.model_config
         self.kv_cache = torch.zeros(num_blocks, c.num_hidden_layers, 2, self.block_size,
-                                    c.num_key_value_heads, c.head_dim, dtype=self.dtype, device=self.device)
+                                    c.num_key_value_heads, c.head_dim, dtype=self.kv_cache_dtype,
+                                    device=self.device)
         for i, attn in enumerate(self.model.attention_layers()):
             attn.k_cache = self.kv_cache[:, i, 0]
             attn.v_cache = self.kv_cache[:, i, 1]
         self.num_kv_blocks = num_blocks
         logger.info("KV cache: %d blocks of %d tokens (%.2f GiB, %s, %s)", num_blocks, self.block_size,
-                    num_blocks * self.block_bytes / 1024 ** 3, self.dtype, self.device)
+                    num_blocks * self.block_bytes / 1024 ** 3, self.kv_cache_dtype, self.device)
         return num_blocks
 
     def capture_cuda_graphs(self, max_model_len: int) -> None:

@@ -70,7 +70,8 @@ class SelfAttention(nn.Module):
         return qk_norm_rope(qkv, positions, self.rotary.cos_cache, self.rotary.sin_cache, self.num_heads,
                             self.num_kv_heads, self.head_dim, qw, kw, eps, kc, vc, slots,
                             pdl=ctx is not None and ctx.pdl,
-                            dtype=self.qkv_proj.weight.dtype if qkv.dim() == 3 else None)
+                            dtype=self.qkv_proj.weight.dtype if qkv.dim() == 3 else None,
+                            k_scale=self.attn.k_scale, v_scale=self.attn.v_scale)
 
 
 class MLP(nn.Module):

@@ -10,6 +10,8 @@ import torch
 import triton
 import triton.language as tl
 
+from pdserve.common.ops.fp8 import is_fp8
+from pdserve.common.ops.kv_store import FP8_LIMIT
 from pdserve.common.ops.pdl import launch_args, pdl_available
 
 
@@ -87,7 +89,7 @@ def _qk_norm_rope_kernel(qkv_ptr, pos_ptr, cos_ptr, sin_ptr, qw_ptr, kw_ptr, q_o
                          HEAD_DIM: tl.constexpr, HAS_NORM: tl.constexpr, BLOCK_H: tl.constexpr,
                          STORE_KV: tl.constexpr, CACHE_BLOCK: tl.constexpr, BLOCK_KV: tl.constexpr,
                          v_out_ptr, part_stride, PARTS: tl.constexpr = 0, LOAD_V: tl.constexpr = False,
-                         PDL: tl.constexpr = False):
+                         PDL: tl.constexpr = False, inv_k_scale=1.0, inv_v_scale=1.0, KV_FP8: tl.constexpr = False):
     if PDL:                                 # release the next kernel now; wait for qkv
         tl.extra.cuda.gdc_launch_dependents()
         tl.extra.cuda.gdc_wait()
@@ -143,11 +145,16 @@ def _qk_norm_rope_kernel(qkv_ptr, pos_ptr, cos_ptr, sin_ptr, qw_ptr, kw_ptr, q_o
             off = slot % CACHE_BLOCK
             kc = kc_ptr + blk * stride_kc_b + off * stride_kc_t + k_heads[:, None] * stride_kc_h + dims[None, :]
             kc_mask = k_mask & ((heads * 0 + slot) >= 0)[:, None]
-            tl.store(kc, o1.to(kc_ptr.dtype.element_ty), mask=kc_mask)
-            tl.store(kc + half, o2.to(kc_ptr.dtype.element_ty), mask=kc_mask)
+            k1, k2, vs = o1, o2, v
+            if KV_FP8:                      # K / k_scale, V / v_scale, saturated (ops/fp8.py)
+                k1 = tl.clamp(o1.to(tl.float32) * inv_k_scale, -FP8_LIMIT, FP8_LIMIT)
+                k2 = tl.clamp(o2.to(tl.float32) * inv_k_scale, -FP8_LIMIT, FP8_LIMIT)
+                vs = tl.clamp(v.to(tl.float32) * inv_v_scale, -FP8_LIMIT, FP8_LIMIT)
+            tl.store(kc, k1.to(kc_ptr.dtype.element_ty), mask=kc_mask)
+            tl.store(kc + half, k2.to(kc_ptr.dtype.element_ty), mask=kc_mask)
             v_mask = kv_mask & ((kv_heads * 0 + slot) >= 0)[:, None]
             tl.store(vc_ptr + blk * stride_vc_b + off * stride_vc_t + kv_heads[:, None] * stride_vc_h
-                     + full[None, :], v.to(vc_ptr.dtype.element_ty), mask=v_mask)
+                     + full[None, :], vs.to(vc_ptr.dtype.element_ty), mask=v_mask)
 
 
 def qk_norm_rope(qkv: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
@@ -155,14 +162,15 @@ def qk_norm_rope(qkv: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor, 
                  k_weight: torch.Tensor | None = None, eps: float = 1e-6,
                  k_cache: torch.Tensor | None = None, v_cache: torch.Tensor | None = None,
                  slot_mapping: torch.Tensor | None = None, pdl: bool = False, dtype: torch.dtype | None = None,
-                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                 k_scale: float = 1.0, v_scale: float = 1.0) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """qkv: [T, (Hq+2Hkv)*D]; cos/sin: [P, D] fp32 caches -> q [T,Hq,D], k [T,Hkv,D], v [T,Hkv,D] (a view).
 
     ``qkv`` may also be the fp32 split-K partial sums of the QKV projection, [S, T, (Hq+2Hkv)*D]
     (pdserve/common/ops/dataflow.py): they are added up and rounded to ``dtype`` (the model's),
     where the unsplit projection rounds its output, and v is then a new tensor.
     With ``k_cache``/``v_cache`` and ``slot_mapping[T]`` it also stores K and V into the paged
-    cache (negative slots skipped), as ``kv_store.store_kvcache`` would. ``pdl``: launched with
+    cache (negative slots skipped), as ``kv_store.store_kvcache`` would (an FP8 cache gets
+    ``K / k_scale`` and ``V / v_scale``). ``pdl``: launched with
     programmatic dependent launch where ``pdl.pdl_available`` (pdserve/common/ops/pdl.py).
     """
     parts = qkv.shape[0] if qkv.dim() == 3 else 0
@@ -197,5 +205,7 @@ def qk_norm_rope(qkv: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor, 
                                BLOCK_KV=triton.next_power_of_2(num_kv), v_out_ptr=v,
                                part_stride=qkv.stride(0) if parts else 0, PARTS=parts,
                                LOAD_V=store or parts > 0, num_warps=4,
+                               inv_k_scale=1.0 / k_scale, inv_v_scale=1.0 / v_scale,
+                               KV_FP8=store and is_fp8(kc),
                                **launch_args(pdl and pdl_available(qkv.device)))
     return q, k, v

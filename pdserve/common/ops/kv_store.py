@@ -1,6 +1,7 @@
 """Triton kernel writing new tokens' K/V ``[N, Hkv, D]`` (head dim contiguous) into paged
 ``[num_blocks, block_size, Hkv, D]`` caches at ``slot_mapping[N]``; negative slots are skipped,
-values cast to the cache dtype. No allocation, no host sync: CUDA-graph safe.
+values cast to the cache dtype (an FP8 cache: divided by the per-tensor ``k_scale`` /
+``v_scale`` and saturated, as ops/fp8.py). No allocation, no host sync: CUDA-graph safe.
 """
 from __future__ import annotations
 
@@ -8,7 +9,11 @@ import torch
 import triton
 import triton.language as tl
 
-__all__ = ["store_kvcache"]
+from pdserve.common.ops.fp8 import FP8_MAX, is_fp8
+
+__all__ = ["store_kvcache", "FP8_LIMIT"]
+
+FP8_LIMIT = tl.constexpr(FP8_MAX)       # the saturation bound, as the kernels see it
 
 
 @triton.jit
@@ -18,7 +23,7 @@ def _store_kvcache_kernel(
     stride_kc_b, stride_kc_t, stride_kc_h,
     stride_vc_b, stride_vc_t, stride_vc_h,
     NUM_KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr,
-    BLOCK_HD: tl.constexpr,
+    BLOCK_HD: tl.constexpr, inv_k_scale=1.0, inv_v_scale=1.0, FP8: tl.constexpr = False,
 ):
     i = tl.program_id(0).to(tl.int64)
     slot = tl.load(slot_ptr + i).to(tl.int64)
@@ -31,6 +36,9 @@ def _store_kvcache_kernel(
     mask = offs < tl.where(slot >= 0, NUM_KV_HEADS * HEAD_DIM, 0)
     k = tl.load(key_ptr + i * stride_key_n + h * stride_key_h + d, mask=mask)
     v = tl.load(value_ptr + i * stride_value_n + h * stride_value_h + d, mask=mask)
+    if FP8:
+        k = tl.clamp(k.to(tl.float32) * inv_k_scale, -FP8_LIMIT, FP8_LIMIT)
+        v = tl.clamp(v.to(tl.float32) * inv_v_scale, -FP8_LIMIT, FP8_LIMIT)
     tl.store(k_cache_ptr + blk * stride_kc_b + off * stride_kc_t + h * stride_kc_h + d,
              k.to(k_cache_ptr.dtype.element_ty), mask=mask)
     tl.store(v_cache_ptr + blk * stride_vc_b + off * stride_vc_t + h * stride_vc_h + d,
@@ -38,8 +46,10 @@ def _store_kvcache_kernel(
 
 
 def store_kvcache(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor,
-                  v_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
-    """Write ``key``/``value[N, Hkv, D]`` into ``k_cache``/``v_cache`` at ``slot_mapping[N]``."""
+                  v_cache: torch.Tensor, slot_mapping: torch.Tensor, k_scale: float = 1.0,
+                  v_scale: float = 1.0) -> None:
+    """Write ``key``/``value[N, Hkv, D]`` into ``k_cache``/``v_cache`` at ``slot_mapping[N]``
+    (an FP8 cache gets ``key / k_scale``, ``value / v_scale``)."""
     N, Hkv, D = key.shape
     if N == 0:
         return
@@ -62,5 +72,6 @@ def store_kvcache(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor,
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
         NUM_KV_HEADS=Hkv, HEAD_DIM=D, BLOCK_SIZE=block_size, BLOCK_HD=block_hd,
+        inv_k_scale=1.0 / k_scale, inv_v_scale=1.0 / v_scale, FP8=is_fp8(k_cache),
         num_warps=num_warps,
     )

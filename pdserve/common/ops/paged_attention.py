@@ -6,7 +6,9 @@ size works. ``D`` a power of two (16..256), ``Hq % Hkv == 0``; fp32 softmax stat
 accumulators, output in q's dtype. Decode grid ``(Hkv, num_splits, B)`` packs a KV head's query
 heads into one ``tl.dot``; with ``num_splits > 1`` a second kernel combines the fp32 workspace.
 Given ``out``, ``workspace`` and a fixed ``num_splits`` decode allocates nothing (CUDA-graph
-safe). It never syncs with the host.
+safe). It never syncs with the host. An FP8 cache (``K / k_scale``, ``V / v_scale``, ops/fp8.py)
+is read as is and widened to q's dtype; ``k_scale`` folds into the softmax scale and ``v_scale``
+into the output.
 """
 from __future__ import annotations
 
@@ -14,6 +16,7 @@ import torch
 import triton
 import triton.language as tl
 
+from pdserve.common.ops.fp8 import is_fp8
 from pdserve.common.ops.pdl import launch_args, pdl_available
 
 __all__ = [
@@ -38,7 +41,8 @@ _EARLY_RELEASE_PER_SM = 3
 @triton.jit(do_not_specialize=["num_splits", "stride_btb"])
 def _decode_split_kernel(
     q_ptr, k_ptr, v_ptr, bt_ptr, cl_ptr, out_ptr, ws_ptr,
-    qk_scale,                               # softmax scale * log2(e)
+    qk_scale,                               # softmax scale * log2(e) * k_scale
+    v_scale,
     num_splits,
     stride_qb, stride_qh,
     stride_kb, stride_kt, stride_kh,
@@ -101,6 +105,7 @@ def _decode_split_kernel(
                                             input_precision=DOT_PRECISION)
         m_i = m_new
 
+    acc = acc * v_scale
     if SINGLE_SPLIT:
         denom = tl.where(l_i > 0.0, l_i, 1.0)
         o = acc / denom[:, None]
@@ -167,6 +172,11 @@ def check_caches(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor) 
     return Hq, Hkv, D, block_size
 
 
+def kv_scales(k_cache: torch.Tensor, k_scale: float, v_scale: float) -> tuple[float, float]:
+    """The scales a kernel multiplies by: the given ones for an FP8 cache, else 1."""
+    return (float(k_scale), float(v_scale)) if is_fp8(k_cache) else (1.0, 1.0)
+
+
 def dot_precision(dtype: torch.dtype) -> str:
     return "ieee" if dtype == torch.float32 else "tf32"
 
@@ -231,7 +241,8 @@ def paged_attention_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
                            num_splits: int | None = None,
                            max_context_len: int | None = None,
                            block_n: int | None = None, num_warps: int | None = None,
-                           num_stages: int | None = None, pdl: bool = False) -> torch.Tensor:
+                           num_stages: int | None = None, pdl: bool = False, k_scale: float = 1.0,
+                           v_scale: float = 1.0) -> torch.Tensor:
     """Decode attention: ``q[B, Hq, D]``, one query per sequence at position ``context_lens-1``.
 
     ``out``: optional ``[>=B, Hq, D]`` (``out[:B]`` is returned); ``workspace``: from
@@ -267,10 +278,11 @@ def paged_attention_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     block_g = max(16, triton.next_power_of_2(group))
     single = num_splits == 1
     ws, ws_strides = (out, (0, 0, 0)) if single else _split_workspace(workspace, q, num_splits)
-    qk_scale = float(scale) * LOG2E
+    k_scale, v_scale = kv_scales(k_cache, k_scale, v_scale)
+    qk_scale = float(scale) * LOG2E * k_scale
     _decode_split_kernel[(Hkv, num_splits, B)](
         q, k_cache, v_cache, block_tables, context_lens, out, ws,
-        qk_scale, num_splits,
+        qk_scale, v_scale, num_splits,
         q.stride(0), q.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),

@@ -1,7 +1,8 @@
 """Triton varlen prefill over the paged KV cache (the cache layout and limits of
 paged_attention.py). Grid ``(cdiv(max_seqlen_q, BLOCK_M), Hq, B)``: one program per query tile
 of one head of one sequence, causal with offset ``context_lens[b] - q_len_b``; fp32 softmax
-statistics and accumulators, output in q's dtype; no host sync.
+statistics and accumulators, output in q's dtype; no host sync. An FP8 cache is read as
+paged_attention.py reads it (``k_scale`` in the softmax scale, ``v_scale`` on the output).
 """
 from __future__ import annotations
 
@@ -9,7 +10,7 @@ import torch
 import triton
 import triton.language as tl
 
-from pdserve.common.ops.paged_attention import LOG2E, check_caches, dot_precision
+from pdserve.common.ops.paged_attention import LOG2E, check_caches, dot_precision, kv_scales
 
 __all__ = ["paged_attention_prefill"]
 
@@ -58,7 +59,7 @@ def _prefill_tile(
 @triton.jit(do_not_specialize=["stride_btb"])
 def _prefill_kernel(
     q_ptr, k_ptr, v_ptr, cu_ptr, cl_ptr, bt_ptr, out_ptr,
-    qk_scale,
+    qk_scale, v_scale,
     stride_qt, stride_qh,
     stride_kb, stride_kt, stride_kh,
     stride_vb, stride_vt, stride_vh,
@@ -107,7 +108,7 @@ def _prefill_kernel(
             HEAD_DIM, BLOCK_SIZE, BLOCK_N, True, DOT_PRECISION)
 
         denom = tl.where(l_i > 0.0, l_i, 1.0)
-        o = acc / denom[:, None]
+        o = acc * v_scale / denom[:, None]
         tl.store(out_ptr + rows[:, None] * stride_ot + h * stride_oh + offs_d[None, :],
                  o.to(out_ptr.dtype.element_ty), mask=m_mask[:, None])
 
@@ -135,7 +136,8 @@ def paged_attention_prefill(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
                             *, out: torch.Tensor | None = None,
                             block_m: int | None = None, block_n: int | None = None,
                             num_warps: int | None = None,
-                            num_stages: int | None = None) -> torch.Tensor:
+                            num_stages: int | None = None, k_scale: float = 1.0,
+                            v_scale: float = 1.0) -> torch.Tensor:
     """Varlen prefill over the paged cache, causal with offset ``context_lens[b] - q_len_b``.
 
     ``q[T, Hq, D]``: the B sequences' new tokens back to back (``cu_seqlens_q[B+1]``), their K/V
@@ -160,9 +162,10 @@ def paged_attention_prefill(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
     num_warps = num_warps or cfg_w
     num_stages = num_stages or cfg_s
     grid = (triton.cdiv(max_seqlen_q, block_m), Hq, B)
+    k_scale, v_scale = kv_scales(k_cache, k_scale, v_scale)
     _prefill_kernel[grid](
         q, k_cache, v_cache, cu_seqlens_q, context_lens, block_tables, out,
-        float(scale) * LOG2E,
+        float(scale) * LOG2E * k_scale, v_scale,
         q.stride(0), q.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),

@@ -7,7 +7,12 @@ import uuid
 
 from pdserve.common import env
 from pdserve.common.config import EngineConfig
-from pdserve.common.engine.engine_args import add_chunked_prefill_arguments, chunked_prefill_kwargs
+from pdserve.common.engine.engine_args import (
+    add_chunked_prefill_arguments,
+    add_fp8_arguments,
+    chunked_prefill_kwargs,
+    fp8_kwargs,
+)
 from pdserve.common.kv_transfer import DEFAULT_TIMEOUT as KV_TIMEOUT_S
 from pdserve.common.security.args import add_internal_arguments, internal_client_security, internal_server_security
 from pdserve.common.security.config import ServerSecurity, set_default_client_security
@@ -53,6 +58,7 @@ def add_worker_arguments(p: argparse.ArgumentParser, default_port: int, default_
                         f"({GUARDED_BUDGET} with --tpot-target-ms, which then sizes steps with decode rows)")
     p.add_argument("--max-model-len", type=int, default=env.get_int("MAX_MODEL_LEN", 0), help="0 = model default")
     add_chunked_prefill_arguments(p)
+    add_fp8_arguments(p)
     p.add_argument("--attention-backend", default=env.get("ATTENTION_BACKEND", d.attention_backend),
                    help="attention kernels: torch, triton, or auto (triton on CUDA, else torch)")
     p.add_argument("--enforce-eager", action="store_true", default=env.get_bool("ENFORCE_EAGER", d.enforce_eager),
@@ -84,7 +90,7 @@ def engine_config_from_args(args: argparse.Namespace, role: str = "both") -> Eng
         num_kv_blocks=args.num_kv_blocks or None, kv_cache_memory_gb=args.kv_memory_gb or None,
         max_num_seqs=args.max_num_seqs, max_num_batched_tokens=budget,
         max_model_len=args.max_model_len or None, attention_backend=args.attention_backend,
-        enforce_eager=args.enforce_eager, **chunked_prefill_kwargs(args),
+        enforce_eager=args.enforce_eager, **chunked_prefill_kwargs(args), **fp8_kwargs(args),
         async_scheduling={"auto": None, "on": True, "off": False}[args.async_scheduling])
 
 

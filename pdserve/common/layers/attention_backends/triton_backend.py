@@ -20,16 +20,17 @@ class TritonBackend(AttentionBackend):
         self._decode = paged_attention.paged_attention_decode
         self._prefill = paged_attention_prefill.paged_attention_prefill
 
-    def store_kv(self, key, value, k_cache, v_cache, slot_mapping) -> None:
-        self._store(key, value, k_cache, v_cache, slot_mapping)
+    def store_kv(self, key, value, k_cache, v_cache, slot_mapping, k_scale=1.0, v_scale=1.0) -> None:
+        self._store(key, value, k_cache, v_cache, slot_mapping, k_scale=k_scale, v_scale=v_scale)
 
     def prefill(self, q, k_cache, v_cache, cu_seqlens_q, context_lens, block_tables,
-                max_seqlen_q, scale, out=None) -> torch.Tensor:
+                max_seqlen_q, scale, out=None, k_scale=1.0, v_scale=1.0) -> torch.Tensor:
         return self._prefill(q, k_cache, v_cache, cu_seqlens_q, context_lens, block_tables, max_seqlen_q,
-                             scale, out=out)
+                             scale, out=out, k_scale=k_scale, v_scale=v_scale)
 
-    def decode(self, q, k_cache, v_cache, block_tables, context_lens, scale, out=None) -> torch.Tensor:
+    def decode(self, q, k_cache, v_cache, block_tables, context_lens, scale, out=None, k_scale=1.0,
+               v_scale=1.0) -> torch.Tensor:
         ctx = get_forward_context()
         return self._decode(q, k_cache, v_cache, block_tables, context_lens, scale, out=out,
                             workspace=ctx.decode_workspace, num_splits=ctx.decode_num_splits,
-                            max_context_len=ctx.max_context_len, pdl=ctx.pdl)
+                            max_context_len=ctx.max_context_len, pdl=ctx.pdl, k_scale=k_scale, v_scale=v_scale)
