@@ -13,6 +13,7 @@ from safetensors import safe_open
 
 from pdserve.common.config import ModelConfig
 from pdserve.common.models.decoder import DecoderForCausalLM
+from pdserve.common.parallel import RankGroup
 
 logger = logging.getLogger(__name__)
 PRESET_DIR = Path(__file__).parent / "presets"
@@ -62,6 +63,8 @@ def _safetensors_weights(ckpt_dir: Path):
 
 
 def _init_dummy(model: DecoderForCausalLM, seed: int) -> None:
+    """Seeded normal weights (norms 1, biases 0). Each rank draws every full tensor in the same
+    order and keeps its slice, so a model split over N ranks has the one-rank model's weights."""
     gen = torch.Generator(device=next(model.parameters()).device).manual_seed(seed)
     with torch.no_grad():
         for name, param in model.named_parameters():
@@ -69,18 +72,23 @@ def _init_dummy(model: DecoderForCausalLM, seed: int) -> None:
                 param.fill_(1.0)
             elif name.endswith(".bias"):
                 param.zero_()
-            else:
+            elif model.full_shape(name) == tuple(param.shape):
                 param.normal_(0.0, 0.02, generator=gen)
+            else:
+                full = torch.empty(model.full_shape(name), dtype=param.dtype, device=param.device)
+                model.load_param(name, full.normal_(0.0, 0.02, generator=gen))
+                del full
 
 
 def build_model(source: ModelSource, dtype: torch.dtype, device: torch.device,
-                attention_backend: str, seed: int = 0) -> DecoderForCausalLM:
-    """The model on ``device`` in ``dtype`` with checkpoint or seeded dummy weights."""
+                attention_backend: str, seed: int = 0, group: RankGroup | None = None) -> DecoderForCausalLM:
+    """The model on ``device`` in ``dtype`` with checkpoint or seeded dummy weights; with a rank
+    ``group`` of N ranks, this rank's shard of it."""
     previous = torch.get_default_dtype()
     torch.set_default_dtype(dtype)
     try:
         with torch.device(device):
-            model = DecoderForCausalLM(source.config, attention_backend)
+            model = DecoderForCausalLM(source.config, attention_backend, group)
     finally:
         torch.set_default_dtype(previous)
     if source.checkpoint_dir is None:
@@ -88,21 +96,9 @@ def build_model(source: ModelSource, dtype: torch.dtype, device: torch.device,
         logger.info("model %s: dummy weights (seed %d)", source.config.name, seed)
     else:
         loaded = model.load_weights(_safetensors_weights(source.checkpoint_dir))
-        _check_all_loaded(model, loaded)
+        missing = model.expected_loads() - loaded
+        if missing:
+            raise ValueError(f"checkpoint is missing tensors: {sorted(missing)[:8]}")
         logger.info("model %s: weights from %s", source.config.name, source.checkpoint_dir)
     model.eval()
     return model
-
-
-def _check_all_loaded(model: DecoderForCausalLM, loaded: set[str]) -> None:
-    expected: set[str] = set()
-    for name, _ in model.named_parameters():
-        merged = name.split(".")[-2] if name.endswith("weight") or name.endswith("bias") else ""
-        if merged in ("qkv_proj", "gate_up_proj"):
-            count = 3 if merged == "qkv_proj" else 2
-            expected.update(f"{name}#{i}" for i in range(count))
-        else:
-            expected.add(name)
-    missing = expected - loaded
-    if missing:
-        raise ValueError(f"checkpoint is missing tensors: {sorted(missing)[:8]}")

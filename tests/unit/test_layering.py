@@ -24,6 +24,7 @@ LAYERS: list[tuple[tuple[str, ...], bool]] = [
     (("pdserve.common.ops",), True),
     (("pdserve.common.layers",), True),
     (("pdserve.common.guided",), True),                             # grammars (xgrammar) for guided decoding
+    (("pdserve.common.parallel",), True),                           # tensor parallelism: rank group, sharded layers
     (("pdserve.common.models", "pdserve.common.loader"), False),
     (("pdserve.common.engine", "pdserve.common.kv_transfer"), True),
     (("pdserve.common.grpc_utils",), True),                         # the worker shell: wire side

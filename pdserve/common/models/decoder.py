@@ -2,6 +2,9 @@
 
 Differences are ModelConfig flags (``qk_norm``, ``attention_bias``, ``o_bias``, ``mlp_bias``,
 tied embeddings); Q/K/V and gate/up are merged matmuls that ``load_weights`` fills from HF tensors.
+Built with a rank group of N ranks, each rank holds its shard (pdserve/common/parallel: qkv and
+gate_up column-parallel, o_proj and down row-parallel, vocabulary-parallel embedding and LM head)
+and loads its slice of every full tensor.
 """
 from __future__ import annotations
 
@@ -17,18 +20,29 @@ from pdserve.common.layers.attention import PagedAttention
 from pdserve.common.layers.fused_dispatch import use_fused
 from pdserve.common.layers.norm import RMSNorm
 from pdserve.common.layers.rotary import RotaryEmbedding
+from pdserve.common.parallel import RankGroup, head_shard, split_evenly, tp_rank, tp_size
+from pdserve.common.parallel.embedding import ParallelLMHead, VocabParallelEmbedding
+from pdserve.common.parallel.linear import ColumnParallelLinear, RowParallelLinear
 
 
 class SelfAttention(nn.Module):
-    def __init__(self, cfg: ModelConfig, rotary: RotaryEmbedding, backend: str) -> None:
+    """This rank's heads (``num_heads`` / ``num_kv_heads``: the local counts)."""
+
+    def __init__(self, cfg: ModelConfig, rotary: RotaryEmbedding, backend: str, group: RankGroup | None = None
+                 ) -> None:
         super().__init__()
-        self.num_heads = cfg.num_attention_heads
-        self.num_kv_heads = cfg.num_key_value_heads
-        self.head_dim = cfg.head_dim
+        heads = head_shard(cfg.num_attention_heads, cfg.num_key_value_heads, tp_size(group), tp_rank(group))
+        d = cfg.head_dim
+        self.num_heads = heads.num_q
+        self.num_kv_heads = heads.num_kv
+        self.head_dim = d
         self.q_size = self.num_heads * self.head_dim
         self.kv_size = self.num_kv_heads * self.head_dim
-        self.qkv_proj = nn.Linear(cfg.hidden_size, self.q_size + 2 * self.kv_size, bias=cfg.attention_bias)
-        self.o_proj = nn.Linear(self.q_size, cfg.hidden_size, bias=cfg.o_bias)
+        q_rows, kv_rows = (heads.q_start * d, heads.q_end * d), (heads.kv_start * d, heads.kv_end * d)
+        full_kv = cfg.num_key_value_heads * d
+        self.qkv_proj = ColumnParallelLinear(cfg.hidden_size, [cfg.num_attention_heads * d, full_kv, full_kv],
+                                             [q_rows, kv_rows, kv_rows], cfg.attention_bias, group)
+        self.o_proj = RowParallelLinear(cfg.num_attention_heads * d, cfg.hidden_size, q_rows, cfg.o_bias, group)
         self.rotary = rotary
         self.attn = PagedAttention(self.num_heads, self.num_kv_heads, self.head_dim, backend)
         self.qk_norm = cfg.qk_norm
@@ -75,10 +89,12 @@ class SelfAttention(nn.Module):
 
 
 class MLP(nn.Module):
-    def __init__(self, cfg: ModelConfig) -> None:
+    def __init__(self, cfg: ModelConfig, group: RankGroup | None = None) -> None:
         super().__init__()
-        self.gate_up_proj = nn.Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=cfg.mlp_bias)
-        self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=cfg.mlp_bias)
+        cols = split_evenly(cfg.intermediate_size, tp_size(group), tp_rank(group))
+        i = cfg.intermediate_size
+        self.gate_up_proj = ColumnParallelLinear(cfg.hidden_size, [i, i], [cols, cols], cfg.mlp_bias, group)
+        self.down_proj = RowParallelLinear(i, cfg.hidden_size, cols, cfg.mlp_bias, group)
         self.act = SiluAndMul()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -86,10 +102,11 @@ class MLP(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, cfg: ModelConfig, rotary: RotaryEmbedding, backend: str) -> None:
+    def __init__(self, cfg: ModelConfig, rotary: RotaryEmbedding, backend: str, group: RankGroup | None = None
+                 ) -> None:
         super().__init__()
-        self.self_attn = SelfAttention(cfg, rotary, backend)
-        self.mlp = MLP(cfg)
+        self.self_attn = SelfAttention(cfg, rotary, backend, group)
+        self.mlp = MLP(cfg, group)
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
@@ -112,21 +129,33 @@ class DecoderForCausalLM(nn.Module):
     packed = {"q_proj": ("qkv_proj", 0), "k_proj": ("qkv_proj", 1), "v_proj": ("qkv_proj", 2),
               "gate_proj": ("gate_up_proj", 0), "up_proj": ("gate_up_proj", 1)}
 
-    def __init__(self, cfg: ModelConfig, attention_backend: str = "torch") -> None:
+    def __init__(self, cfg: ModelConfig, attention_backend: str = "torch", group: RankGroup | None = None) -> None:
         super().__init__()
         self.config = cfg
+        self.tp_size = tp_size(group)
+        heads = head_shard(cfg.num_attention_heads, cfg.num_key_value_heads, self.tp_size, tp_rank(group))
+        self.q_heads = (heads.q_start, heads.q_end)         # the query heads this rank computes
+        self.kv_heads = (heads.kv_start, heads.kv_end)      # the KV heads this rank holds (its KV cache)
         rotary = RotaryEmbedding(cfg.head_dim, cfg.max_position_embeddings, cfg.rope_theta)
-        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(cfg, rotary, attention_backend)
+        self.embed_tokens: nn.Embedding = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size, group)
+        self.layers = nn.ModuleList(DecoderLayer(cfg, rotary, attention_backend, group)
                                     for _ in range(cfg.num_hidden_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        self.lm_head = ParallelLMHead(cfg.vocab_size, cfg.hidden_size, group)
         if cfg.tie_word_embeddings:
             self.lm_head.weight = self.embed_tokens.weight
 
+    @property
+    def num_local_heads(self) -> int:
+        return self.q_heads[1] - self.q_heads[0]
+
+    @property
+    def num_local_kv_heads(self) -> int:
+        return self.kv_heads[1] - self.kv_heads[0]
+
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """input_ids, positions: [T] -> hidden [T, H]."""
-        if input_ids.is_cuda and use_fused(input_ids):
+        if input_ids.is_cuda and self.tp_size == 1 and use_fused(input_ids):   # the chain has no all-reduce
             from pdserve.common.models import dataflow_decode  # imports Triton
             if dataflow_decode.applies(self, input_ids):
                 return dataflow_decode.forward(self, input_ids, positions)
@@ -148,15 +177,42 @@ class DecoderForCausalLM(nn.Module):
         """hidden: [B, H] -> logits [B, V]."""
         return self.lm_head(hidden)
 
-    def shard_sizes(self, merged: str) -> list[int]:
-        c = self.config
-        if merged == "qkv_proj":
-            kv = c.num_key_value_heads * c.head_dim
-            return [c.num_attention_heads * c.head_dim, kv, kv]
-        return [c.intermediate_size, c.intermediate_size]
+    def _owner(self, name: str) -> tuple[nn.Module, str]:
+        module_name, _, attr = name.rpartition(".")
+        return self.get_submodule(module_name), attr
+
+    def full_shape(self, name: str) -> tuple[int, ...]:
+        """Parameter ``name``'s shape at one rank (its full tensor's)."""
+        module, attr = self._owner(name)
+        shape = getattr(module, "full_shape", None)
+        return tuple(shape(attr)) if shape is not None else tuple(getattr(module, attr).shape)
+
+    def load_param(self, name: str, tensor: torch.Tensor, part: int | None = None) -> None:
+        """Copy this rank's slice of the full tensor into parameter ``name``; ``part``: the tensor is
+        one part of a merged parameter (q/k/v, gate/up), None: the whole of it."""
+        module, attr = self._owner(name)
+        load = getattr(module, "load_shard", None)
+        if load is not None:
+            load(attr, tensor, part)
+            return
+        param = getattr(module, attr)
+        if param.shape != tensor.shape:
+            raise ValueError(f"shape {tuple(tensor.shape)} != {tuple(param.shape)}")
+        with torch.no_grad():
+            param.copy_(tensor)
+
+    def expected_loads(self) -> set[str]:
+        """What ``load_weights`` must have returned for a complete checkpoint."""
+        out: set[str] = set()
+        for name, _ in self.named_parameters():
+            module, _ = self._owner(name)
+            parts = len(module.parts) if isinstance(module, ColumnParallelLinear) else 1
+            out.update(f"{name}#{i}" for i in range(parts)) if parts > 1 else out.add(name)
+        return out
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
-        """Copy HF-named tensors into the parameters; returns the names of parameters loaded."""
+        """Copy HF-named tensors into the parameters (this rank's slice of each); returns the names
+        of parameters loaded (``name#part`` for a part of a merged one)."""
         params = dict(self.named_parameters(remove_duplicate=False))
         loaded: set[str] = set()
         for hf_name, tensor in weights:
@@ -172,15 +228,9 @@ class DecoderForCausalLM(nn.Module):
                     break
             if name not in params:
                 raise KeyError(f"checkpoint tensor {hf_name!r} has no matching parameter ({name})")
-            param = params[name]
-            with torch.no_grad():
-                if shard is None:
-                    if param.shape != tensor.shape:
-                        raise ValueError(f"{hf_name}: shape {tuple(tensor.shape)} != {tuple(param.shape)}")
-                    param.copy_(tensor)
-                else:
-                    sizes = self.shard_sizes(name.split(".")[-2])
-                    start = sum(sizes[:shard])
-                    param.narrow(0, start, sizes[shard]).copy_(tensor)
+            try:
+                self.load_param(name, tensor, shard)
+            except ValueError as e:
+                raise ValueError(f"{hf_name}: {e}") from None
             loaded.add(f"{name}#{shard}" if shard is not None else name)
         return loaded
