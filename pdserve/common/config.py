@@ -128,6 +128,7 @@ class EngineConfig:
     gpu_memory_utilization: float = 0.9
     attention_backend: str = "auto"
     enforce_eager: bool = False             # no CUDA graphs
+    tensor_parallel_size: int = 1           # ranks (processes, GPUs) the model is split over (engine/ranks.py)
     seed: int = 0                           # dummy-weight seed (presets / configs)
     enable_prefix_caching: bool = True
     async_scheduling: bool | None = None    # overlap host work with the GPU; None = with CUDA graphs
@@ -158,6 +159,8 @@ class EngineConfig:
             raise ValueError(f"tpot_target_ms must be >= 0 (0 = off), got {self.tpot_target_ms}")
         if not 0.0 <= self.tpot_margin < 1.0:
             raise ValueError(f"tpot_margin must be in [0, 1), got {self.tpot_margin}")
+        if self.tensor_parallel_size < 1:
+            raise ValueError(f"tensor_parallel_size must be >= 1, got {self.tensor_parallel_size}")
         if self.num_kv_blocks is not None and self.num_kv_blocks < 1:
             raise ValueError(f"num_kv_blocks must be >= 1, got {self.num_kv_blocks}")
         if not 0.0 < self.gpu_memory_utilization <= 1.0:

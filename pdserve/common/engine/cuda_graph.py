@@ -8,6 +8,7 @@ allocated once here. Batches above the largest captured size run eagerly.
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 
 import torch
 
@@ -40,16 +41,18 @@ class DecodeGraphRunner:
         self.use_workspace = use_workspace
         if use_workspace:
             from pdserve.common.ops.paged_attention import DECODE_MAX_SPLITS, alloc_decode_workspace
-            self.workspace = alloc_decode_workspace(self.max_bs, cfg.num_attention_heads, cfg.head_dim,
+            self.workspace = alloc_decode_workspace(self.max_bs, model.num_local_heads, cfg.head_dim,
                                                     DECODE_MAX_SPLITS, device)
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
+        # called with each replay's inputs first (rank 0 of a tensor-parallel engine mirrors it)
+        self.before_run: Callable[..., None] | None = None
         self.outputs: dict[int, torch.Tensor] = {}
 
     def _context(self, bs: int) -> ForwardContext:
         splits = None
         if self.use_workspace:
             from pdserve.common.ops.paged_attention import decode_num_splits
-            splits = decode_num_splits(bs, self.model.config.num_key_value_heads, self.max_context_len,
+            splits = decode_num_splits(bs, self.model.num_local_kv_heads, self.max_context_len,
                                        self.input_ids.device)
         return ForwardContext(is_prefill=False, slot_mapping=self.slot_mapping[:bs],
                               context_lens=self.context_lens[:bs], block_tables=self.block_tables[:bs],
@@ -76,6 +79,8 @@ class DecodeGraphRunner:
 
     def run(self, input_ids: torch.Tensor, positions: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
         """Replay for a real batch of ``bs`` rows; returns hidden states ``[bs, H]``."""
+        if self.before_run is not None:
+            self.before_run(input_ids, positions, ctx)
         bs = input_ids.shape[0]
         gbs = next(b for b in self.batch_sizes if b >= bs)
         self.input_ids[:bs].copy_(input_ids, non_blocking=True)

@@ -169,6 +169,10 @@ class LLMEngine:
         self.model_runner.release(seq)
         return seq
 
+    def close(self) -> None:
+        """Release what outlives the object: a tensor-parallel engine's other ranks."""
+        self.model_runner.close()
+
     def has_unfinished(self) -> bool:
         return not self.scheduler.is_finished() or self.pending is not None
 

@@ -9,6 +9,7 @@ states; LM head and sampler run outside. Steps that do not fit a graph run eager
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 
 import torch
 
@@ -57,14 +58,16 @@ class MixedGraphRunner:
         self.chunk_tables = torch.full((max_chunk_seqs, max_blocks_per_seq), -1, dtype=i32, device=device)
         self.cu_seqlens = torch.zeros(max_chunk_seqs + 1, dtype=i32, device=device)
         from pdserve.common.ops.paged_attention import DECODE_MAX_SPLITS, alloc_decode_workspace
-        self.workspace = alloc_decode_workspace(max(nd_max, 1), cfg.num_attention_heads, cfg.head_dim,
+        self.workspace = alloc_decode_workspace(max(nd_max, 1), model.num_local_heads, cfg.head_dim,
                                                 DECODE_MAX_SPLITS, device)
         self.graphs: dict[tuple[int, int], torch.cuda.CUDAGraph] = {}
+        # called with each replay's inputs first (rank 0 of a tensor-parallel engine mirrors it)
+        self.before_run: Callable[..., None] | None = None
         self.outputs: dict[tuple[int, int], torch.Tensor] = {}
 
     def _context(self, nd: int, tc: int) -> ForwardContext:
         from pdserve.common.ops.paged_attention import decode_num_splits
-        splits = decode_num_splits(nd, self.model.config.num_key_value_heads, self.max_context_len,
+        splits = decode_num_splits(nd, self.model.num_local_kv_heads, self.max_context_len,
                                    self.input_ids.device) if nd else None
         lens, tables = (self.decode_lens[:nd], self.decode_tables[:nd]) if nd else (self.chunk_lens, self.chunk_tables)
         return ForwardContext(
@@ -99,6 +102,8 @@ class MixedGraphRunner:
             rows: torch.Tensor) -> torch.Tensor:
         """Replay for a real mixed step (``ctx`` as ModelRunner.prepare_prefill builds it) and
         return the hidden states of ``rows`` (indices into the step's packed token rows)."""
+        if self.before_run is not None:
+            self.before_run(input_ids, positions, ctx, rows)
         nd = ctx.num_decode_tokens
         tc = input_ids.shape[0] - nd
         nd_pad = next(b for b in self.decode_sizes if b >= nd)

@@ -2,7 +2,9 @@
 
 ``prepare_prefill`` / ``prepare_decode`` turn scheduled Sequences into flat ``input_ids`` /
 ``positions`` and a ForwardContext; the KV pool is one tensor
-``[num_blocks, num_layers, 2, block_size, num_kv_heads, head_dim]`` (docs/design.md).
+``[num_blocks, num_layers, 2, block_size, num_kv_heads, head_dim]`` (docs/design.md). With
+``tensor_parallel_size`` N > 1 this runner is rank 0 of N (engine/ranks.py): each rank holds its
+KV heads, and every forward and LM-head call here is mirrored on the other ranks.
 """
 from __future__ import annotations
 
@@ -17,11 +19,13 @@ from pdserve.common.config import EngineConfig, ModelConfig, parse_dtype, resolv
 from pdserve.common.context import ForwardContext, forward_context
 from pdserve.common.engine.prefill_batch import block_table_array, prefill_batch
 from pdserve.common.engine.prompt_logprobs import PromptLogprobsPlan, PromptLogprobsStep
+from pdserve.common.engine.ranks import RankLeader, rank_device
 from pdserve.common.engine.sequence import Sequence
 from pdserve.common.guided.state import fill_bitmask
 from pdserve.common.layers.attention_backends import resolve_backend_name
 from pdserve.common.layers.sampler import Sampler, SamplingBatch, prepare_sampling
 from pdserve.common.loader import ModelSource, build_model
+from pdserve.common.parallel import RankGroup, tp_rank
 
 if TYPE_CHECKING:   # imported lazily where used (CUDA graphs only)
     from pdserve.common.engine.cuda_graph import DecodeGraphRunner
@@ -97,15 +101,25 @@ class LaunchedStep:
 
 
 class ModelRunner:
-    def __init__(self, config: EngineConfig, source: ModelSource) -> None:
+    """``group``: given on ranks other than 0 (rank_main.py); rank 0 of a tensor-parallel engine
+    starts the others itself (``leader``)."""
+
+    def __init__(self, config: EngineConfig, source: ModelSource, group: RankGroup | None = None) -> None:
         self.config = config
         self.model_config = source.config
-        self.device = resolve_device(config.device)
+        self.device = rank_device(resolve_device(config.device), tp_rank(group))
+        self.leader: RankLeader | None = None
+        if group is None and config.tensor_parallel_size > 1:
+            self.leader = RankLeader(config, source, self.device)
+            group = self.leader.group
+        self.group = group
         self.dtype = resolve_dtype(config.dtype, source.config, self.device)
         self.kv_cache_dtype = resolve_kv_cache_dtype(config.kv_cache_dtype, self.dtype)
         self.block_size = config.block_size
         self.backend_name = resolve_backend_name(config.attention_backend, self.device.type)
-        self.model = build_model(source, self.dtype, self.device, self.backend_name, config.seed)
+        self.model = build_model(source, self.dtype, self.device, self.backend_name, config.seed, group)
+        if self.leader is not None:
+            self.leader.mirror(self.model)
         self.sampler = Sampler()
         self.generators: dict[int, torch.Generator] = {}
         self.kv_cache = torch.empty(0)
@@ -121,7 +135,7 @@ class ModelRunner:
         """Bytes of one KV block (all layers, K and V) in the cache dtype: an FP8 cache's blocks
         are half a bf16 cache's, so the same memory holds twice the blocks."""
         c = self.model_config
-        return (c.num_hidden_layers * 2 * self.block_size * c.num_key_value_heads * c.head_dim
+        return (c.num_hidden_layers * 2 * self.block_size * self.model.num_local_kv_heads * c.head_dim
                 * torch.tensor([], dtype=self.kv_cache_dtype).element_size())
 
     def _num_blocks_from_memory(self) -> int:
@@ -148,13 +162,17 @@ class ModelRunner:
     def allocate_kv_cache(self) -> int:
         """Allocate the KV pool (in ``kv_cache_dtype``) and bind each layer's views; returns the
         number of blocks. Each layer's FP8 scales stay as the model set them (1.0 by default)."""
+        if self.leader is not None:
+            self.leader.call("allocate_kv_cache")
         num_blocks = self.config.num_kv_blocks or self._num_blocks_from_memory()
+        if self.group is not None:
+            num_blocks = self.group.min_int(num_blocks)     # the blocks that fit on every rank
         if num_blocks < 1:
             raise RuntimeError("not enough memory for a single KV block; lower max_num_batched_tokens "
                                "or raise the KV memory")
         c = self.model_config
         self.kv_cache = torch.zeros(num_blocks, c.num_hidden_layers, 2, self.block_size,
-                                    c.num_key_value_heads, c.head_dim, dtype=self.kv_cache_dtype,
+                                    self.model.num_local_kv_heads, c.head_dim, dtype=self.kv_cache_dtype,
                                     device=self.device)
         for i, attn in enumerate(self.model.attention_layers()):
             attn.k_cache = self.kv_cache[:, i, 0]
@@ -166,7 +184,23 @@ class ModelRunner:
 
     def capture_cuda_graphs(self, max_model_len: int) -> None:
         """Capture decode graphs, and mixed-step graphs with chunked prefill (CUDA only, unless
-        enforce_eager)."""
+        enforce_eager); every rank captures its own, their replays mirrored from rank 0."""
+        if self.leader is None:
+            return self._capture_cuda_graphs(max_model_len)
+        self.leader.call("capture_cuda_graphs", max_model_len)
+        with self.leader.paused():
+            self._capture_cuda_graphs(max_model_len)
+        if self.graph_runner is not None:
+            self.graph_runner.before_run = self.leader.graph_hook("decode_graph")
+        if self.mixed_graph_runner is not None:
+            self.mixed_graph_runner.before_run = self.leader.graph_hook("mixed_graph")
+
+    def close(self) -> None:
+        """Stop the other ranks of a tensor-parallel engine (nothing at one rank)."""
+        if self.leader is not None:
+            self.leader.close()
+
+    def _capture_cuda_graphs(self, max_model_len: int) -> None:
         if self.device.type != "cuda" or self.config.enforce_eager:
             return
         from pdserve.common.engine.cuda_graph import DecodeGraphRunner
