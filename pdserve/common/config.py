@@ -182,3 +182,8 @@ def resolve_kv_cache_dtype(name: str, model_dtype: torch.dtype) -> torch.dtype:
     if name == "fp8":
         return torch.float8_e4m3fn
     raise ValueError(f"kv_cache_dtype must be one of {', '.join(KV_CACHE_DTYPES)}, got {name!r}")
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    """A dtype as torch spells it without the module: "bfloat16", "float8_e4m3fn"."""
+    return str(dtype).removeprefix("torch.")

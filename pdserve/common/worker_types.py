@@ -42,6 +42,7 @@ class WorkerInfo:
     worker_id: str = ""
     version: str = ""
     vocab_size: int = 0
+    kv_cache_dtype: str = ""          # the KV pool's element type ("bfloat16", "float8_e4m3fn"); "" = unknown
 
 
 @dataclass(frozen=True, slots=True)

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import math
 
-from pdserve.common.grpc_utils.errors import InvalidArgument
+from pdserve.common.grpc_utils.errors import FailedPrecondition, InvalidArgument
 from pdserve.prefill_worker.validation import Limits, check_params, check_token_id, check_token_ids, check_worker_id
 
 #: Longest reservation lease accepted (ms): blocks pinned longer than this are a bug or an attack.
@@ -17,12 +17,22 @@ MAX_TPOT_SLO_MS = 3_600_000.0
 
 
 def check_reserve(request, limits: Limits) -> None:
-    """A ReserveRequest: prompt, params, lease."""
+    """A ReserveRequest: prompt, params, lease, and the prefill worker's KV cache dtype, which
+    must be this worker's (FailedPrecondition naming both: its blocks would not read back here)."""
+    check_kv_cache_dtype(request.kv_cache_dtype, limits)
     check_token_ids("token_ids", request.token_ids, limits)
     check_params(request.params, limits)
     check_tpot_slo(request.tpot_slo_ms)
     if request.lease_ms > MAX_LEASE_MS:
         raise InvalidArgument("lease_ms", f"{request.lease_ms} is over the maximum of {MAX_LEASE_MS}")
+
+
+def check_kv_cache_dtype(sender: str, limits: Limits) -> None:
+    """The prefill worker's KV cache dtype ``sender`` ("" = not given) against this worker's."""
+    if sender and limits.kv_cache_dtype and sender != limits.kv_cache_dtype:
+        raise FailedPrecondition(f"KV cache dtype mismatch: the prefill worker's cache is {sender}, this decode "
+                                 f"worker's is {limits.kv_cache_dtype}; every worker of a deployment must run "
+                                 f"with the same --kv-cache-dtype (and --dtype)")
 
 
 def check_submit(request, limits: Limits) -> None:

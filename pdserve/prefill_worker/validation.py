@@ -13,6 +13,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+from pdserve.common.config import dtype_name
 from pdserve.common.grpc_utils.errors import InvalidArgument
 from pdserve.common.kv_transfer import KvTransferError
 from pdserve.common.kv_transfer.store import split_address
@@ -31,11 +32,12 @@ class Limits:
     max_model_len: int     # prompt + generated tokens; within the KV pool
     num_blocks: int        # KV blocks in the pool
     block_bytes: int       # bytes of one KV block (all layers)
+    kv_cache_dtype: str = ""   # the pool's element type (config.dtype_name); "" = not checked
 
     @classmethod
     def of(cls, engine: LLMEngine) -> Limits:
         return cls(engine.source.config.vocab_size, engine.max_model_len, engine.block_manager.num_blocks,
-                   engine.model_runner.block_bytes)
+                   engine.model_runner.block_bytes, dtype_name(engine.model_runner.kv_cache_dtype))
 
 
 def check_token_ids(field: str, token_ids: Sequence[int], limits: Limits) -> None:

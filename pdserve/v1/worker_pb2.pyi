@@ -8,7 +8,7 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class ReserveRequest(_message.Message):
-    __slots__ = ("request_id", "token_ids", "params", "lease_ms", "deadline_unix_ms", "router_id", "tpot_slo_ms")
+    __slots__ = ("request_id", "token_ids", "params", "lease_ms", "deadline_unix_ms", "router_id", "tpot_slo_ms", "kv_cache_dtype")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     PARAMS_FIELD_NUMBER: _ClassVar[int]
@@ -16,6 +16,7 @@ class ReserveRequest(_message.Message):
     DEADLINE_UNIX_MS_FIELD_NUMBER: _ClassVar[int]
     ROUTER_ID_FIELD_NUMBER: _ClassVar[int]
     TPOT_SLO_MS_FIELD_NUMBER: _ClassVar[int]
+    KV_CACHE_DTYPE_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     token_ids: _containers.RepeatedScalarFieldContainer[int]
     params: _common_pb2.SamplingParams
@@ -23,7 +24,8 @@ class ReserveRequest(_message.Message):
     deadline_unix_ms: int
     router_id: str
     tpot_slo_ms: float
-    def __init__(self, request_id: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., params: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., lease_ms: _Optional[int] = ..., deadline_unix_ms: _Optional[int] = ..., router_id: _Optional[str] = ..., tpot_slo_ms: _Optional[float] = ...) -> None: ...
+    kv_cache_dtype: str
+    def __init__(self, request_id: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., params: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., lease_ms: _Optional[int] = ..., deadline_unix_ms: _Optional[int] = ..., router_id: _Optional[str] = ..., tpot_slo_ms: _Optional[float] = ..., kv_cache_dtype: _Optional[str] = ...) -> None: ...
 
 class ReserveResponse(_message.Message):
     __slots__ = ("block_ids", "num_cached_tokens", "kv_store_address", "worker_id", "lease_expires_unix_ms")

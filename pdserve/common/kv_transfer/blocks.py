@@ -23,6 +23,14 @@ def bytes_per_block(kv_cache: torch.Tensor) -> int:
     return kv_cache[0].numel() * kv_cache.element_size()
 
 
+def wire_view(kv_cache: torch.Tensor) -> torch.Tensor:
+    """The pool as the channels move it: an FP8 pool as its bytes (``uint8``, same shape: not
+    every collective backend takes float8 tensors), any other pool as it is."""
+    if kv_cache.dtype in (torch.float8_e4m3fn, torch.float8_e5m2):
+        return kv_cache.view(torch.uint8)
+    return kv_cache
+
+
 def check_pool(kv_cache: torch.Tensor) -> None:
     """The pool must be a contiguous 6-d ``[num_blocks, layers, 2, block, heads, dim]`` tensor."""
     if kv_cache.dim() != 6 or kv_cache.shape[2] != 2:

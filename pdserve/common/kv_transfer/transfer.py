@@ -3,7 +3,9 @@
 Both sides issue the same messages in PushKV order (the prefill worker never has two PushKV in
 flight to one decode worker). ``n`` blocks cross as ``plan_chunks`` messages: consecutive block
 ids pool to pool, others through two staging buffers. The first token (8 bytes) may ride at the
-end of the last message, so a send can start before the token reaches the host. Any send
+end of the last message, so a send can start before the token reaches the host. An FP8 pool
+crosses as its bytes (``blocks.wire_view``); its per-tensor scales are the model's on both
+sides (the same checkpoint), so only blocks move. Any send
 failure bumps the pair's epoch; a newer epoch makes the receiver abort the old channel.
 """
 from __future__ import annotations
@@ -13,7 +15,7 @@ import time
 
 import torch
 
-from .blocks import bytes_per_block, contiguous_range, gather_blocks, plan_chunks, scatter_blocks
+from .blocks import bytes_per_block, contiguous_range, gather_blocks, plan_chunks, scatter_blocks, wire_view
 from .channel import PairChannel
 
 log = logging.getLogger(__name__)
@@ -73,6 +75,7 @@ def _enqueue_send_on(ch: PairChannel, kv_cache: torch.Tensor, ids: list[int],
                      first_token: FirstTokenRef | None = None) -> list:
     """Start sending blocks ``ids`` of ``kv_cache`` (``first_token`` at the end); the caller must
     ``ch.synchronize`` the returned operations. ``staging``: two reusable buffer slots."""
+    kv_cache = wire_view(kv_cache)
     block_bytes = bytes_per_block(kv_cache)
     chunks = plan_chunks(len(ids), block_bytes, max_message_bytes)
     stream = ch.stream
@@ -114,6 +117,7 @@ def _recv_blocks_on(ch: PairChannel, kv_cache: torch.Tensor, ids: list[int],
                     ) -> tuple[int, tuple[int, float] | None]:
     """Receive blocks ``ids`` into ``kv_cache``; returns ``(num_bytes, (token, logprob) or None)``.
     On return the data landed (CPU) or its scatter is enqueued on ``ch.stream`` (CUDA)."""
+    kv_cache = wire_view(kv_cache)
     block_bytes = bytes_per_block(kv_cache)
     chunks = plan_chunks(len(ids), block_bytes, max_message_bytes)
     stream = ch.stream

@@ -9,7 +9,7 @@ from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from typing import TypeVar
 
-from pdserve.common.config import EngineConfig
+from pdserve.common.config import EngineConfig, dtype_name
 from pdserve.common.engine.llm_engine import LLMEngine, StepOutput
 from pdserve.common.grpc_utils.protocol import PROTOCOL_VERSION
 from pdserve.common.serving.broadcast import Broadcast
@@ -104,7 +104,8 @@ class WorkerRuntime:
         return {"protocol_version": PROTOCOL_VERSION, "model": e.source.config.name,
                 "dtype": str(e.model_runner.dtype).replace("torch.", ""), "block_size": e.config.block_size,
                 "max_model_len": e.max_model_len, "num_kv_blocks": e.block_manager.num_blocks,
-                "worker_id": self.worker_id, "vocab_size": e.source.config.vocab_size}
+                "worker_id": self.worker_id, "vocab_size": e.source.config.vocab_size,
+                "kv_cache_dtype": dtype_name(e.model_runner.kv_cache_dtype)}
 
     def stats(self, num_reserved: int) -> dict:
         """The engine's counters as of its last step (never waits for the engine thread)."""
