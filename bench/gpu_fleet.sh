@@ -10,9 +10,9 @@
 # Deployments (DEPLOYS, default all three), every one on both GPUs:
 #   disagg     1 prefill (GPU 0) + 1 decode (GPU 1), router --pd-policy always
 #   colocated  2 workers of role both, chunked prefill at budget 512 (its best: docs/benchmarks.md)
-#   fleet      2 workers of role both with the TPOT guard at 12 ms (margin 0.05), router --pd-policy fleet
-#   fleet-b512 the same with co-location's step budget of 512 tokens (the guard's ceiling in every step)
-#   fleet-m0   fleet with --tpot-margin 0 (the guard's goal is the whole target)
+#   fleet      2 workers of role both at co-location's budget (512), router --pd-policy fleet (pdserve up --placement fleet)
+#   fleet-guard  2 workers of role both with the TPOT guard at 12 ms (margin 0.05), router --pd-policy fleet
+#   fleet-b512 fleet-guard with co-location's step budget of 512 tokens (the guard's ceiling in every step)
 # Usage (device machine, repo root): bash bench/gpu_fleet.sh OUTDIR part [part ...]
 # Env: RATES, NUM_PROMPTS (non-phase parts), PHASE_SECONDS (default 15), PHASE_CYCLES (default 1),
 #      DEPLOYS, MODEL, DEVICE (cuda; cpu for a dry run), GPUS (0,1), CAPACITY (0).
@@ -34,9 +34,9 @@ nvidia-smi --query-gpu=name,memory.total --format=csv,noheader 2>/dev/null
 declare -A UP=(
   [disagg]="--prefill 1 --decode 1 --prefill-gpus $G0 --decode-gpus $G1 --extra-router-args='--pd-policy always $NOADM'"
   [colocated]="--prefill 0 --decode 2 --role both --decode-gpus $GPUS --extra-decode-args='--max-num-batched-tokens 512' --extra-router-args='--pd-policy never $NOADM'"
-  [fleet]="--prefill 0 --decode 2 --role both --decode-gpus $GPUS --extra-decode-args='--tpot-target-ms 12' --extra-router-args='--pd-policy fleet $ROUTER_SLO $NOADM'"
+  [fleet]="--prefill 0 --decode 2 --role both --decode-gpus $GPUS --extra-decode-args='--max-num-batched-tokens 512' --extra-router-args='--pd-policy fleet $ROUTER_SLO $NOADM'"
+  [fleet-guard]="--prefill 0 --decode 2 --role both --decode-gpus $GPUS --extra-decode-args='--tpot-target-ms 12' --extra-router-args='--pd-policy fleet $ROUTER_SLO $NOADM'"
   [fleet-b512]="--prefill 0 --decode 2 --role both --decode-gpus $GPUS --extra-decode-args='--tpot-target-ms 12 --max-num-batched-tokens 512' --extra-router-args='--pd-policy fleet $ROUTER_SLO $NOADM'"
-  [fleet-m0]="--prefill 0 --decode 2 --role both --decode-gpus $GPUS --extra-decode-args='--tpot-target-ms 12 --tpot-margin 0' --extra-router-args='--pd-policy fleet $ROUTER_SLO $NOADM'"
 )
 ups=()
 for d in ${DEPLOYS:-disagg colocated fleet}; do ups+=(--up-config "$d=${UP[$d]}"); done

@@ -5,8 +5,10 @@
   deployment docs/benchmarks.md ("Fleet placement") measured best on traffic that shifts;
 - ``disagg``: the first half of the GPUs prefill workers, the rest decode workers, router
   ``--pd-policy always`` (the static split);
-- ``fleet``: every GPU a worker of role ``both`` with the TPOT guard at the router's TPOT
-  objective, router ``--pd-policy fleet`` (pdserve/router/fleet_policy.py).
+- ``fleet``: every GPU a worker of role ``both`` at co-location's budget (no TPOT guard: on H100 it
+  cost goodput, bench/results/fleet_h100x2/README.md), router ``--pd-policy fleet``
+  (pdserve/router/fleet_policy.py: co-location's pick first, another worker only where that breaks
+  an objective, decodes that move).
 
 Flags given through ``--extra-*-args`` come after these, so they win. ``--gpus`` lays the workers
 out itself: with ``--prefill``, ``--decode``, ``--role``, ``--prefill-gpus`` or ``--decode-gpus``
@@ -15,8 +17,6 @@ it is a usage error (SystemExit naming them).
 from __future__ import annotations
 
 import argparse
-
-from pdserve.router.pd_policy import PdConfig
 
 PLACEMENTS = ("colocated", "disagg", "fleet")
 DEFAULT_PLACEMENT = "colocated"
@@ -62,6 +62,6 @@ def apply(args: argparse.Namespace) -> None:
                 decode_extra = f"--max-num-batched-tokens {COLOCATED_BUDGET}"
         else:
             router = "--pd-policy fleet"
-            decode_extra = f"--tpot-target-ms {PdConfig().slo_tpot_ms:g}"
+            decode_extra = f"--max-num-batched-tokens {COLOCATED_BUDGET}"
     args.extra_router_args = f"{router} {args.extra_router_args}".strip()
     args.extra_decode_args = f"{decode_extra} {args.extra_decode_args}".strip()

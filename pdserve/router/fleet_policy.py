@@ -6,9 +6,10 @@ decode-capable workers. ``P == D`` is a local prefill (Submit); otherwise the ro
 Local first: the request goes where co-location would send it (``home``: the decode pick of
 pdserve.router.policy, cached prefix and load), and is prefilled there, unless that breaks an
 objective; so under the loads where co-location keeps every SLO the fleet *is* co-location, and it
-departs from it only where co-location would fail. It relies on each worker's TPOT guard
-(pdserve/common/engine/tpot_guard.py): a worker with decode rows carries only the prompt tokens
-that keep their TPOT, and one without decode rows prefills in full-size steps. Pure functions over
+departs from it only where co-location would fail. A worker may run the TPOT guard
+(pdserve/common/engine/tpot_guard.py: beside decode rows a step carries only the prompt tokens that
+keep their TPOT; without decode rows it prefills in full-size steps) or not (a chunk of its step
+budget every step, as co-location runs); the router models either. Pure functions over
 snapshots (:class:`FleetWorker`); the formulas, per worker ``w`` (ms; ``U_w`` the request's prompt
 tokens ``w`` lacks, ``Q_w`` prompt tokens queued there, ``R_w`` its measured prefill rate in
 tokens/s, ``rows_w`` its decode rows, ``t_w`` its decode step, ``c_w`` the extra ms per prompt
@@ -22,8 +23,10 @@ token of its mixed steps)::
                   (home's decode rows alone break its guard's goal: a worker with room decodes it)
     rate_w      = full_w                           if rows_w == 0 (a prefill-sized step: R_w may
                   have been measured in guarded steps beside decode rows)
-                = 1000 * (goal - t_w) / (c_w * goal)   otherwise: the slack of each step, on average
-                  (the guard's floor of MIN_CHUNK_TOKENS a step, when the slack holds fewer)
+                = 1000 * (goal - t_w) / (c_w * goal)   a guarded worker with rows: the slack of each
+                  step, on average (the guard's floor of MIN_CHUNK_TOKENS a step, when the slack holds fewer)
+                = 1000 * k / (t_w + c_w * k), k = B_w - rows_w   a worker without the guard
+                  (``--tpot-target-ms 0``) with rows: a chunk of the step's budget every step
     ttft_w      = 1000 * (Q_w + U_w) / rate_w  (+ remote_overhead_ms + U_D * transfer_us / 1000 if w != D)
     cost_w      = ttft_w + rows_w * U_w * c_w     (this request's wait + each decode row's wait)
     P           = D                                 while ttft_D <= TTFT_SHARE * slo_ttft and D is not
@@ -74,6 +77,7 @@ class FleetWorker:
     recent_tokens: float = 0.0      # W: prompt tokens this router gave it lately (reported, not decided on)
     can_decode: bool = True         # role both or decode (a candidate for D)
     can_prefill: bool = True        # role both or prefill (a candidate for P; D may always prefill its own)
+    guarded: bool = True            # runs the TPOT guard (its --tpot-target-ms > 0)
 
 
 def pick_decode(workers: Sequence[FleetWorker], slo_tpot_ms: float, home: str | None = None) -> FleetWorker:
@@ -106,6 +110,9 @@ def prefill_rate(w: FleetWorker, slo_tpot_ms: float, fallback: float) -> float:
     r = w.tokens_per_s if w.tokens_per_s > 0 else fallback
     c = w.ms_per_prompt_token if w.ms_per_prompt_token > 0 else 1000.0 / r
     t = _step_ms(w)
+    if not w.guarded and w.max_num_batched_tokens > 0:
+        k = max(w.max_num_batched_tokens - w.decode_rows, MIN_CHUNK_TOKENS)
+        return min(r, 1000.0 * k / (t + c * k))
     goal = slo_tpot_ms * (1.0 - GUARD_MARGIN)
     if goal - t < c * MIN_CHUNK_TOKENS:     # the guard's floor: MIN_CHUNK_TOKENS a step
         return min(r, 1000.0 * MIN_CHUNK_TOKENS / (t + c * MIN_CHUNK_TOKENS))

@@ -144,4 +144,4 @@ def _fleet_worker(c: WorkerClient, uncached: int, now: float, window_s: float) -
         c.key, uncached, c.queued_prompt_tokens, c.prefill_tokens_per_s, c.decoding,
         s.decode_step_ms if s else 0.0, s.ms_per_prompt_token if s else 0.0, s.max_num_batched_tokens if s else 0,
         decayed_rate(c.prefill_counter, c.prefill_counter_at, now, window_s),
-        c.can_decode, c.role is not Role.DECODE)
+        c.can_decode, c.role is not Role.DECODE, s.tpot_target_ms > 0 if s else True)

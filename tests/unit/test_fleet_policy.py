@@ -67,6 +67,17 @@ def test_prefill_rate_by_hand():
     assert prefill_rate(full, 12.0, 8000.0) == pytest.approx(1000.0 * 32 / (11.8 + 0.64))
 
 
+def test_an_unguarded_worker_prefills_a_budget_chunk_every_step():
+    # budget 512, 12 rows: 500 prompt tokens a step of 8 + 0.02 * 500 = 18 ms: 27,778 tokens/s
+    free = w("a", decode_rows=12, decode_step_ms=8.0, ms_per_prompt_token=0.02, max_num_batched_tokens=512,
+             guarded=False)
+    assert prefill_rate(free, 12.0, 8000.0) == pytest.approx(1000.0 * 500 / 18.0)
+    # the measured rate caps it
+    slow = w("a", decode_rows=12, decode_step_ms=8.0, ms_per_prompt_token=0.02, max_num_batched_tokens=512,
+             guarded=False, tokens_per_s=10_000.0)
+    assert prefill_rate(slow, 12.0, 8000.0) == 10_000.0
+
+
 def test_local_on_home_while_it_keeps_the_ttft():
     # home b has 20 rows at 5 ms: (11.4 - 5) / 0.02 = 320 prompt tokens every 11.4 ms = 28,070/s, so
     # 1000 tokens in 35.6 ms <= 0.6 s: local, though a (no rows, 40k/s) would be faster
