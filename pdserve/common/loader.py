@@ -12,7 +12,9 @@ import torch
 from safetensors import safe_open
 
 from pdserve.common.config import ModelConfig
+from pdserve.common.models import fp8_checkpoint
 from pdserve.common.models.decoder import DecoderForCausalLM
+from pdserve.common.models.quantize import quantize_fp8, set_kv_scales
 from pdserve.common.parallel import RankGroup
 
 logger = logging.getLogger(__name__)
@@ -81,9 +83,12 @@ def _init_dummy(model: DecoderForCausalLM, seed: int) -> None:
 
 
 def build_model(source: ModelSource, dtype: torch.dtype, device: torch.device,
-                attention_backend: str, seed: int = 0, group: RankGroup | None = None) -> DecoderForCausalLM:
+                attention_backend: str, seed: int = 0, group: RankGroup | None = None,
+                quantization: str | None = None) -> DecoderForCausalLM:
     """The model on ``device`` in ``dtype`` with checkpoint or seeded dummy weights; with a rank
-    ``group`` of N ranks, this rank's shard of it."""
+    ``group`` of N ranks, this rank's shard of it. An FP8 checkpoint is read dequantized
+    (models/fp8_checkpoint.py); ``quantization`` "fp8" then makes the projections FP8
+    (models/quantize.py)."""
     previous = torch.get_default_dtype()
     torch.set_default_dtype(dtype)
     try:
@@ -95,10 +100,19 @@ def build_model(source: ModelSource, dtype: torch.dtype, device: torch.device,
         _init_dummy(model, seed)
         logger.info("model %s: dummy weights (seed %d)", source.config.name, seed)
     else:
-        loaded = model.load_weights(_safetensors_weights(source.checkpoint_dir))
+        kv_scales: dict[str, float] = {}
+        quant_cfg = fp8_checkpoint.read_quant_config(source.checkpoint_dir)
+        loaded = model.load_weights(fp8_checkpoint.dequantized(_safetensors_weights(source.checkpoint_dir),
+                                                               quant_cfg, dtype, kv_scales))
         missing = model.expected_loads() - loaded
         if missing:
             raise ValueError(f"checkpoint is missing tensors: {sorted(missing)[:8]}")
-        logger.info("model %s: weights from %s", source.config.name, source.checkpoint_dir)
+        set_kv_scales(model, kv_scales)
+        logger.info("model %s: weights from %s%s", source.config.name, source.checkpoint_dir,
+                    f" (FP8 checkpoint, {quant_cfg['quant_method']})" if quant_cfg else "")
+    if quantization == "fp8":
+        quantize_fp8(model)
+        logger.info("model %s: projections in FP8 (per-channel weight scales, per-token activations)",
+                    source.config.name)
     model.eval()
     return model

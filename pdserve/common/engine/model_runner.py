@@ -117,7 +117,8 @@ class ModelRunner:
         self.kv_cache_dtype = resolve_kv_cache_dtype(config.kv_cache_dtype, self.dtype)
         self.block_size = config.block_size
         self.backend_name = resolve_backend_name(config.attention_backend, self.device.type)
-        self.model = build_model(source, self.dtype, self.device, self.backend_name, config.seed, group)
+        self.model = build_model(source, self.dtype, self.device, self.backend_name, config.seed, group,
+                                 config.quantization)
         if self.leader is not None:
             self.leader.mirror(self.model)
         self.sampler = Sampler()

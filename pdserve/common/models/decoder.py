@@ -144,6 +144,7 @@ class DecoderForCausalLM(nn.Module):
         self.lm_head = ParallelLMHead(cfg.vocab_size, cfg.hidden_size, group)
         if cfg.tie_word_embeddings:
             self.lm_head.weight = self.embed_tokens.weight
+        self.fp8_weights = False        # linears swapped for Fp8Linear (models/quantize.py): no decode chain
 
     @property
     def num_local_heads(self) -> int:
@@ -155,7 +156,8 @@ class DecoderForCausalLM(nn.Module):
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """input_ids, positions: [T] -> hidden [T, H]."""
-        if input_ids.is_cuda and self.tp_size == 1 and use_fused(input_ids):   # the chain has no all-reduce
+        if input_ids.is_cuda and self.tp_size == 1 and not self.fp8_weights and use_fused(input_ids):
+            # the chain has no all-reduce and reads bf16 weights
             from pdserve.common.models import dataflow_decode  # imports Triton
             if dataflow_decode.applies(self, input_ids):
                 return dataflow_decode.forward(self, input_ids, positions)
