@@ -94,7 +94,7 @@ class Child:
     how to call that address (its port's credentials)."""
     name: str
     cmd: list[str]
-    gpu: str | None                 # CUDA_VISIBLE_DEVICES; None = this process's
+    gpu: str | None                 # CUDA_VISIBLE_DEVICES (a worker's GPUs, one a rank); None = this process's
     address: str
     ports: dict[int, str]           # port -> the flag that sets it (for the port-in-use error)
     client: ClientSecurity = field(default_factory=ClientSecurity)
@@ -123,16 +123,13 @@ def _passed(args: argparse.Namespace) -> list[str]:
 def _worker_cmd(kind: str, port: int, index: int, args: argparse.Namespace,
                 security: DeploymentSecurity) -> list[str]:
     decode = kind == "decode"
+    tp = up_layout.tensor_parallel_size(args, kind)
     extra = ["--model", args.model, "--device", args.device, *_passed(args), *security.internal_flags(),
+             *(["--tensor-parallel-size", str(tp)] if tp > 1 else []),
              *(["--enforce-eager"] if args.enforce_eager else []), *args.extra_worker_args.split(),
              *(args.extra_decode_args if decode else args.extra_prefill_args).split()]
     return procs.worker_cmd(kind, port, metrics_port=_metrics_port(args, index), kv_port=port + 1 if decode else None,
                             role=args.role if decode else None, extra=extra)
-
-
-def _gpu(gpus: str, index: int) -> str | None:
-    ids = [g for g in gpus.split(",") if g]
-    return ids[index % len(ids)] if ids else None
 
 
 def plan(args: argparse.Namespace, security: DeploymentSecurity | None = None) -> list[Child]:
@@ -151,7 +148,8 @@ def plan(args: argparse.Namespace, security: DeploymentSecurity | None = None) -
                 ports[args.metrics_port + 1 + index] = "--metrics-port"
             gpus = args.decode_gpus if kind == "decode" else args.prefill_gpus
             children.append(Child(f"{kind} worker {i}", _worker_cmd(kind, port, 1 + index, args, security),
-                                  _gpu(gpus, i), f"127.0.0.1:{port}", ports, security.internal_client()))
+                                  up_layout.worker_gpus(gpus, i, up_layout.tensor_parallel_size(args, kind)),
+                                  f"127.0.0.1:{port}", ports, security.internal_client()))
             addresses[kind].append(f"127.0.0.1:{port}")
             port += 2
     block = ["--block-size", str(args.block_size)] if hasattr(args, "block_size") else []

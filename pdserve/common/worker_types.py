@@ -43,6 +43,7 @@ class WorkerInfo:
     version: str = ""
     vocab_size: int = 0
     kv_cache_dtype: str = ""          # the KV pool's element type ("bfloat16", "float8_e4m3fn"); "" = unknown
+    tensor_parallel_size: int = 0     # ranks the model is split over; 0 = unknown (one)
 
 
 @dataclass(frozen=True, slots=True)
@@ -75,6 +76,7 @@ class WorkerStats:
     tpot_target_ms: float = 0.0
     num_open_kv_channels: int = 0
     num_kv_channels_opened: int = 0
+    tensor_parallel_size: int = 0
 
 
 @dataclass(frozen=True, slots=True)

@@ -20,6 +20,7 @@ def check_reserve(request, limits: Limits) -> None:
     """A ReserveRequest: prompt, params, lease, and the prefill worker's KV cache dtype, which
     must be this worker's (FailedPrecondition naming both: its blocks would not read back here)."""
     check_kv_cache_dtype(request.kv_cache_dtype, limits)
+    check_kv_layout(request.prefill_tensor_parallel_size or 1, limits)
     check_token_ids("token_ids", request.token_ids, limits)
     check_params(request.params, limits)
     check_tpot_slo(request.tpot_slo_ms)
@@ -33,6 +34,17 @@ def check_kv_cache_dtype(sender: str, limits: Limits) -> None:
         raise FailedPrecondition(f"KV cache dtype mismatch: the prefill worker's cache is {sender}, this decode "
                                  f"worker's is {limits.kv_cache_dtype}; every worker of a deployment must run "
                                  f"with the same --kv-cache-dtype (and --dtype)")
+
+
+def check_kv_layout(prefill_tp: int, limits: Limits) -> None:
+    """The prefill worker's tensor-parallel size against this worker's: KV crosses between
+    workers of one rank only (FailedPrecondition naming both layouts otherwise)."""
+    if prefill_tp == 1 and limits.tensor_parallel_size == 1:
+        return
+    raise FailedPrecondition(f"KV layouts cannot be paired: the prefill worker's KV is split over {prefill_tp} "
+                             f"rank(s) (tensor parallelism), this decode worker's over {limits.tensor_parallel_size}; "
+                             "KV transfer between tensor-parallel workers is not supported yet: serve them co-located "
+                             "(role both) or with one rank on each side")
 
 
 def check_submit(request, limits: Limits) -> None:

@@ -82,9 +82,10 @@ def expected_workers(up_args: str) -> tuple[int, int]:
 
 
 def expected_processes(up_args: str) -> int:
-    """Processes of a `pdserve up` group: itself, the router, the workers."""
+    """Processes of a `pdserve up` group: itself, the router, the workers (one a rank)."""
     a = _up_counts(up_args)
-    return 2 + a.prefill + a.decode
+    return (2 + a.prefill * up_layout.tensor_parallel_size(a, "prefill")
+            + a.decode * up_layout.tensor_parallel_size(a, "decode"))
 
 
 def _fmt(v: Any, digits: int = 1) -> str:

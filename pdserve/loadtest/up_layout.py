@@ -13,6 +13,11 @@
 Flags given through ``--extra-*-args`` come after these, so they win. ``--gpus`` lays the workers
 out itself: with ``--prefill``, ``--decode``, ``--role``, ``--prefill-gpus`` or ``--decode-gpus``
 it is a usage error (SystemExit naming them).
+
+Tensor parallelism: ``--tensor-parallel-size N`` (``-tp``) splits every worker over N GPUs,
+``--prefill-tensor-parallel-size`` / ``--decode-tensor-parallel-size`` one side's; a worker then
+takes N consecutive GPUs of its list (worker i of a side: GPUs ``iN .. iN + N - 1``), and
+``--gpus`` makes one worker per N GPUs of its side.
 """
 from __future__ import annotations
 
@@ -34,6 +39,36 @@ def add_layout_arguments(p: argparse.ArgumentParser) -> None:
                         "the router places each request's prefill and decode; TPOT guard on)")
 
 
+    p.add_argument("--tensor-parallel-size", "-tp", type=int, default=1,
+                   help="GPUs (ranks) every worker is split over: tensor parallelism (default 1)")
+    p.add_argument("--prefill-tensor-parallel-size", type=int, default=0,
+                   help="the prefill workers' tensor-parallel size (default: --tensor-parallel-size)")
+    p.add_argument("--decode-tensor-parallel-size", type=int, default=0,
+                   help="the decode (or both) workers' tensor-parallel size (default: --tensor-parallel-size)")
+
+
+def tensor_parallel_size(args: argparse.Namespace, kind: str) -> int:
+    """The tensor-parallel size of ``kind``'s workers (prefill or decode)."""
+    side = getattr(args, f"{kind}_tensor_parallel_size", 0) or getattr(args, "tensor_parallel_size", 1)
+    if side < 1:
+        raise SystemExit(f"pdserve up: the {kind} workers' tensor-parallel size must be >= 1, got {side}")
+    return side
+
+
+def worker_gpus(gpus: str, index: int, tp: int) -> str | None:
+    """CUDA_VISIBLE_DEVICES of worker ``index`` of a side over ``gpus`` (a comma list; None: no
+    list): its ``tp`` consecutive GPUs, the list taken round."""
+    ids = [g for g in gpus.split(",") if g]
+    return ",".join(ids[(index * tp + k) % len(ids)] for k in range(tp)) if ids else None
+
+
+def _workers(ids: list[str], tp: int, what: str) -> int:
+    if len(ids) % tp:
+        raise SystemExit(f"pdserve up: {len(ids)} GPUs for the {what} workers cannot be split into workers of "
+                         f"{tp} (tensor-parallel size)")
+    return len(ids) // tp
+
+
 def apply(args: argparse.Namespace) -> None:
     """Rewrite ``args``' worker layout for ``--gpus`` (nothing without it; once: a second call on
     the same ``args`` changes nothing)."""
@@ -51,11 +86,13 @@ def apply(args: argparse.Namespace) -> None:
         if n < 2:
             raise SystemExit("pdserve up: --placement disagg needs two GPUs or more in --gpus")
         half = n // 2
-        args.prefill, args.decode = half, n - half
+        args.prefill = _workers(ids[:half], tensor_parallel_size(args, "prefill"), "prefill")
+        args.decode = _workers(ids[half:], tensor_parallel_size(args, "decode"), "decode")
         args.prefill_gpus, args.decode_gpus = ",".join(ids[:half]), ",".join(ids[half:])
         router = "--pd-policy always"
     else:
-        args.prefill, args.decode, args.role, args.decode_gpus = 0, n, "both", ",".join(ids)
+        args.prefill, args.role, args.decode_gpus = 0, "both", ",".join(ids)
+        args.decode = _workers(ids, tensor_parallel_size(args, "decode"), "co-located")
         if args.placement == "colocated":
             router = "--pd-policy never"
             if not hasattr(args, "max_num_batched_tokens"):

@@ -33,11 +33,13 @@ class Limits:
     num_blocks: int        # KV blocks in the pool
     block_bytes: int       # bytes of one KV block (all layers)
     kv_cache_dtype: str = ""   # the pool's element type (config.dtype_name); "" = not checked
+    tensor_parallel_size: int = 1   # ranks the model (and each KV block) is split over
 
     @classmethod
     def of(cls, engine: LLMEngine) -> Limits:
         return cls(engine.source.config.vocab_size, engine.max_model_len, engine.block_manager.num_blocks,
-                   engine.model_runner.block_bytes, dtype_name(engine.model_runner.kv_cache_dtype))
+                   engine.model_runner.block_bytes, dtype_name(engine.model_runner.kv_cache_dtype),
+                   engine.config.tensor_parallel_size)
 
 
 def check_token_ids(field: str, token_ids: Sequence[int], limits: Limits) -> None:

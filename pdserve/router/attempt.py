@@ -110,10 +110,11 @@ class Attempt:
             await self._submit()
             return
         settings = self.flow.settings
-        kv_dtype = self.prefill.info.kv_cache_dtype if self.prefill.info is not None else ""
+        info = self.prefill.info
+        kv_dtype = info.kv_cache_dtype if info is not None else ""
         call = self.decode.reserve(self.rid, job.prompt.wire_ids, job.sampling, settings.lease_ms,
                                    job.deadline_unix_ms, settings.router_id, self._admit_timeout(), job.slo.tpot_ms,
-                                   kv_dtype)
+                                   kv_dtype, info.tensor_parallel_size if info is not None else 0)
         self.flow.dispatched(self)
         try:
             res = self.decode.reservation(await self._admitted(call))

@@ -8,7 +8,7 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class ReserveRequest(_message.Message):
-    __slots__ = ("request_id", "token_ids", "params", "lease_ms", "deadline_unix_ms", "router_id", "tpot_slo_ms", "kv_cache_dtype")
+    __slots__ = ("request_id", "token_ids", "params", "lease_ms", "deadline_unix_ms", "router_id", "tpot_slo_ms", "kv_cache_dtype", "prefill_tensor_parallel_size")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     PARAMS_FIELD_NUMBER: _ClassVar[int]
@@ -17,6 +17,7 @@ class ReserveRequest(_message.Message):
     ROUTER_ID_FIELD_NUMBER: _ClassVar[int]
     TPOT_SLO_MS_FIELD_NUMBER: _ClassVar[int]
     KV_CACHE_DTYPE_FIELD_NUMBER: _ClassVar[int]
+    PREFILL_TENSOR_PARALLEL_SIZE_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     token_ids: _containers.RepeatedScalarFieldContainer[int]
     params: _common_pb2.SamplingParams
@@ -25,7 +26,8 @@ class ReserveRequest(_message.Message):
     router_id: str
     tpot_slo_ms: float
     kv_cache_dtype: str
-    def __init__(self, request_id: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., params: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., lease_ms: _Optional[int] = ..., deadline_unix_ms: _Optional[int] = ..., router_id: _Optional[str] = ..., tpot_slo_ms: _Optional[float] = ..., kv_cache_dtype: _Optional[str] = ...) -> None: ...
+    prefill_tensor_parallel_size: int
+    def __init__(self, request_id: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., params: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., lease_ms: _Optional[int] = ..., deadline_unix_ms: _Optional[int] = ..., router_id: _Optional[str] = ..., tpot_slo_ms: _Optional[float] = ..., kv_cache_dtype: _Optional[str] = ..., prefill_tensor_parallel_size: _Optional[int] = ...) -> None: ...
 
 class ReserveResponse(_message.Message):
     __slots__ = ("block_ids", "num_cached_tokens", "kv_store_address", "worker_id", "lease_expires_unix_ms")
@@ -224,7 +226,7 @@ class GetStatsRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class WorkerStats(_message.Message):
-    __slots__ = ("num_free_blocks", "num_used_blocks", "num_total_blocks", "num_cached_blocks", "num_waiting", "num_running", "num_reserved", "prefix_cache_hit_tokens", "prefix_cache_query_tokens", "num_preemptions", "role", "worker_id", "num_kv_transfers", "kv_transfer_bytes", "num_waiting_prefill_tokens", "num_running_context_tokens", "prefill_tokens_per_s", "decode_step_ms", "max_num_batched_tokens", "chunked_prefill", "mixed_step_ms", "mixed_prompt_tokens", "ms_per_prompt_token", "tpot_target_ms", "num_open_kv_channels", "num_kv_channels_opened")
+    __slots__ = ("num_free_blocks", "num_used_blocks", "num_total_blocks", "num_cached_blocks", "num_waiting", "num_running", "num_reserved", "prefix_cache_hit_tokens", "prefix_cache_query_tokens", "num_preemptions", "role", "worker_id", "num_kv_transfers", "kv_transfer_bytes", "num_waiting_prefill_tokens", "num_running_context_tokens", "prefill_tokens_per_s", "decode_step_ms", "max_num_batched_tokens", "chunked_prefill", "mixed_step_ms", "mixed_prompt_tokens", "ms_per_prompt_token", "tpot_target_ms", "num_open_kv_channels", "num_kv_channels_opened", "tensor_parallel_size")
     NUM_FREE_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     NUM_USED_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     NUM_TOTAL_BLOCKS_FIELD_NUMBER: _ClassVar[int]
@@ -251,6 +253,7 @@ class WorkerStats(_message.Message):
     TPOT_TARGET_MS_FIELD_NUMBER: _ClassVar[int]
     NUM_OPEN_KV_CHANNELS_FIELD_NUMBER: _ClassVar[int]
     NUM_KV_CHANNELS_OPENED_FIELD_NUMBER: _ClassVar[int]
+    TENSOR_PARALLEL_SIZE_FIELD_NUMBER: _ClassVar[int]
     num_free_blocks: int
     num_used_blocks: int
     num_total_blocks: int
@@ -277,7 +280,8 @@ class WorkerStats(_message.Message):
     tpot_target_ms: float
     num_open_kv_channels: int
     num_kv_channels_opened: int
-    def __init__(self, num_free_blocks: _Optional[int] = ..., num_used_blocks: _Optional[int] = ..., num_total_blocks: _Optional[int] = ..., num_cached_blocks: _Optional[int] = ..., num_waiting: _Optional[int] = ..., num_running: _Optional[int] = ..., num_reserved: _Optional[int] = ..., prefix_cache_hit_tokens: _Optional[int] = ..., prefix_cache_query_tokens: _Optional[int] = ..., num_preemptions: _Optional[int] = ..., role: _Optional[_Union[_common_pb2.Role, str]] = ..., worker_id: _Optional[str] = ..., num_kv_transfers: _Optional[int] = ..., kv_transfer_bytes: _Optional[int] = ..., num_waiting_prefill_tokens: _Optional[int] = ..., num_running_context_tokens: _Optional[int] = ..., prefill_tokens_per_s: _Optional[float] = ..., decode_step_ms: _Optional[float] = ..., max_num_batched_tokens: _Optional[int] = ..., chunked_prefill: _Optional[bool] = ..., mixed_step_ms: _Optional[float] = ..., mixed_prompt_tokens: _Optional[float] = ..., ms_per_prompt_token: _Optional[float] = ..., tpot_target_ms: _Optional[float] = ..., num_open_kv_channels: _Optional[int] = ..., num_kv_channels_opened: _Optional[int] = ...) -> None: ...
+    tensor_parallel_size: int
+    def __init__(self, num_free_blocks: _Optional[int] = ..., num_used_blocks: _Optional[int] = ..., num_total_blocks: _Optional[int] = ..., num_cached_blocks: _Optional[int] = ..., num_waiting: _Optional[int] = ..., num_running: _Optional[int] = ..., num_reserved: _Optional[int] = ..., prefix_cache_hit_tokens: _Optional[int] = ..., prefix_cache_query_tokens: _Optional[int] = ..., num_preemptions: _Optional[int] = ..., role: _Optional[_Union[_common_pb2.Role, str]] = ..., worker_id: _Optional[str] = ..., num_kv_transfers: _Optional[int] = ..., kv_transfer_bytes: _Optional[int] = ..., num_waiting_prefill_tokens: _Optional[int] = ..., num_running_context_tokens: _Optional[int] = ..., prefill_tokens_per_s: _Optional[float] = ..., decode_step_ms: _Optional[float] = ..., max_num_batched_tokens: _Optional[int] = ..., chunked_prefill: _Optional[bool] = ..., mixed_step_ms: _Optional[float] = ..., mixed_prompt_tokens: _Optional[float] = ..., ms_per_prompt_token: _Optional[float] = ..., tpot_target_ms: _Optional[float] = ..., num_open_kv_channels: _Optional[int] = ..., num_kv_channels_opened: _Optional[int] = ..., tensor_parallel_size: _Optional[int] = ...) -> None: ...
 
 class KvEventsRequest(_message.Message):
     __slots__ = ()

@@ -10,7 +10,6 @@ from collections.abc import Callable
 import pytest
 import torch
 import torch.distributed as dist
-from torch import nn
 
 from pdserve.common.config import ModelConfig
 from pdserve.common.context import ForwardContext, forward_context

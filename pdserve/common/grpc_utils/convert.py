@@ -205,7 +205,8 @@ def role_from_proto(value: int) -> Role | None:
 
 def worker_info_from_proto(p: common_pb2.ServerInfo) -> WorkerInfo:
     return WorkerInfo(p.protocol_version, role_from_proto(p.role), p.model, p.dtype, p.block_size, p.max_model_len,
-                      p.num_kv_blocks, p.worker_id, p.version, p.vocab_size, p.kv_cache_dtype)
+                      p.num_kv_blocks, p.worker_id, p.version, p.vocab_size, p.kv_cache_dtype,
+                      p.tensor_parallel_size)
 
 
 def worker_info_to_proto(info: WorkerInfo) -> common_pb2.ServerInfo:
@@ -213,7 +214,7 @@ def worker_info_to_proto(info: WorkerInfo) -> common_pb2.ServerInfo:
         protocol_version=info.protocol_version, role=role_to_proto(info.role), model=info.model, dtype=info.dtype,
         block_size=info.block_size, max_model_len=info.max_model_len, num_kv_blocks=info.num_kv_blocks,
         worker_id=info.worker_id, version=info.version, vocab_size=info.vocab_size,
-        kv_cache_dtype=info.kv_cache_dtype)
+        kv_cache_dtype=info.kv_cache_dtype, tensor_parallel_size=info.tensor_parallel_size)
 
 
 def worker_stats_from_proto(p: worker_pb2.WorkerStats) -> WorkerStats:

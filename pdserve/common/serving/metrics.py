@@ -197,6 +197,8 @@ class _StatsCollector(Collector):
         yield GaugeMetricFamily("pdserve:kv_cache_usage_perc", "Fraction of KV blocks in use (1 = full)",
                                 value=s.get("num_used_blocks", 0) / total if total else 0.0)
         yield GaugeMetricFamily("pdserve:num_kv_blocks", "KV blocks in the pool", value=total)
+        yield GaugeMetricFamily("pdserve:tensor_parallel_size", "Ranks (GPUs) the model is split over",
+                                value=s.get("tensor_parallel_size", 1))
         yield CounterMetricFamily("pdserve:prefix_cache_queries", "Prompt tokens looked up in the prefix cache",
                                   value=s.get("prefix_cache_query_tokens", 0))
         yield CounterMetricFamily("pdserve:prefix_cache_hits", "Prompt tokens found in the prefix cache",

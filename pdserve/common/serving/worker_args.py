@@ -44,6 +44,10 @@ def add_worker_arguments(p: argparse.ArgumentParser, default_port: int, default_
     p.add_argument("--device", default=env.get("DEVICE", d.device),
                    help="cpu, cuda, cuda:N or auto (env PDSERVE_DEVICE)")
     p.add_argument("--dtype", default=env.get("DTYPE", d.dtype), help="auto, float32, bfloat16, float16")
+    p.add_argument("--tensor-parallel-size", "-tp", type=int,
+                   default=env.get_int("TENSOR_PARALLEL_SIZE", d.tensor_parallel_size),
+                   help="GPUs (processes on the CPU) the model is split over, one rank each: GPUs 0..N-1 of "
+                        "those this process sees (env PDSERVE_TENSOR_PARALLEL_SIZE)")
     p.add_argument("--block-size", type=int, default=env.get_int("BLOCK_SIZE", d.block_size),
                    help="tokens per KV block")
     p.add_argument("--num-kv-blocks", type=int, default=env.get_int("NUM_KV_BLOCKS", 0),
@@ -90,7 +94,8 @@ def engine_config_from_args(args: argparse.Namespace, role: str = "both") -> Eng
         num_kv_blocks=args.num_kv_blocks or None, kv_cache_memory_gb=args.kv_memory_gb or None,
         max_num_seqs=args.max_num_seqs, max_num_batched_tokens=budget,
         max_model_len=args.max_model_len or None, attention_backend=args.attention_backend,
-        enforce_eager=args.enforce_eager, **chunked_prefill_kwargs(args), **fp8_kwargs(args),
+        enforce_eager=args.enforce_eager, tensor_parallel_size=args.tensor_parallel_size,
+        **chunked_prefill_kwargs(args), **fp8_kwargs(args),
         async_scheduling={"auto": None, "on": True, "off": False}[args.async_scheduling])
 
 

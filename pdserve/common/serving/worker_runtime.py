@@ -11,6 +11,7 @@ from typing import TypeVar
 
 from pdserve.common.config import EngineConfig, dtype_name
 from pdserve.common.engine.llm_engine import LLMEngine, StepOutput
+from pdserve.common.engine.ranks import exit_on_rank_failure
 from pdserve.common.grpc_utils.protocol import PROTOCOL_VERSION
 from pdserve.common.serving.broadcast import Broadcast
 from pdserve.common.serving.cancels import Tombstones
@@ -48,6 +49,7 @@ class WorkerRuntime:
     async def create(cls, role: str, worker_id: str, engine_config: EngineConfig) -> WorkerRuntime:
         """Load the model (off the event loop) and build the runtime around it."""
         kv_log = KvEventLog(asyncio.get_running_loop())
+        exit_on_rank_failure()          # a tensor-parallel rank's death ends this worker
         engine = await asyncio.to_thread(LLMEngine, engine_config, None, kv_log.record)
         logger.info("%s worker %s loaded %s: %d KV blocks of %d tokens", role, worker_id,
                     engine.source.config.name, engine.block_manager.num_blocks, engine_config.block_size)
@@ -68,6 +70,7 @@ class WorkerRuntime:
 
     def stop(self) -> None:
         self.loop.stop()
+        self.engine.close()             # a tensor-parallel engine's other ranks
         self._state_thread.shutdown(wait=False)
         self.outputs.close_all()
         self.kv_log.subscribers.close_all()
@@ -105,8 +108,10 @@ class WorkerRuntime:
                 "dtype": str(e.model_runner.dtype).replace("torch.", ""), "block_size": e.config.block_size,
                 "max_model_len": e.max_model_len, "num_kv_blocks": e.block_manager.num_blocks,
                 "worker_id": self.worker_id, "vocab_size": e.source.config.vocab_size,
-                "kv_cache_dtype": dtype_name(e.model_runner.kv_cache_dtype)}
+                "kv_cache_dtype": dtype_name(e.model_runner.kv_cache_dtype),
+                "tensor_parallel_size": e.config.tensor_parallel_size}
 
     def stats(self, num_reserved: int) -> dict:
         """The engine's counters as of its last step (never waits for the engine thread)."""
-        return {**self.loop.stats, "num_reserved": num_reserved}
+        return {**self.loop.stats, "num_reserved": num_reserved,
+                "tensor_parallel_size": self.engine_config.tensor_parallel_size}

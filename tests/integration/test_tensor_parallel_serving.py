@@ -1,0 +1,88 @@
+"""Tensor-parallel workers served the way users start them, on the CPU (Gloo, real rank
+processes): ``pdserve up -tp 2`` with a co-located worker answers exactly what the one-rank
+engine generates, and says it runs 2 ranks (Info, GetStats, /metrics); a Reserve from a
+prefill worker of another layout is refused with FAILED_PRECONDITION naming both."""
+from __future__ import annotations
+
+import asyncio
+import random
+
+import grpc
+import pytest
+
+from bench import deployment
+from bench.disagg_gpu import compare, run_all
+from pdserve.common.engine import LLM, SamplingParams
+from pdserve.loadtest.ports import free_port
+from pdserve.v1 import common_pb2, common_pb2_grpc, worker_pb2, worker_pb2_grpc
+
+MODEL = "tiny-llama"
+MAX_TOKENS = 16
+
+
+@pytest.fixture(scope="module")
+def prompts() -> list[list[int]]:
+    rng = random.Random(5)
+    shared = [rng.randrange(3, 500) for _ in range(40)]
+    return [shared + [rng.randrange(3, 500) for _ in range(rng.randint(4, 40))] for _ in range(10)]
+
+
+@pytest.fixture(scope="module")
+def expected(prompts) -> list[list[int]]:
+    with LLM(MODEL, device="cpu", num_kv_blocks=256) as llm:
+        outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True),
+                            use_tqdm=False)
+    return [o.token_ids for o in outs]
+
+
+@pytest.fixture(scope="module")
+def up(tmp_path_factory):
+    metrics = free_port()
+    dep = deployment.start_up(tmp_path_factory.mktemp("tp-up"), [
+        "--model", MODEL, "--role", "both", "--prefill", "0", "-tp", "2", "--num-kv-blocks", "64",
+        "--metrics-port", str(metrics), "--extra-router-args=--admission-slo-multiple 0"])
+    dep.metrics["decode0"] = f"127.0.0.1:{metrics + 1}"
+    yield dep
+    dep.stop()
+
+
+def _info(address: str, token: str) -> common_pb2.ServerInfo:
+    with grpc.insecure_channel(address) as ch:
+        return common_pb2_grpc.InfoServiceStub(ch).Info(common_pb2.InfoRequest(), timeout=10,
+                                                          metadata=(("authorization", f"Bearer {token}"),))
+
+
+def test_up_tp2_worker_equals_one_rank(up, prompts, expected):
+    got = asyncio.run(run_all(up.router, prompts, MAX_TOKENS))
+    eq = compare([(e, 0.0) for e in expected], got)
+    assert eq["identical"] == eq["requests"] == len(prompts), eq
+    worker = up.decode[0]
+    assert _info(worker, up.internal_token).tensor_parallel_size == 2
+    stats = up.stats(worker)
+    assert stats.tensor_parallel_size == 2 and stats.num_total_blocks == 64
+    assert stats.prefix_cache_hit_tokens > 0
+    assert "pdserve:tensor_parallel_size 2.0" in up.scrape("decode0")
+    assert up.wait_whole(worker).num_free_blocks == 64
+    # the worker and its second rank: two processes under `up` besides the router
+    ranks = [p for p in up.services["up"].tree_pids() if "rank_main" in _cmdline(p)]
+    assert len(ranks) == 1
+
+
+def test_reserve_from_another_layout_is_refused(up, prompts):
+    req = worker_pb2.ReserveRequest(request_id="tp-layout", token_ids=prompts[0],
+                                    params=common_pb2.SamplingParams(temperature=0, max_tokens=4),
+                                    prefill_tensor_parallel_size=1)
+    with grpc.insecure_channel(up.decode[0]) as ch, pytest.raises(grpc.RpcError) as e:
+        worker_pb2_grpc.WorkerStub(ch).Reserve(req, timeout=10,
+                                               metadata=(("authorization", f"Bearer {up.internal_token}"),))
+    assert e.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+    assert "over 1 rank" in e.value.details() and "over 2" in e.value.details()
+    up.wait_whole(up.decode[0])
+
+
+def _cmdline(pid: int) -> str:
+    try:
+        with open(f"/proc/{pid}/cmdline", "rb") as f:
+            return f.read().replace(b"\0", b" ").decode()
+    except OSError:
+        return ""
