@@ -9,20 +9,24 @@ it, the decode worker continues it).
   a name and arguments that parse and match the tool's schema;
 - ``n=4`` with a seed: four samples, reproducible, the other three prefills hit the prefix cache
   (the workers' prefix-hit counters and the response's cached tokens show it);
-- cancelling an n=4 or a guided stream mid-way leaves both block pools whole.
+- cancelling an n=4 or a guided stream mid-way leaves both block pools whole, and so does a
+  deadline passing mid-way (gRPC: four streams of one prompt, or one guided stream).
 """
 from __future__ import annotations
 
 import json
 import re
 import uuid
+from concurrent.futures import ThreadPoolExecutor
 from typing import Literal
 
+import grpc
 import openai
 import pytest
 from pydantic import BaseModel, Field
 
 from bench import deployment as services
+from pdserve.v1 import common_pb2, router_pb2
 
 BLOCK = 16        # pdserve up's block size
 
@@ -182,4 +186,30 @@ def test_cancel_mid_stream_of_n4_or_guided_frees_both_pools(dep, client, model, 
         if got >= 4:
             break
     stream.close()
+    _whole(dep)
+
+
+def _until_deadline(stub, request: router_pb2.GenerateRequest, timeout: float) -> tuple[int, grpc.StatusCode]:
+    """Stream ``request`` with a deadline; (tokens seen, the status it ended with)."""
+    got = 0
+    try:
+        for msg in stub.Generate(request, timeout=timeout):
+            got += len(msg.token_ids)
+    except grpc.RpcError as e:
+        return got, e.code()
+    return got, grpc.StatusCode.OK
+
+
+@pytest.mark.parametrize("guided", [False, True])
+def test_deadline_mid_stream_of_four_samples_or_guided_frees_both_pools(dep, guided):
+    params = common_pb2.SamplingParams(temperature=1.0, max_tokens=2000, ignore_eos=not guided, seed=5)
+    if guided:
+        params.guide.json_object = True
+    n = 1 if guided else 4
+    requests = [router_pb2.GenerateRequest(text=f"Tell me a long story {uuid.uuid4().hex}.", params=params)] * n
+    stub = dep.router_stub()
+    with ThreadPoolExecutor(n) as pool:
+        results = list(pool.map(lambda r: _until_deadline(stub, r, 4.0), requests))
+    assert all(code == grpc.StatusCode.DEADLINE_EXCEEDED for _, code in results), results
+    assert any(got > 0 for got, _ in results), results          # it passed mid-stream
     _whole(dep)
