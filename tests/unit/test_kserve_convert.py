@@ -26,6 +26,8 @@ def test_parameters_become_sampling_params():
     assert (r.params.max_tokens, r.params.temperature, r.params.top_k, r.params.seed) == (7, 0.5, 3, 11)
     assert r.params.ignore_eos and list(r.params.stop) == ["\n"]
     assert to_generate(_req(), default_stream=True).stream      # the default of the rpc
+    assert to_generate(_req(min_tokens=4), default_stream=True).request.params.min_tokens == 4
+    assert to_generate(_req(min_length=2), default_stream=True).request.params.min_tokens == 2   # TensorRT-LLM's
 
 
 def test_knobs_as_tensors_typed_and_raw():

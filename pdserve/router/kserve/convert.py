@@ -37,6 +37,8 @@ KNOBS: dict[str, tuple[str, str]] = {
     "seed": ("seed", "int"),
     "random_seed": ("seed", "int"),         # TensorRT-LLM's name
     "ignore_eos": ("ignore_eos", "bool"),
+    "min_tokens": ("min_tokens", "int"),
+    "min_length": ("min_tokens", "int"),    # TensorRT-LLM's name
     "stop": ("stop", "strings"),
     "stop_words": ("stop", "strings"),      # TensorRT-LLM's name
 }
