@@ -10,6 +10,8 @@ co-located (one worker of role both).
   of a generation from the prompt cut there (the same logits, another path through the server);
   a prompt already in the prefix cache is scored whole; both deployments give the same values;
 - ``logit_bias`` of +100 forces a token; ``min_tokens`` holds off a stop token id;
+- ``best_of`` 3 with ``n`` 1 answers, of the three seeded samples ``n`` 3 gives, the one with the
+  highest cumulative logprob (usage counts all three);
 - both block pools are whole afterwards.
 """
 from __future__ import annotations
@@ -140,4 +142,15 @@ def test_logit_bias_forces_a_token_and_min_tokens_holds_off_a_stop(dep, client, 
     with pytest.raises(openai.BadRequestError) as e:
         client.completions.create(model=model, prompt="x", max_tokens=2, logit_bias={"99999999": 1})
     assert e.value.param == "logit_bias"
+    _whole(dep)
+
+
+def test_best_of_answers_the_likeliest_of_the_samples(dep, client, model):
+    kw = dict(model=model, prompt="Once upon a time", max_tokens=6, temperature=1.0, seed=11)
+    samples = client.completions.create(n=3, logprobs=0, **kw).choices
+    best = max(sorted(samples, key=lambda c: c.index), key=lambda c: sum(c.logprobs.token_logprobs))
+    r = client.completions.create(n=1, best_of=3, **kw)
+    assert len(r.choices) == 1 and r.choices[0].index == 0 and r.choices[0].logprobs is None
+    assert r.choices[0].text == best.text
+    assert r.usage.completion_tokens == sum(len(c.logprobs.tokens) for c in samples)
     _whole(dep)

@@ -40,7 +40,9 @@ def test_completion_prompts_text_ids_and_batches():
 @pytest.mark.parametrize("body, param", [
     ({"prompt": "x", "n": 0}, "n"),
     ({"prompt": ["a"] * 40, "n": 2}, "n"),
-    ({"prompt": "x", "n": 2, "best_of": 3}, "best_of"),
+    ({"prompt": "x", "n": 3, "best_of": 2}, "best_of"),
+    ({"prompt": "x", "best_of": 2, "stream": True}, "best_of"),
+    ({"prompt": ["a"] * 20, "n": 2, "best_of": 4}, "best_of"),
     ({"prompt": "x", "response_format": {"type": "yaml"}}, "response_format.type"),
     ({"prompt": "x", "response_format": {"type": "json_schema"}}, "response_format.json_schema"),
     ({"prompt": "x", "response_format": {"type": "json_schema", "json_schema": {"schema": []}}},
@@ -159,3 +161,18 @@ def test_logprobs_echo_logit_bias_and_min_tokens_reach_the_params():
     chat = parse_chat({"messages": [{"role": "user", "content": "hi"}], "logprobs": True, "top_logprobs": 4})
     assert chat.top_logprobs == 4 and chat.inputs[0].params.top_logprobs == 4
     assert not chat.inputs[0].params.prompt_logprobs
+
+
+def test_best_of_fans_out_best_of_samples_with_logprobs_and_keeps_n():
+    api = parse_completion({"prompt": ["a", "b"], "n": 2, "best_of": 3, "seed": 4})
+    assert (api.n, api.keep, len(api.inputs)) == (3, 2, 6)
+    assert all(r.params.logprobs for r in api.inputs) and not api.logprobs    # for the ranking only
+    assert [r.params.seed for r in api.inputs] == [4, 5, 6, 4, 5, 6]
+    assert parse_completion({"prompt": "a", "n": 2, "best_of": 2}).keep == 0
+
+
+def test_best_of_keeps_the_highest_cumulative_logprobs_per_prompt():
+    from pdserve.router.openai_api.responses import Choice, best_of
+    sums = [[-3.0, -1.0], [-0.5], [-2.0, -2.0], [-9.0], [-1.0], [-0.1, -0.1]]
+    choices = [Choice(i, 1, logprobs=lps) for i, lps in enumerate(sums)]
+    assert best_of(choices, 3, 2) == [1, 0, 5, 4]

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import time
 from collections.abc import AsyncGenerator
 from typing import TypeVar
@@ -116,7 +117,12 @@ class OpenAIFront:
             if api.echo:
                 c.texts.insert(0, self._echo_text(api, c.index, job))
         messages = [_tool_message(api.tools, c) for c in choices] if _uses_tools(api) else None
-        return R.response(api.kind, api.id, int(time.time()), model, choices, lps, messages)
+        if not api.keep:
+            return R.response(api.kind, api.id, int(time.time()), model, choices, lps, messages)
+        picked = R.best_of(choices, api.n, api.keep)
+        kept = [dataclasses.replace(choices[i], index=k) for k, i in enumerate(picked)]
+        return R.response(api.kind, api.id, int(time.time()), model, kept, [lps[i] for i in picked],
+                          [messages[i] for i in picked] if messages is not None else None, usage_of=choices)
 
     async def stream(self, api: ApiRequest, jobs: list[Job], model: str) -> AsyncGenerator[bytes, None]:
         """Server-sent events: a chunk per step and choice, the usage chunk, ``[DONE]``."""

@@ -8,8 +8,10 @@ hit the prefix cache); structured outputs (structured.py) and tools (tools.py) b
 Log-probabilities: chat ``logprobs`` + ``top_logprobs`` (0..20), completions ``logprobs`` (an
 integer 0..20: the top count); completions ``echo`` returns the prompt first, with its
 logprobs (SamplingParams.prompt_logprobs) when ``logprobs`` is set. ``logit_bias`` (token id
-string -> bias) and vLLM's ``min_tokens`` go to the sampler. Unsupported fields (best_of other
-than n, suffix) are refused with a 400 naming the field; unknown ones are ignored.
+string -> bias) and vLLM's ``min_tokens`` go to the sampler. ``best_of`` > n samples best_of per
+prompt (their logprobs computed for the ranking) and answers the n with the highest cumulative
+logprob (not streamed, as OpenAI). Unsupported fields (suffix) are refused with a 400 naming the
+field; unknown ones are ignored.
 """
 from __future__ import annotations
 
@@ -43,13 +45,14 @@ class ApiRequest:
     logprobs: bool = False
     max_tokens_field: str = "max_tokens"
     input_fields: tuple[str, ...] = ("prompt",)   # the body's name of each input (errors)
-    n: int = 1                                  # choices per prompt: inputs[k * n + i]
+    n: int = 1                                  # samples per prompt: inputs[k * n + i] (best_of)
     guide_param: str = ""                       # the body field of the guide (errors), "" = none
     tools: ToolRequest | None = None
     chat_messages: tuple[dict, ...] = ()        # set when the front renders the chat (tools)
     add_generation_prompt: bool = True
     top_logprobs: int = 0                       # most likely tokens per position (logprobs only)
     echo: bool = False                          # completions: the prompt comes first
+    keep: int = 0                               # best_of > n: the n samples answered per prompt
 
 
 def parse_chat(body: dict) -> ApiRequest:
@@ -107,16 +110,25 @@ def _finish(body: dict, kind: str, api_id: str, inputs: tuple, logprobs: bool, m
     n = fields.integer(body, "n", 1, 1, MAX_PROMPTS) or 1
     if n * len(inputs) > MAX_PROMPTS:
         raise bad_request("n", f"n ({n}) times the prompts ({len(inputs)}) is over {MAX_PROMPTS} choices")
-    best_of = fields.integer(body, "best_of", None, 1)
-    if best_of is not None and best_of != n:
-        raise bad_request("best_of", "only best_of = n is supported (every sample is returned)")
+    best_of = fields.integer(body, "best_of", None, 1) or n
+    if best_of < n:
+        raise bad_request("best_of", f"must be >= n ({n}), got {best_of}")
+    if best_of * len(inputs) > MAX_PROMPTS:
+        raise bad_request("best_of", f"best_of ({best_of}) times the prompts ({len(inputs)}) is over "
+                                     f"{MAX_PROMPTS} samples")
     stream = fields.boolean(body, "stream", False)
+    if stream and best_of > n:
+        raise bad_request("best_of", "a request with best_of > n cannot be streamed")
     opts = fields.obj(body, "stream_options") or {}
     include_usage = fields.boolean(opts, "include_usage", False)
     continuous = fields.boolean(opts, "continuous_usage_stats", False)
-    inputs, names = _fan_out(inputs, names, n, api_id)
+    if best_of > n:
+        for req in inputs:
+            req.params.logprobs = True          # the ranking's; answered only when asked
+    inputs, names = _fan_out(inputs, names, best_of, api_id)
     return ApiRequest(kind, api_id, fields.string(body, "model"), inputs, stream, stream and include_usage,
-                      stream and continuous, logprobs, max_field, names, n)
+                      stream and continuous, logprobs, max_field, names, best_of,
+                      keep=n if best_of > n else 0)
 
 
 def _fan_out(inputs: tuple, names: tuple[str, ...], n: int, api_id: str) -> tuple[tuple, tuple[str, ...]]:

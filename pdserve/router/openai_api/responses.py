@@ -53,10 +53,22 @@ def _envelope(kind: str, api_id: str, created: int, model: str, chunk: bool) -> 
     return {"id": api_id, "object": obj, "created": created, "model": model}
 
 
+def best_of(choices: list[Choice], group: int, keep: int) -> list[int]:
+    """Indices of the choices answered when each ``group`` consecutive samples of a prompt keep
+    their ``keep`` highest cumulative logprobs (ties: the earlier sample), in answer order."""
+    out = []
+    for start in range(0, len(choices), group):
+        ranked = sorted(range(start, min(start + group, len(choices))), key=lambda i: -sum(choices[i].logprobs))
+        out.extend(ranked[:keep])
+    return out
+
+
 def response(kind: str, api_id: str, created: int, model: str, choices: list[Choice],
-             logprobs: list[dict | None], messages: list[dict] | None = None) -> dict:
+             logprobs: list[dict | None], messages: list[dict] | None = None,
+             usage_of: list[Choice] | None = None) -> dict:
     """The whole (non-streamed) response; ``messages``: chat messages to answer instead of the
-    plain text ones (tool calls)."""
+    plain text ones (tool calls); ``usage_of``: the choices whose tokens the usage counts
+    (default ``choices``; best_of: every sample)."""
     out = _envelope(kind, api_id, created, model, chunk=False)
     items = []
     for k, (c, lp) in enumerate(zip(choices, logprobs)):
@@ -67,7 +79,7 @@ def response(kind: str, api_id: str, created: int, model: str, choices: list[Cho
         else:
             items.append({"index": c.index, "text": text, "logprobs": lp, "finish_reason": c.finish_reason})
     out["choices"] = items
-    out["usage"] = usage(choices)
+    out["usage"] = usage(usage_of if usage_of is not None else choices)
     return out
 
 
