@@ -12,6 +12,7 @@ co-located (one worker of role both).
 - ``logit_bias`` of +100 forces a token; ``min_tokens`` holds off a stop token id;
 - ``best_of`` 3 with ``n`` 1 answers, of the three seeded samples ``n`` 3 gives, the one with the
   highest cumulative logprob (usage counts all three);
+- the gRPC API carries the same values (GenerateUnary: top and prompt logprobs);
 - both block pools are whole afterwards.
 """
 from __future__ import annotations
@@ -23,6 +24,7 @@ import openai
 import pytest
 
 from bench import deployment as services
+from pdserve.v1 import common_pb2, router_pb2
 
 K = 3
 
@@ -153,4 +155,17 @@ def test_best_of_answers_the_likeliest_of_the_samples(dep, client, model):
     assert len(r.choices) == 1 and r.choices[0].index == 0 and r.choices[0].logprobs is None
     assert r.choices[0].text == best.text
     assert r.usage.completion_tokens == sum(len(c.logprobs.tokens) for c in samples)
+    _whole(dep)
+
+
+def test_grpc_carries_top_and_prompt_logprobs(dep, client, model, tokenizer):
+    ids = tokenizer("The river runs to the sea and the sea is never full.")["input_ids"]
+    params = common_pb2.SamplingParams(max_tokens=3, logprobs=True, top_logprobs=2, prompt_logprobs=True)
+    res = dep.router_stub().GenerateUnary(router_pb2.GenerateRequest(token_ids=router_pb2.TokenIds(ids=ids),
+                                                                     params=params), timeout=120)
+    assert len(res.logprobs) == len(res.top_logprobs) == len(res.token_ids) == 3
+    assert [list(t.token_ids)[0] for t in res.top_logprobs] == list(res.token_ids)     # greedy
+    assert len(res.prompt_logprobs) == len(res.prompt_top_logprobs) == len(ids) - 1
+    http = _echo(client, model, ids, k=2).choices[0].logprobs
+    assert all(math.isclose(a, b, abs_tol=1e-5) for a, b in zip(res.prompt_logprobs, http.token_logprobs[1:len(ids)]))
     _whole(dep)
