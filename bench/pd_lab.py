@@ -19,8 +19,9 @@ workers: the most cached prompt tokens minus load above the mean (router/policy.
 
 ``--rule waiting`` tries a candidate rule for the adaptive mode (:func:`decide_waiting`) in
 place of the router's; ``--rule lean`` another, for deployments of role-both workers only
-(:meth:`Lab.route_lean`). Deployments ``fleet`` (two both workers, the router's ``--pd-policy
-fleet``: pdserve/router/fleet_policy.py) and ``colocated-guard`` (two both workers, all local) run
+(:meth:`Lab.route_lean`). Deployment ``fleet`` is two both workers at budget ``--both-budget``
+under the router's ``--pd-policy fleet`` (pdserve/router/fleet_policy.py; ``pdserve up --placement
+fleet``); ``fleet-guard`` (the same policy) and ``colocated-guard`` (two both workers, all local) run
 their workers with the engine's TPOT guard (pdserve/common/engine/tpot_guard.py, target = the TPOT
 SLO, ceiling GUARDED_BUDGET): a step with decode rows carries the prompt tokens the guard allows
 from the worker's own StepTimer, a step without takes the ceiling.
@@ -57,9 +58,10 @@ DEPLOYS = {                     # roles, policy mode
     "adaptive": (("prefill", "both"), "adaptive"),
     "adaptive2": (("both", "both"), "adaptive"),
     "colocated-guard": (("both", "both"), "never"),
-    "fleet": (("both", "both"), "fleet"),
+    "fleet": (("both", "both"), "fleet"),            # pdserve up --placement fleet: no guard, budget 512
+    "fleet-guard": (("both", "both"), "fleet"),
 }
-GUARDED = {"colocated-guard", "fleet"}     # deployments whose workers run the TPOT guard
+GUARDED = {"colocated-guard", "fleet-guard"}     # deployments whose workers run the TPOT guard
 
 
 @dataclass(frozen=True)
@@ -273,7 +275,8 @@ class Lab:
         window = self.cfg.rate_window_s
         snaps = [fleet_policy.FleetWorker(
             w.key, self.uncached(w, r), w.queued_tokens(), w.stats[2], len(w.rows), w.stats[0],
-            w.timer.ms_per_prompt_token, w.budget, pd.decayed_rate(w.counter, w.counter_at, now, window))
+            w.timer.ms_per_prompt_token, w.budget, pd.decayed_rate(w.counter, w.counter_at, now, window),
+            guarded=w.guard is not None)
             for w in self.workers]
         d_key, decision = fleet_policy.decide(snaps, self.cfg, self.pick_decode(r).key)
         by_key = {w.key: w for w in self.workers}
@@ -391,12 +394,12 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--rule", choices=("router", "waiting", "lean"), default="router",
                    help="the adaptive mode's rule (module docstring)")
     p.add_argument("--gpu", choices=("h200", "h100"), default="h200", help="GpuModel.named")
-    p.add_argument("--lean-share", type=float, default=fleet_policy.LEAN_SHARE,
-                   help="fleet_policy.LEAN_SHARE for this run")
+    p.add_argument("--lean-busy-share", type=float, default=fleet_policy.LEAN_BUSY_SHARE,
+                   help="fleet_policy.LEAN_BUSY_SHARE for this run")
     p.add_argument("--out", default=None, help="write the capacities and every point here (JSON)")
     a = p.parse_args(argv)
     ttft, tpot, itl = (float(x) for x in a.slo.split(","))
-    fleet_policy.LEAN_SHARE = a.lean_share
+    fleet_policy.LEAN_BUSY_SHARE = a.lean_busy_share
     gpu = GpuModel.named(a.gpu)
     prefix_len = WORKLOADS["shared-prefix" if a.workload == "phases" else a.workload].get("prefix_len", 0)
     out = {}

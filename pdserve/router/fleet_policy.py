@@ -3,51 +3,53 @@ the worker that decodes it (``D``) and the worker that prefills it (``P``), chos
 decode-capable workers. ``P == D`` is a local prefill (Submit); otherwise the router reserves on
 ``D`` and ships the KV from ``P``.
 
-Local first: the request goes where co-location would send it (``home``: the decode pick of
-pdserve.router.policy, cached prefix and load), and is prefilled there, unless that breaks an
-objective; so under the loads where co-location keeps every SLO the fleet *is* co-location, and it
-departs from it only where co-location would fail. A worker may run the TPOT guard
-(pdserve/common/engine/tpot_guard.py: beside decode rows a step carries only the prompt tokens that
-keep their TPOT; without decode rows it prefills in full-size steps) or not (a chunk of its step
-budget every step, as co-location runs); the router models either. Pure functions over
-snapshots (:class:`FleetWorker`); the formulas, per worker ``w`` (ms; ``U_w`` the request's prompt
-tokens ``w`` lacks, ``Q_w`` prompt tokens queued there, ``R_w`` its measured prefill rate in
-tokens/s, ``rows_w`` its decode rows, ``t_w`` its decode step, ``c_w`` the extra ms per prompt
-token of its mixed steps)::
+Two regimes, chosen per request from the whole fleet's figures:
+- **Co-location** (the usual case): the request goes where co-location would send it (``home``:
+  the decode pick of pdserve.router.policy, cached prefix and load) and is prefilled there, unless
+  that breaks its TTFT objective; under the loads where co-location keeps every SLO the fleet *is*
+  co-location.
+- **A lean worker** while prefill dominates: the worker with the fewest decode rows is kept free of
+  new decode rows and prefills for the others, as a static 1P1D split does, while it is busy
+  prefilling (given at least LEAN_BUSY_SHARE of its prefill-sized rate lately) and another worker's
+  decode rows leave it room. Once no other worker has room, every GPU's decode bandwidth is needed
+  and the rows balance again (co-location).
 
+A worker may run the TPOT guard (pdserve/common/engine/tpot_guard.py) or not (a chunk of its step
+budget every step, as co-location runs); the router models either. Pure functions over snapshots
+(:class:`FleetWorker`); the formulas, per worker ``w`` (ms; ``U_w`` the request's prompt tokens
+``w`` lacks, ``Q_w`` prompt tokens queued there, ``R_w`` its measured prefill rate in tokens/s,
+``rows_w`` its decode rows, ``t_w`` its decode step, ``c_w`` the extra ms per prompt token of its
+mixed steps, ``W_w`` the prompt tokens this router gave it lately, ``B_w`` its step budget)::
+
+    goal        = slo_tpot * (1 - GUARD_MARGIN)
+    room_w      = rows_w == 0 or t_w <= goal       (its decode rows alone keep the TPOT objective)
     full_w      = max(R_w, 1000 / c_w)             (what w computes in a step without decode rows)
-    room_w      = rows_w == 0 or t_w <= LEAN_SHARE * slo_tpot
-    goal        = slo_tpot * (1 - GUARD_MARGIN)     (the workers' guard: steps take goal on average)
-    D           = home                              if t_home <= goal or no decode-capable worker has room
-                = the fewest rows among the workers with room, fewer U breaking ties   otherwise
-                  (home's decode rows alone break its guard's goal: a worker with room decodes it)
-    rate_w      = full_w                           if rows_w == 0 (a prefill-sized step: R_w may
-                  have been measured in guarded steps beside decode rows)
+    lean        = the decode-capable worker with the fewest rows (then the largest W), *dedicated*
+                  while W_lean / window >= LEAN_BUSY_SHARE * full_lean and another decode-capable
+                  worker has room (two or more only)
+    D           = home                              if room_home (or nobody has room) and home is not a dedicated lean
+                = the fewest rows among the workers with room but a dedicated lean, fewer U breaking
+                  ties; none: home
+    rate_w      = full_w                           if rows_w == 0
                 = 1000 * (goal - t_w) / (c_w * goal)   a guarded worker with rows: the slack of each
                   step, on average (the guard's floor of MIN_CHUNK_TOKENS a step, when the slack holds fewer)
-                = 1000 * k / (t_w + c_w * k), k = B_w - rows_w   a worker without the guard
-                  (``--tpot-target-ms 0``) with rows: a chunk of the step's budget every step
+                = 1000 * k / (t_w + c_w * k), k = B_w - rows_w   a worker without the guard with rows
     ttft_w      = 1000 * (Q_w + U_w) / rate_w  (+ remote_overhead_ms + U_D * transfer_us / 1000 if w != D)
     cost_w      = ttft_w + rows_w * U_w * c_w     (this request's wait + each decode row's wait)
-    P           = D                                 while ttft_D <= TTFT_SHARE * slo_ttft and D is not
-                                                    role decode (local: co-location)
-                = the lowest cost among the workers with ttft_w <= TTFT_SHARE * slo_ttft   otherwise;
+    keeps       = the workers with ttft_w <= TTFT_SHARE * slo_ttft
+    P           = D                                 if no lean is dedicated, D keeps, and D is not role decode
+                = the lowest cost among keeps     otherwise (a dedicated lean: no decode rows wait on it);
                   none: the lowest ttft (ties: the key)
 
-Moving decodes (:func:`pick_moves`, run every ``--pd-move-interval-s``): a worker whose decode
-rows alone take the guard's whole goal (``t_w > goal``: the guard can no longer keep their TPOT)
-and that holds at least two rows more than the decode-capable worker with the fewest rows moves
-``min((rows_src - rows_dst) // 2, MAX_MOVES_PER_ROUND)`` of them there, when that worker has
-room. A moved decode is continued on ``dst`` from its prompt and the tokens already sent,
-prefilled on ``src`` (whose prefix cache holds all of its full blocks) and its KV shipped like any
-remote prefill.
+Moving decodes (:func:`pick_moves`, run every ``--pd-move-interval-s``): a worker without room
+(``t_w > goal``) that holds at least two rows more than the decode-capable worker with the fewest
+rows moves ``min((rows_src - rows_dst) // 2, MAX_MOVES_PER_ROUND)`` of them there, when that worker
+has room and is not the dedicated lean. A moved decode is continued on ``dst`` from its prompt and
+the tokens already sent, prefilled on ``src`` (whose prefix cache holds all of its full blocks) and
+its KV shipped like any remote prefill.
 
 Unmeasured figures: ``R`` is the mean of the measured ones, else DEFAULT_PREFILL_TOKENS_PER_S;
-``t`` is DEFAULT_DECODE_STEP_MS; ``c`` is ``1000 / R``. No worker is kept free of decode rows: the
-decode rows balance as co-location balances them, because a Qwen3-8B decode step on an H100 already
-takes most of a 12 ms TPOT objective (bench/results/fleet_h100x2/README.md), so every GPU's decode
-bandwidth is needed; prefill moves to another worker only when the home worker's queue would
-break the TTFT objective.
+``t`` is DEFAULT_DECODE_STEP_MS; ``c`` is ``1000 / R``.
 """
 from __future__ import annotations
 
@@ -57,10 +59,10 @@ from dataclasses import dataclass
 from pdserve.common.worker_types import MIN_CHUNK_TOKENS
 from pdserve.router.pd_policy import DEFAULT_DECODE_STEP_MS, LOCAL, REMOTE, PdConfig, PdDecision, _mean_measured
 
-LEAN_SHARE = 0.7    # a decode worker has room while its decode step is under this share of the TPOT SLO
 TTFT_SHARE = 0.6    # a prefill place keeps the TTFT SLO while its estimate is under this share of it
 GUARD_MARGIN = 0.05  # the workers' default --tpot-margin (the budget the router expects of them)
 MAX_MOVES_PER_ROUND = 4   # decodes one worker gives away per round of pick_moves
+LEAN_BUSY_SHARE = 0.25    # the lean worker is kept free of decode rows while given this share of its prefill rate
 
 
 @dataclass(frozen=True, slots=True)
@@ -74,31 +76,47 @@ class FleetWorker:
     decode_step_ms: float = 0.0     # t; 0 = unmeasured
     ms_per_prompt_token: float = 0.0  # c; 0 = unmeasured
     max_num_batched_tokens: int = 0   # B; 0 = unknown
-    recent_tokens: float = 0.0      # W: prompt tokens this router gave it lately (reported, not decided on)
+    recent_tokens: float = 0.0      # W
     can_decode: bool = True         # role both or decode (a candidate for D)
     can_prefill: bool = True        # role both or prefill (a candidate for P; D may always prefill its own)
     guarded: bool = True            # runs the TPOT guard (its --tpot-target-ms > 0)
 
 
-def pick_decode(workers: Sequence[FleetWorker], slo_tpot_ms: float, home: str | None = None) -> FleetWorker:
+def pick_decode(workers: Sequence[FleetWorker], slo_tpot_ms: float, home: str | None = None,
+                window_s: float = 2.0) -> FleetWorker:
     """D (module docstring) among the workers that can decode (at least one); ``home`` is
-    co-location's pick (None: no preference, the fewest rows)."""
+    co-location's pick (None or unknown: no preference, the fewest rows)."""
     decoders = [w for w in workers if w.can_decode]
+    lean = dedicated_lean(workers, slo_tpot_ms, window_s)
     own = next((w for w in decoders if w.key == home), None)
-    room = [w for w in decoders if _has_room(w, slo_tpot_ms)]
-    if own is not None and (own.decode_rows == 0 or _step_ms(own) <= slo_tpot_ms * (1.0 - GUARD_MARGIN)
-                            or not room):
+    room = [w for w in decoders if w is not lean and has_room(w, slo_tpot_ms)]
+    if own is not None and own is not lean and (own in room or not room):
         return own
-    return min(room or decoders, key=lambda w: (w.decode_rows, w.uncached_tokens, w.key))
+    return min(room or ([own] if own is not None else decoders),
+               key=lambda w: (w.decode_rows, w.uncached_tokens, w.key))
 
 
-def _has_room(w: FleetWorker, slo_tpot_ms: float) -> bool:
-    return w.decode_rows == 0 or _step_ms(w) <= LEAN_SHARE * slo_tpot_ms
+def has_room(w: FleetWorker, slo_tpot_ms: float) -> bool:
+    """Whether ``w``'s decode rows alone keep the TPOT objective (the guard's goal)."""
+    return w.decode_rows == 0 or _step_ms(w) <= slo_tpot_ms * (1.0 - GUARD_MARGIN)
+
+
+def dedicated_lean(workers: Sequence[FleetWorker], slo_tpot_ms: float, window_s: float) -> FleetWorker | None:
+    """The lean worker, kept free of decode rows, while it is busy prefilling and another can
+    decode without it (module docstring); None otherwise (or with fewer than two decode-capable
+    workers)."""
+    decoders = [w for w in workers if w.can_decode]
+    if len(decoders) < 2:
+        return None
+    lean = min(decoders, key=lambda w: (w.decode_rows, -w.recent_tokens, w.key))
+    full = full_rate(lean, _mean_measured([w.tokens_per_s for w in workers]))
+    busy = lean.recent_tokens / window_s >= LEAN_BUSY_SHARE * full
+    return lean if busy and any(w is not lean and has_room(w, slo_tpot_ms) for w in decoders) else None
 
 
 def full_rate(w: FleetWorker, fallback: float) -> float:
     """Prompt tokens per second ``w`` computes in steps without decode rows: its measured rate,
-    or 1000 / c_w when that is higher (the rate may come from guarded steps beside decode rows)."""
+    or 1000 / c_w when that is higher (the rate may come from steps beside decode rows)."""
     r = w.tokens_per_s if w.tokens_per_s > 0 else fallback
     return max(r, 1000.0 / w.ms_per_prompt_token) if w.ms_per_prompt_token > 0 else r
 
@@ -123,7 +141,8 @@ def decide(workers: Sequence[FleetWorker], cfg: PdConfig, home: str | None = Non
     """(D's key, the decision: local on D, or remote with P's key) for one request; ``workers``
     holds at least one that can decode; ``home``: co-location's pick. Reason ``fleet`` on every
     decision."""
-    d = pick_decode(workers, cfg.slo_tpot_ms, home)
+    d = pick_decode(workers, cfg.slo_tpot_ms, home, cfg.rate_window_s)
+    lean = dedicated_lean(workers, cfg.slo_tpot_ms, cfg.rate_window_s)
     fallback = _mean_measured([w.tokens_per_s for w in workers])
     transfer = cfg.remote_overhead_ms + d.uncached_tokens * cfg.transfer_us_per_token / 1000.0
     options = []
@@ -136,7 +155,7 @@ def decide(workers: Sequence[FleetWorker], cfg: PdConfig, home: str | None = Non
         ttft += 0.0 if w is d else transfer
         options.append((ttft, ttft + w.decode_rows * w.uncached_tokens * c, w))
     keeps = [o for o in options if o[0] <= TTFT_SHARE * cfg.slo_ttft_ms]
-    local = next((o for o in keeps if o[2] is d and d.can_prefill), None)
+    local = next((o for o in keeps if o[2] is d and d.can_prefill), None) if lean is None else None
     if local is not None:
         ttft, p = local[0], d
     else:
@@ -152,17 +171,20 @@ def _step_ms(w: FleetWorker) -> float:
     return w.decode_step_ms if w.decode_step_ms > 0 else DEFAULT_DECODE_STEP_MS
 
 
-def pick_moves(workers: Sequence[FleetWorker], slo_tpot_ms: float) -> list[tuple[str, str, int]]:
+def pick_moves(workers: Sequence[FleetWorker], slo_tpot_ms: float, window_s: float = 2.0
+               ) -> list[tuple[str, str, int]]:
     """(source key, destination key, how many decodes) to move now (module docstring); at most one
-    move per source, each destination used once, the most loaded sources first."""
+    move per source, each destination used once, the most loaded sources first; never onto a
+    dedicated lean worker."""
     decoders = sorted((w for w in workers if w.can_decode), key=lambda w: (-w.decode_rows, w.key))
     moves: list[tuple[str, str, int]] = []
-    taken: set[str] = set()
+    lean = dedicated_lean(workers, slo_tpot_ms, window_s)
+    taken: set[str] = {lean.key} if lean is not None else set()
     for src in decoders:
-        if src.decode_rows < 2 or _step_ms(src) <= (1.0 - GUARD_MARGIN) * slo_tpot_ms or src.key in taken:
+        if src.decode_rows < 2 or has_room(src, slo_tpot_ms) or src.key in taken:
             continue
         room = [w for w in decoders if w is not src and w.key not in taken and w.decode_rows <= src.decode_rows - 2
-                and _has_room(w, slo_tpot_ms)]
+                and has_room(w, slo_tpot_ms)]
         if not room:
             continue
         dst = min(room, key=lambda w: (w.decode_rows, w.key))

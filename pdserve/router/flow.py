@@ -83,7 +83,8 @@ class Flow:
         self._ids = itertools.count(1)
         self.placement = Placement(registry, settings)
         self.mover = Mover(self.placement.fleet_workers, settings.pd.slo_tpot_ms,
-                           settings.pd.move_interval_s if settings.pd.mode == "fleet" else 0.0)
+                           settings.pd.move_interval_s if settings.pd.mode == "fleet" else 0.0,
+                           settings.pd.rate_window_s)
         self.admission = AdmissionGate(registry, settings, metrics)
         self._background: set[asyncio.Task] = set()
         self.inflight = 0

@@ -44,6 +44,7 @@ class Mover:
     snapshots: Callable[[], Sequence[fleet_policy.FleetWorker]]
     slo_tpot_ms: float
     interval_s: float
+    window_s: float = 2.0           # the router's --pd-rate-window-s (fleet_policy.dedicated_lean)
     running: set[Movable] = field(default_factory=set)
     _task: asyncio.Task | None = None
 
@@ -73,7 +74,7 @@ class Mover:
         if not self.running:
             return 0
         marked = 0
-        for src, dst, n in fleet_policy.pick_moves(self.snapshots(), self.slo_tpot_ms):
+        for src, dst, n in fleet_policy.pick_moves(self.snapshots(), self.slo_tpot_ms, self.window_s):
             cands = [r for r in self.running if r.decode_key == src and r.move_to is None
                      and r.moves < MAX_MOVES_PER_REQUEST and r.tokens_left > 1]
             for run in sorted(cands, key=lambda r: -r.tokens_left)[:n]:

@@ -5,10 +5,10 @@ from __future__ import annotations
 import pytest
 
 from pdserve.router.fleet_policy import (
-    LEAN_SHARE,
     MAX_MOVES_PER_ROUND,
     FleetWorker,
     decide,
+    dedicated_lean,
     pick_decode,
     pick_moves,
     prefill_rate,
@@ -32,13 +32,13 @@ def test_decode_stays_home_while_home_has_room():
     over = w("a", decode_rows=40, decode_step_ms=11.5)
     assert pick_decode([over, b], 12.0, home="a") is b
     # nobody has room: home keeps it (every GPU's decode bandwidth is in use anyway)
-    full = w("b", decode_rows=38, decode_step_ms=11.0)
+    full = w("b", decode_rows=38, decode_step_ms=11.6)
     assert pick_decode([over, full], 12.0, home="a") is over
 
 
 def test_without_home_the_fewest_rows_then_the_cached_prefix_then_the_key():
     a = w("a", decode_rows=2, decode_step_ms=5.0)
-    b = w("b", decode_rows=40, decode_step_ms=LEAN_SHARE * 12.0 + 0.1)
+    b = w("b", decode_rows=40, decode_step_ms=11.5)
     assert pick_decode([a, b], 12.0) is a
     # a worker without rows always has room, whatever its last decode step was
     assert pick_decode([a, w("b", decode_step_ms=50.0)], 12.0).key == "b"
@@ -51,7 +51,33 @@ def test_without_home_the_fewest_rows_then_the_cached_prefix_then_the_key():
 def test_a_tighter_tpot_leaves_fewer_with_room():
     b, c = w("b", decode_rows=3, decode_step_ms=7.8), w("c", decode_rows=6, decode_step_ms=5.0)
     assert pick_decode([b, c], 12.0, home="b") is b      # 7.8 <= 11.4: within the goal, home keeps it
-    assert pick_decode([b, c], 8.0, home="b") is c       # 7.8 > 7.6 = 8 * 0.95; c has room (5 <= 5.6)
+    assert pick_decode([b, c], 8.0, home="b") is c       # 7.8 > 7.6 = 8 * 0.95; c has room (5 <= 7.6)
+
+
+BUSY = 30_000.0    # W of a worker given 15k prompt tokens/s lately: >= LEAN_BUSY_SHARE (0.25) of 40k/s
+
+
+def test_a_busy_prefiller_is_kept_lean_and_prefills_for_the_others():
+    a, b = w("a", recent_tokens=BUSY), w("b", decode_rows=5, decode_step_ms=6.0)
+    assert dedicated_lean([a, b], 12.0, 2.0) is a
+    assert pick_decode([a, b], 12.0, home="a") is b       # home is the lean: b has room (6 <= 11.4)
+    d, dec = decide([a, b], CFG, home="b")
+    # a: 1000 / 40k = 25 ms + 2 ms + 1000 tokens * 1 us = 28 ms, no rows waiting;
+    # b: 5 rows at 6 ms leave (11.4 - 6) / 0.025 tokens every 11.4 ms: 52.8 ms + 5 rows * 1000 * 0.025 ms
+    assert d == "b" and dec.kind == REMOTE and dec.prefill_key == "a"
+    assert dec.ttft_ms == pytest.approx(28.0)
+
+
+def test_the_lean_is_given_back_when_the_others_have_no_room_or_it_is_not_busy():
+    a = w("a", recent_tokens=BUSY)
+    over = w("b", decode_rows=40, decode_step_ms=11.5)      # 11.5 > 11.4: no room
+    assert dedicated_lean([a, over], 12.0, 2.0) is None and pick_decode([a, over], 12.0, home="a") is a
+    idle = w("a", recent_tokens=9000.0)                     # 4.5k/s < 10k/s
+    b = w("b", decode_rows=5, decode_step_ms=6.0)
+    assert dedicated_lean([idle, b], 12.0, 2.0) is None
+    d, dec = decide([idle, b], CFG, home="a")
+    assert d == "a" and dec.kind == LOCAL                   # co-location
+    assert dedicated_lean([a], 12.0, 2.0) is None           # one worker: nothing to lean on
 
 
 def test_prefill_rate_by_hand():
@@ -141,11 +167,14 @@ def test_moves_off_a_worker_whose_rows_break_the_tpot():
 def test_no_move_without_risk_room_or_a_gap():
     assert pick_moves([w("a", decode_rows=10, decode_step_ms=10.0), w("b")], 12.0) == []     # TPOT kept
     assert pick_moves([w("a", decode_rows=10, decode_step_ms=12.5),
-                       w("b", decode_rows=3, decode_step_ms=9.0)], 12.0) == []               # b has no room
+                       w("b", decode_rows=3, decode_step_ms=11.6)], 12.0) == []              # b has no room
     assert pick_moves([w("a", decode_rows=2, decode_step_ms=12.5),
                        w("b", decode_rows=1, decode_step_ms=5.0)], 12.0) == []               # gap under 2
     assert pick_moves([w("a", decode_rows=8, decode_step_ms=12.5),
                        w("p", can_decode=False)], 12.0) == []                                # p never decodes
+    # never onto a dedicated lean: c is busy prefilling while b has room
+    lean, b3 = w("c", recent_tokens=BUSY), w("b", decode_rows=3, decode_step_ms=5.0)
+    assert pick_moves([w("a", decode_rows=10, decode_step_ms=12.5), b3, lean], 12.0) == [("a", "b", 3)]
     # the destination is the fewest rows among those with room
     b, c = w("b", decode_rows=3, decode_step_ms=5.0), w("c", decode_rows=2, decode_step_ms=5.0)
     assert pick_moves([w("a", decode_rows=10, decode_step_ms=12.5), b, c], 12.0) == [("a", "c", 4)]
