@@ -2,7 +2,7 @@ PY ?= python3
 VENV ?= .venv
 VPY := $(VENV)/bin/python
 
-.PHONY: setup setup-dev run lint test proto proto-check clean
+.PHONY: setup setup-dev run lint test test-perplexity proto proto-check clean
 
 # Create .venv with what `make run` needs: the runtime dependencies, CPU torch on CPU
 # machines, the embedded model.
@@ -28,6 +28,11 @@ lint: setup-dev
 test: lint
 	$(VPY) scripts/gen_protos.py --check
 	$(VPY) -m pytest -q -p no:cacheprovider tests
+
+# The FP8 perplexity test on the whole text (22k tokens, three passes: minutes on two cores);
+# the default suite scores its first 512 tokens.
+test-perplexity:
+	PDSERVE_FULL_PERPLEXITY=1 $(VPY) -m pytest -q -p no:cacheprovider tests/unit/test_fp8_perplexity.py
 
 # Regenerate the Python stubs in pdserve/v1/ from protos/pdserve/v1/*.proto.
 proto:
