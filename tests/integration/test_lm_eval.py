@@ -24,8 +24,6 @@ from pathlib import Path
 
 import pytest
 
-from bench import deployment as services
-
 lm_eval = pytest.importorskip("lm_eval")
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -35,12 +33,8 @@ OFFLINE = {"HF_DATASETS_OFFLINE": "1", "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFL
 
 
 @pytest.fixture(scope="module")
-def dep(tmp_path_factory):
-    # admission off: an evaluation waits its turn rather than be refused on a loaded CI machine
-    d = services.start_up(tmp_path_factory.mktemp("lm-eval-logs"),
-                          ["--extra-router-args", "--admission-slo-multiple 0"])
-    yield d
-    d.stop()
+def dep(openai_up):
+    return openai_up            # tests/integration/conftest.py (admission off)
 
 
 def _cli(model: str, model_args: dict, task: str, out: Path, *extra: str) -> subprocess.Popen:

@@ -31,9 +31,11 @@ K = 3
 
 @pytest.fixture(scope="module", params=["disagg", "colocated"])
 def dep(request, tmp_path_factory):
-    args = [] if request.param == "disagg" else ["--prefill", "0", "--role", "both"]
-    d = services.start_up(tmp_path_factory.mktemp(f"logprobs-{request.param}"), args)
-    d.colocated = request.param == "colocated"
+    if request.param == "disagg":
+        yield request.getfixturevalue("openai_up")       # tests/integration/conftest.py
+        return
+    d = services.start_up(tmp_path_factory.mktemp("logprobs-colocated"), ["--prefill", "0", "--role", "both"])
+    d.colocated = True
     yield d
     d.stop()
 

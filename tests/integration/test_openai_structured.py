@@ -25,7 +25,6 @@ import openai
 import pytest
 from pydantic import BaseModel, Field
 
-from bench import deployment as services
 from pdserve.v1 import common_pb2, router_pb2
 
 BLOCK = 16        # pdserve up's block size
@@ -52,10 +51,8 @@ COUNTRIES = ["France", "England", "Italy", "Germany", "Spain"]
 
 
 @pytest.fixture(scope="module")
-def dep(tmp_path_factory):
-    d = services.start_up(tmp_path_factory.mktemp("structured-logs"))
-    yield d
-    d.stop()
+def dep(openai_up):
+    return openai_up            # tests/integration/conftest.py
 
 
 @pytest.fixture(scope="module")
@@ -74,11 +71,14 @@ def _whole(dep) -> None:
 
 
 def test_parse_with_a_pydantic_model_gives_a_valid_object_for_20_prompts(dep, client, model):
-    for i in range(20):
+    def parse(i: int):
         country = COUNTRIES[i % len(COUNTRIES)]
-        r = client.chat.completions.parse(
+        return client.chat.completions.parse(
             model=model, response_format=Verdict, temperature=0.8, seed=i, max_tokens=80,
             messages=[{"role": "user", "content": f"What is the capital of {country}? Answer in JSON."}])
+    with ThreadPoolExecutor(20) as pool:          # at once: the engine batches the guided rows
+        responses = list(pool.map(parse, range(20)))
+    for r in responses:
         parsed = r.choices[0].message.parsed
         assert isinstance(parsed, Verdict), r.choices[0].message.content
         assert r.choices[0].finish_reason == "stop"
@@ -203,8 +203,8 @@ def _until_deadline(stub, request: router_pb2.GenerateRequest, timeout: float) -
 @pytest.mark.parametrize("guided", [False, True])
 def test_deadline_mid_stream_of_four_samples_or_guided_frees_both_pools(dep, guided):
     params = common_pb2.SamplingParams(temperature=1.0, max_tokens=2000, ignore_eos=not guided, seed=5)
-    if guided:
-        params.guide.json_object = True
+    if guided:              # a JSON array that cannot be complete before the deadline
+        params.guide.json_schema = json.dumps({"type": "array", "items": {"type": "integer"}, "minItems": 5000})
     n = 1 if guided else 4
     requests = [router_pb2.GenerateRequest(text=f"Tell me a long story {uuid.uuid4().hex}.", params=params)] * n
     stub = dep.router_stub()
