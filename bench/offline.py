@@ -12,6 +12,9 @@ both from ceilings measured in the same run:
   prompts arrive at once, so on large models the first floor is out of reach by the prefill time.
 
 ``--model`` takes a preset name (pdserve/common/presets) or a path to an HF ``config.json``.
+``--tensor-parallel-size N`` splits the model over N GPUs (ranks); the floors are then one rank's
+(its shard of the weights and of every token's KV, read at one GPU's bandwidth), and the result
+counts the forwards the other ranks replayed from CUDA graphs (``tp_forwards``).
 The step split (``prefill_step_seconds`` / ``decode_step_seconds``) is the wall time of engine
 steps whose result held prompt tokens vs decode rows only.
 """
@@ -70,7 +73,7 @@ def model_floor(llm: LLM, workload, bandwidth: float, flops: float | None) -> di
     if flops:
         skip = {id(model.embed_tokens.weight), id(model.lm_head.weight)}
         linear = sum(p.numel() for p in model.parameters() if p.dim() == 2 and id(p) not in skip)
-        pf = prefill_flops(workload, linear, cfg.num_hidden_layers, cfg.num_attention_heads, cfg.head_dim)
+        pf = prefill_flops(workload, linear, cfg.num_hidden_layers, model.num_local_heads, cfg.head_dim)
         out.update({"prefill_flops": pf, "prefill_floor_seconds": pf / flops,
                     "floor_with_prefill_seconds": floor_s + pf / flops})
     return out
@@ -114,6 +117,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--enforce-eager", action="store_true")
     p.add_argument("--device", default="auto")
     p.add_argument("--max-num-batched-tokens", type=int, default=16384)
+    p.add_argument("--tensor-parallel-size", "-tp", type=int, default=1, help="GPUs (ranks) the model is split over")
     add_chunked_prefill_arguments(p)
     add_fp8_arguments(p)
     p.add_argument("--out", default="bench/results/offline.json")
@@ -124,12 +128,16 @@ def main(argv: list[str] | None = None) -> int:
     llm = LLM(args.model, block_size=args.block_size, max_num_seqs=args.max_num_seqs, device=args.device,
               max_model_len=args.max_model_len, attention_backend=args.attention_backend,
               enforce_eager=args.enforce_eager, max_num_batched_tokens=args.max_num_batched_tokens,
-              **chunked_prefill_kwargs(args), **fp8_kwargs(args))
+              tensor_parallel_size=args.tensor_parallel_size, **chunked_prefill_kwargs(args), **fp8_kwargs(args))
     llm.generate([[1, 2, 3, 4] * 8] * 4, SamplingParams(max_tokens=32, ignore_eos=True), use_tqdm=False)  # warm-up
     makers = {"nano": w_nano, "uniform": w_uniform}
     results = []
     for name in args.workload:
+        leader = llm.engine.model_runner.leader
+        before = dict(leader.counts) if leader is not None else {}
         r = run_workload(llm, makers[name](args.num_seqs), bandwidth, flops)
+        if leader is not None:
+            r["tp_forwards"] = {k: v - before.get(k, 0) for k, v in leader.counts.items()}
         logger.info("%s: %.0f output tok/s (%.2f s)%s", r["workload"], r["output_tok_s"], r["seconds"],
                     f", {100 * r['fraction_of_roofline']:.1f}% of roofline" if bandwidth else "")
         results.append(r)
@@ -139,6 +147,7 @@ def main(argv: list[str] | None = None) -> int:
     for r in results:
         print(f"{r['workload']:10s} {r['output_tok_s']:10.0f} out tok/s  {r['total_tok_s']:10.0f} total tok/s  "
               f"{r['seconds']:7.2f} s" + (f"  {100 * r['fraction_of_roofline']:5.1f}% roofline" if bandwidth else ""))
+    llm.close()
     return 0
 
 

@@ -1,11 +1,15 @@
 """Tensor-parallel workers served the way users start them, on the CPU (Gloo, real rank
 processes): ``pdserve up -tp 2`` with a co-located worker answers exactly what the one-rank
 engine generates, and says it runs 2 ranks (Info, GetStats, /metrics); a Reserve from a
-prefill worker of another layout is refused with FAILED_PRECONDITION naming both."""
+prefill worker of another layout is refused with FAILED_PRECONDITION naming both; a rank
+killed mid-stream takes its whole worker down, which the router sees as one dead worker."""
 from __future__ import annotations
 
 import asyncio
+import os
 import random
+import signal
+import time
 
 import grpc
 import pytest
@@ -14,7 +18,7 @@ from bench import deployment
 from bench.disagg_gpu import compare, run_all
 from pdserve.common.engine import LLM, SamplingParams
 from pdserve.loadtest.ports import free_port
-from pdserve.v1 import common_pb2, common_pb2_grpc, worker_pb2, worker_pb2_grpc
+from pdserve.v1 import common_pb2, common_pb2_grpc, router_pb2, worker_pb2, worker_pb2_grpc
 
 MODEL = "tiny-llama"
 MAX_TOKENS = 16
@@ -86,3 +90,73 @@ def _cmdline(pid: int) -> str:
             return f.read().replace(b"\0", b" ").decode()
     except OSError:
         return ""
+
+
+LONG = 120
+
+
+@pytest.fixture(scope="module")
+def pair(tmp_path_factory):
+    """Two co-located TP2 workers behind a router (services started one by one: `up` stops all
+    of them when one exits)."""
+    dep = deployment.start(tmp_path_factory.mktemp("tp-kill"), model=MODEL, num_prefill=0, num_decode=2,
+                           decode_role="both", decode_blocks=64, extra_worker_args=["-tp", "2"], metrics=True,
+                           router_args=["--admission-slo-multiple", "0", "--migration-limit", "1"])
+    yield dep
+    dep.stop()
+
+
+def _workers_up(dep) -> float:
+    for line in dep.scrape("router").splitlines():
+        if line.startswith('pdserve_router_workers_up{role="ROLE_BOTH"}'):
+            return float(line.split()[-1])
+    return -1.0
+
+
+def test_killed_rank_takes_its_worker_down(pair, prompts):
+    """SIGKILL one rank of the worker running a stream: that worker exits (no rank left behind),
+    the router counts one decode worker less, the stream goes on on the other worker with the
+    one-rank engine's tokens, and that worker's pool is whole afterwards."""
+    with LLM(MODEL, device="cpu", num_kv_blocks=256) as llm:
+        want = llm.generate([prompts[3]], SamplingParams(temperature=0, max_tokens=LONG, ignore_eos=True),
+                            use_tqdm=False)[0].token_ids
+    assert _workers_up(pair) == 2
+    killed: list[str] = []
+    ranks: list[int] = []
+
+    def kill_a_rank_of_its_worker(ids: list[int]) -> None:
+        if killed or len(ids) < 8:
+            return
+        for name in ("decode0", "decode1"):
+            if pair.stats(pair.services[name].address).num_running:
+                svc = pair.services[name]
+                ranks.extend(p for p in svc.tree_pids() if "rank_main" in _cmdline(p))
+                os.kill(ranks[0], signal.SIGKILL)
+                killed.append(name)
+                return
+
+    ids, err = _stream(pair, prompts[3], kill_a_rank_of_its_worker)
+    assert killed and len(ranks) == 1, "the stream's worker was not found running it"
+    assert err is None and ids == want
+    worker = pair.services[killed[0]]
+    assert worker.proc.wait(30) == 1                              # the worker ended itself
+    assert not worker.tree_pids()                                 # and no rank of it is left
+    survivor = next(n for n in ("decode0", "decode1") if n not in killed)
+    deadline = time.monotonic() + 30
+    while _workers_up(pair) != 1 and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert _workers_up(pair) == 1
+    pair.wait_whole(pair.services[survivor].address, tries=300)
+
+
+def _stream(dep, tokens: list[int], on_tokens) -> tuple[list[int], grpc.StatusCode | None]:
+    ids: list[int] = []
+    req = router_pb2.GenerateRequest(token_ids=router_pb2.TokenIds(ids=tokens), params=common_pb2.SamplingParams(
+        temperature=0, max_tokens=LONG, ignore_eos=True))
+    try:
+        for msg in dep.router_stub().Generate(req, timeout=180):
+            ids.extend(msg.token_ids)
+            on_tokens(ids)
+    except grpc.RpcError as e:
+        return ids, e.code()
+    return ids, None

@@ -183,3 +183,14 @@ def test_decoder_shards_match_one_rank(size, over):
 
     for logits in run_ranks(size, rank):
         torch.testing.assert_close(logits, want)
+
+
+@pytest.mark.parametrize("name, layers, hidden, inter, vocab", [("qwen3-32b", 64, 5120, 25600, 151936),
+                                                               ("llama3.1-70b", 80, 8192, 28672, 128256)])
+def test_tensor_parallel_presets(name, layers, hidden, inter, vocab):
+    from pdserve.common.loader import resolve_model
+    c = resolve_model(name).config
+    assert (c.num_hidden_layers, c.hidden_size, c.intermediate_size, c.vocab_size) == (layers, hidden, inter, vocab)
+    assert (c.num_attention_heads, c.num_key_value_heads, c.head_dim, c.tie_word_embeddings) == (64, 8, 128, False)
+    for size in (2, 4, 8, 16):
+        check_tensor_parallel(c.num_attention_heads, c.num_key_value_heads, c.intermediate_size, size)

@@ -22,6 +22,7 @@ Collectives time out after ``PDSERVE_TP_TIMEOUT_S`` (a rank alive but stuck).
 """
 from __future__ import annotations
 
+import collections
 import contextlib
 import dataclasses
 import datetime
@@ -65,8 +66,8 @@ def timeout_s() -> float:
 
 def rank_device(device: torch.device, rank: int) -> torch.device:
     """Rank ``rank``'s device: GPU ``base + rank`` of those this process sees (``cuda:base``, or
-    ``cuda`` = 0); the CPU for every rank of a CPU engine."""
-    if device.type != "cuda":
+    ``cuda`` = 0; rank 0 keeps ``device`` as given); the CPU for every rank of a CPU engine."""
+    if device.type != "cuda" or rank == 0:
         return device
     return torch.device("cuda", (device.index or 0) + rank)
 
@@ -108,6 +109,7 @@ class RankLeader:
         self.failed: str | None = None
         self.closing = False
         self._paused = 0
+        self.counts: collections.Counter[str] = collections.Counter()   # mirrored forwards by mode
         self._lock = threading.Lock()
         self.group: RankGroup | None = None
         # CPU ranks share this host's cores (oversubscribed intra-op threads spin against each
@@ -218,6 +220,7 @@ class RankLeader:
         if self._paused:
             return
         assert self.group is not None
+        self.counts[mode] += 1
         self.send(forward_header(mode, input_ids, positions, ctx, rows))
         broadcast_payload(self.group, input_ids, positions, ctx, rows)
 
@@ -259,4 +262,6 @@ class RankLeader:
             except subprocess.TimeoutExpired:
                 proc.kill()
                 proc.wait()
+        if self.group is not None and self.failed is None:
+            self.group.shutdown()
         torch.set_num_threads(self._threads)

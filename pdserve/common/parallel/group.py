@@ -37,6 +37,8 @@ class RankGroup:
         and one all-reduce went through (NCCL communicators made before any CUDA graph capture)."""
         timeout = datetime.timedelta(seconds=timeout_s)
         pg: Any
+        if device.type == "cuda" and device.index is None:
+            device = torch.device("cuda", torch.cuda.current_device())
         if device.type == "cuda":
             os.environ.setdefault("TORCH_NCCL_SHOW_EAGER_INIT_P2P_SERIALIZATION_WARNING", "false")
             opts = dist.ProcessGroupNCCL.Options()
@@ -83,6 +85,15 @@ class RankGroup:
         opts.reduceOp = dist.ReduceOp.MIN  # type: ignore[assignment]
         self.pg.allreduce([t], opts).wait()
         return int(t.item())
+
+    def shutdown(self) -> None:
+        """Release the communicators (NCCL) once no collective is coming; best effort."""
+        fn = getattr(self.pg, "shutdown", None)
+        if fn is not None and self.device.type == "cuda":
+            try:
+                fn()
+            except Exception as e:  # noqa: BLE001 - best effort
+                logger.debug("process group shutdown failed: %s", e)
 
     def abort(self) -> None:
         """Best effort: break the group so that collectives in flight end (NCCL); Gloo's end
