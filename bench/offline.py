@@ -143,7 +143,9 @@ def main(argv: list[str] | None = None) -> int:
         results.append(r)
     write_result(args.out, {"copy_bandwidth_GBps": bandwidth / 1e9 if bandwidth else None,
                             "matmul_TFLOPS": flops / 1e12 if flops else None,
-                            "config": vars(args), "results": results})
+                            "config": vars(args), "results": results,
+                            "num_kv_blocks": llm.engine.model_runner.num_kv_blocks,
+                            "kv_cache_dtype": str(llm.engine.model_runner.kv_cache_dtype)})
     for r in results:
         print(f"{r['workload']:10s} {r['output_tok_s']:10.0f} out tok/s  {r['total_tok_s']:10.0f} total tok/s  "
               f"{r['seconds']:7.2f} s" + (f"  {100 * r['fraction_of_roofline']:5.1f}% roofline" if bandwidth else ""))

@@ -112,6 +112,8 @@ def build_model(source: ModelSource, dtype: torch.dtype, device: torch.device,
                     f" (FP8 checkpoint, {quant_cfg['quant_method']})" if quant_cfg else "")
     if quantization == "fp8":
         quantize_fp8(model)
+        if device.type == "cuda":
+            torch.cuda.empty_cache()        # the bf16 weights' memory back to the KV pool's sizing
         logger.info("model %s: projections in FP8 (per-channel weight scales, per-token activations)",
                     source.config.name)
     model.eval()

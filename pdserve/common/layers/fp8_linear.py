@@ -3,9 +3,9 @@ per token at run time (dynamic scales), vLLM's ``--quantization fp8`` on Hopper.
 
 ``y = (q(x) * sx) @ (W_q * sw)^T (+ bias)`` where ``q(x)`` rounds each token's row to e4m3 with
 ``sx = max|row| / 448`` and ``W_q``, ``sw`` are the stored weight and its ``[N, 1]`` scales. On
-CUDA the product is one ``torch._scaled_mm`` (row-wise scales, fp32 accumulation, output in the
-activations' dtype); elsewhere the same numbers are computed by dequantizing both operands and
-multiplying in fp32 (the reference and the CPU path). ``reduce``: applied to the product before
+CUDA the product is one ``torch._scaled_mm`` (row-wise scales, fp32 accumulation, a bf16 result
+cast to the activations' dtype); elsewhere the same numbers are computed by dequantizing both
+operands and multiplying in fp32 (the reference and the CPU path). ``reduce``: applied to the product before
 the bias (a row-parallel layer's all-reduce), None for a whole or column-parallel layer.
 """
 from __future__ import annotations
@@ -35,9 +35,11 @@ def fp8_linear_ref(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Te
 
 
 def _scaled_mm(x: torch.Tensor, weight: torch.Tensor, weight_scale_t: torch.Tensor) -> torch.Tensor:
+    """The CUDA product; row-wise scaled FP8 GEMMs write bf16 (then cast to x's dtype)."""
     x_scale = per_row_scales(x)
     xq = quantize_fp8(x, x_scale)
-    return torch._scaled_mm(xq, weight.t(), scale_a=x_scale, scale_b=weight_scale_t, out_dtype=x.dtype)
+    y = torch._scaled_mm(xq, weight.t(), scale_a=x_scale, scale_b=weight_scale_t, out_dtype=torch.bfloat16)
+    return y if x.dtype == torch.bfloat16 else y.to(x.dtype)
 
 
 class Fp8Linear(nn.Module):

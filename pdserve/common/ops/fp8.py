@@ -22,8 +22,9 @@ def is_fp8(t: torch.Tensor | torch.dtype) -> bool:
 
 
 def quantize_fp8(x: torch.Tensor, scale: float | torch.Tensor = 1.0) -> torch.Tensor:
-    """``x / scale`` rounded to e4m3 (saturated at +-FP8_MAX); computed in fp32."""
-    return (x.float() / scale).clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE)
+    """``x / scale`` rounded to e4m3 (saturated at +-FP8_MAX); computed in fp32 (one temporary)."""
+    y = x.to(torch.float32, copy=True)
+    return y.div_(scale).clamp_(-FP8_MAX, FP8_MAX).to(FP8_DTYPE)
 
 
 def dequantize_fp8(x: torch.Tensor, scale: float | torch.Tensor = 1.0,

@@ -1,0 +1,119 @@
+"""FP8 on CUDA against the dequantized torch references, on fresh random inputs: the KV store
+kernels' rounding of arbitrary values (the Triton interpreter cannot check it), decode and
+prefill attention over bf16 queries and an FP8 cache, Fp8Linear's ``torch._scaled_mm`` at decode
+and prefill row counts, and the engine with both flags: CUDA graphs equal eager, pools whole."""
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from pdserve.common.engine import LLM, SamplingParams
+from pdserve.common.layers.fp8_linear import Fp8Linear, fp8_linear_ref
+from pdserve.common.ops import kv_store, paged_attention, paged_attention_prefill
+from pdserve.common.ops.fp8 import FP8_DTYPE
+from pdserve.common.ops.fused import qk_norm_rope
+from pdserve.common.ops.reference import (
+    paged_attention_decode_ref,
+    paged_attention_prefill_ref,
+    store_kvcache_ref,
+)
+
+pytestmark = pytest.mark.gpu
+BS, HKV, G, D = 16, 8, 4, 128               # the Qwen3-8B attention geometry
+
+
+def _bytes(t: torch.Tensor) -> torch.Tensor:
+    return t.view(torch.uint8)
+
+
+@pytest.mark.parametrize("scales", [(0.5, 2.0), (1.0, 1.0)])
+def test_store_rounds_as_torch(scales):
+    ks, vs = scales
+    k = torch.randn(300, HKV, D, device="cuda", dtype=torch.bfloat16) * 20
+    v = torch.randn(300, HKV, D, device="cuda", dtype=torch.bfloat16)
+    slots = torch.randperm(64 * BS, device="cuda")[:300].to(torch.int32)
+    slots[::7] = -1
+    caches = [torch.zeros(64, BS, HKV, D, dtype=FP8_DTYPE, device="cuda") for _ in range(4)]
+    kv_store.store_kvcache(k, v, caches[0], caches[1], slots, k_scale=ks, v_scale=vs)
+    store_kvcache_ref(k, v, caches[2], caches[3], slots, ks, vs)
+    assert torch.equal(_bytes(caches[0]), _bytes(caches[2])) and torch.equal(_bytes(caches[1]), _bytes(caches[3]))
+
+
+def test_fused_qk_norm_rope_stores_fp8_as_torch():
+    T, HQ = 37, HKV * G
+    qkv = torch.randn(T, (HQ + 2 * HKV) * D, device="cuda", dtype=torch.bfloat16)
+    pos = torch.randint(0, 4000, (T,), device="cuda")
+    inv = 1.0 / (1e6 ** (torch.arange(0, D, 2, device="cuda").float() / D))
+    freqs = torch.outer(torch.arange(4096, device="cuda").float(), inv)
+    cos, sin = torch.cat([freqs.cos()] * 2, -1).contiguous(), torch.cat([freqs.sin()] * 2, -1).contiguous()
+    qw, kw = (torch.rand(D, device="cuda", dtype=torch.bfloat16) + 0.5 for _ in range(2))
+    kc, vc = (torch.zeros(8, BS, HKV, D, dtype=FP8_DTYPE, device="cuda") for _ in range(2))
+    slots = torch.randperm(8 * BS, device="cuda")[:T].to(torch.int32)
+    _, k, v = qk_norm_rope(qkv, pos, cos, sin, HQ, HKV, D, qw, kw, 1e-6, kc, vc, slots, k_scale=0.25, v_scale=0.5)
+    kr, vr = torch.zeros_like(kc), torch.zeros_like(vc)
+    store_kvcache_ref(k, v, kr, vr, slots, 0.25, 0.5)
+    assert torch.equal(_bytes(kc), _bytes(kr)) and torch.equal(_bytes(vc), _bytes(vr))
+
+
+def _cache_and_tables(lens, num_blocks=256):
+    kc = (torch.randn(num_blocks, BS, HKV, D, device="cuda") * 4).to(FP8_DTYPE)
+    vc = (torch.randn(num_blocks, BS, HKV, D, device="cuda") * 4).to(FP8_DTYPE)
+    perm = torch.randperm(num_blocks).tolist()
+    width = max(-(-n // BS) for n in lens) + 1
+    bt = torch.full((len(lens), width), -1, dtype=torch.int32)
+    pos = 0
+    for b, n in enumerate(lens):
+        need = -(-n // BS)
+        bt[b, :need] = torch.tensor(perm[pos:pos + need])
+        pos += need
+    return kc, vc, bt.cuda(), torch.tensor(lens, dtype=torch.int32, device="cuda")
+
+
+@pytest.mark.parametrize("num_splits", [None, 1, 4])
+def test_decode_over_fp8_cache(num_splits):
+    lens = [1, 300, 1024, 77, 2000]
+    kc, vc, bt, cl = _cache_and_tables(lens)
+    q = torch.randn(len(lens), HKV * G, D, device="cuda", dtype=torch.bfloat16)
+    out = paged_attention.paged_attention_decode(q, kc, vc, bt, cl, D ** -0.5, num_splits=num_splits,
+                                                 k_scale=0.3, v_scale=0.7)
+    ref = paged_attention_decode_ref(q, kc, vc, bt, cl, D ** -0.5, 0.3, 0.7)
+    torch.testing.assert_close(out, ref, rtol=2e-2, atol=2e-2)
+
+
+def test_prefill_over_fp8_cache():
+    lens, q_lens = [40, 700, 129], [40, 200, 1]
+    kc, vc, bt, cl = _cache_and_tables(lens)
+    cu = torch.tensor([0, 40, 240, 241], dtype=torch.int32, device="cuda")
+    q = torch.randn(sum(q_lens), HKV * G, D, device="cuda", dtype=torch.bfloat16)
+    out = paged_attention_prefill.paged_attention_prefill(q, kc, vc, cu, cl, bt, 200, D ** -0.5, k_scale=0.3,
+                                                          v_scale=0.7)
+    ref = paged_attention_prefill_ref(q, kc, vc, cu, cl, bt, 200, D ** -0.5, 0.3, 0.7)
+    torch.testing.assert_close(out, ref, rtol=2e-2, atol=2e-2)
+
+
+@pytest.mark.parametrize("rows", [1, 7, 64, 256, 1000])
+def test_fp8_linear_scaled_mm_matches_dequantized(rows):
+    lin = torch.nn.Linear(4096, 6144, bias=True, device="cuda", dtype=torch.bfloat16)
+    fp8 = Fp8Linear.from_linear(lin)
+    x = torch.randn(rows, 4096, device="cuda", dtype=torch.bfloat16)
+    with torch.no_grad():
+        out = fp8(x)
+        ref = fp8_linear_ref(x, fp8.weight, fp8.weight_scale) + lin.bias
+    torch.testing.assert_close(out, ref, rtol=2e-2, atol=2e-2)
+
+
+@pytest.mark.parametrize("model", ["tiny-qwen3", "tiny-llama"])
+def test_engine_fp8_graphs_equal_eager(model):
+    rng = random.Random(4)
+    prompts = [[rng.randrange(3, 500) for _ in range(n)] for n in (5, 40, 130, 17)]
+    outs = []
+    for eager in (True, False):
+        llm = LLM(model, device="cuda", dtype="float32", kv_cache_dtype="fp8", quantization="fp8",
+                  num_kv_blocks=128, enforce_eager=eager, max_num_seqs=8)
+        res = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=24, ignore_eos=True), use_tqdm=False)
+        outs.append([r.token_ids for r in res])
+        assert llm.engine.block_manager.is_whole()
+        assert llm.engine.model_runner.kv_cache.dtype == FP8_DTYPE
+    assert outs[0] == outs[1]
