@@ -28,7 +28,7 @@ K8S = DEPLOY / "k8s"
 INSTALL_SCRIPT = REPO / "scripts" / "install_kubectl.sh"
 DESIGN = REPO / "docs" / "design.md"
 
-OVERLAYS = ("gpu", "cpu-demo")
+OVERLAYS = ("gpu", "cpu-demo", "gpu-tp")
 KUSTOMIZATIONS = {"base": K8S / "base", **{o: K8S / "overlays" / o for o in OVERLAYS}}
 ROLES = ("router", "prefill", "decode")
 WORKERS = ("prefill", "decode")
