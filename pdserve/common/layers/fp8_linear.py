@@ -15,6 +15,7 @@ from collections.abc import Callable
 import torch
 from torch import nn
 
+from pdserve.common.layers.fused_dispatch import use_fused
 from pdserve.common.ops.fp8 import FP8_DTYPE, per_row_scales, quantize_fp8
 
 __all__ = ["Fp8Linear", "quantize_weight", "fp8_linear_ref"]
@@ -34,10 +35,19 @@ def fp8_linear_ref(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Te
     return (xq @ (weight.float() * weight_scale).t()).to(x.dtype)
 
 
+def _quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-token e4m3 activations and their ``[M, 1]`` scales: one Triton launch where the fused
+    kernels are on (ops/fp8_quant.py), else the torch reference."""
+    if use_fused(x):
+        from pdserve.common.ops.fp8_quant import quantize_rows  # imports Triton
+        return quantize_rows(x)
+    x_scale = per_row_scales(x)
+    return quantize_fp8(x, x_scale), x_scale
+
+
 def _scaled_mm(x: torch.Tensor, weight: torch.Tensor, weight_scale_t: torch.Tensor) -> torch.Tensor:
     """The CUDA product; row-wise scaled FP8 GEMMs write bf16 (then cast to x's dtype)."""
-    x_scale = per_row_scales(x)
-    xq = quantize_fp8(x, x_scale)
+    xq, x_scale = _quantize_rows(x)
     y = torch._scaled_mm(xq, weight.t(), scale_a=x_scale, scale_b=weight_scale_t, out_dtype=torch.bfloat16)
     return y if x.dtype == torch.bfloat16 else y.to(x.dtype)
 
