@@ -167,7 +167,8 @@ class Flow:
     def _open_output(self, job: Job) -> OutputProcessor:
         """The request's OutputProcessor, made (and the request counted in flight) once."""
         if job.output is None:
-            job.output = OutputProcessor(self.tokenizer, job.stop, job.include_stop, job.skip_special_tokens)
+            job.output = OutputProcessor(self.tokenizer, job.stop, job.include_stop, job.skip_special_tokens,
+                                         job.sampling.min_tokens)
             self.metrics.in_flight.inc()
             self.metrics.prompt_tokens.inc(len(job.prompt.token_ids))
         return job.output

@@ -3,7 +3,9 @@
 Text that could still be the start of a stop string is held back, so a stop string spanning two
 steps is never partly sent. On a match the text is cut before it (after it with
 ``include_stop_str_in_output``) and the request ends with STOP, ``matched_stop`` naming the string.
-Detokenization runs once per step over all tokens since the last message.
+Before ``min_tokens`` tokens no stop string is looked for (as the workers never sample a stop id
+then): text ending before that point can never match. Detokenization runs once per step over all
+tokens since the last message.
 """
 from __future__ import annotations
 
@@ -37,7 +39,7 @@ class Delta:
 
 class OutputProcessor:
     def __init__(self, tokenizer: object | None, stop: Sequence[str] = (),
-                 include_stop: bool = False, skip_special_tokens: bool = True) -> None:
+                 include_stop: bool = False, skip_special_tokens: bool = True, min_tokens: int = 0) -> None:
         self.detok = IncrementalDetokenizer(tokenizer, skip_special_tokens) if tokenizer is not None else None
         self.stop = tuple(s for s in stop if s)
         self.include_stop = include_stop
@@ -47,6 +49,7 @@ class OutputProcessor:
         self.searched = 0         # text before this index holds no stop string start
         self.final_text: str | None = None
         self.matched_stop: str | None = None
+        self.min_tokens = min_tokens
 
     @property
     def text(self) -> str:
@@ -84,7 +87,9 @@ class OutputProcessor:
 
     def _advance(self, full: str, final: bool) -> tuple[str, str | None]:
         """``full``: the detokenized text so far."""
-        if self.stop:
+        if self.stop and self.num_tokens < self.min_tokens and not final:
+            self.searched = max(self.searched, len(full))     # this text stops nothing
+        elif self.stop:
             hit = self._find_stop(full)
             if hit is not None:
                 index, stop = hit

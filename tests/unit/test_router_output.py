@@ -92,6 +92,14 @@ def test_held_back_text_released_when_it_is_not_a_stop() -> None:
     assert proc.finish().text == ""
 
 
+def test_no_stop_string_before_min_tokens() -> None:
+    proc = OutputProcessor(CharTokenizer(), stop=["END"], min_tokens=6)
+    assert proc.add(ids("aEND")).text == "aEND"               # 4 tokens: not a stop yet
+    assert proc.add(ids("bb")).text == "bb"
+    d = proc.add(ids("cEND!"))
+    assert d.text == "c" and d.matched_stop == "END"          # after 6 tokens it is
+
+
 def test_include_stop_and_earliest_match_wins() -> None:
     proc = OutputProcessor(CharTokenizer(), stop=["cd", "b"], include_stop=True)
     text, matched = run(proc, ["abcd"])
