@@ -1,14 +1,14 @@
 """``pdserve up --gpus 0,1,...``: one worker per GPU, laid out by ``--placement``.
 
-- ``colocated`` (the default): every GPU a worker of role ``both`` that prefills its own requests
-  in chunks of COLOCATED_BUDGET tokens beside its decode rows, router ``--pd-policy never``; the
-  deployment docs/benchmarks.md ("Fleet placement") measured best on traffic that shifts;
+- ``colocated``: every GPU a worker of role ``both`` that prefills its own requests in chunks of
+  COLOCATED_BUDGET tokens beside its decode rows, router ``--pd-policy never``;
 - ``disagg``: the first half of the GPUs prefill workers, the rest decode workers, router
   ``--pd-policy always`` (the static split);
-- ``fleet``: every GPU a worker of role ``both`` at co-location's budget (no TPOT guard: on H100 it
-  cost goodput, bench/results/fleet_h100x2/README.md), router ``--pd-policy fleet``
-  (pdserve/router/fleet_policy.py: co-location's pick first, another worker only where that breaks
-  an objective, decodes that move).
+- ``fleet`` (the default): every GPU a worker of role ``both`` at co-location's budget (no TPOT
+  guard: on H100 it cost goodput), router ``--pd-policy fleet`` (pdserve/router/fleet_policy.py:
+  co-location's pick first, a lean worker that prefills for the others while prefill dominates,
+  decodes that move); measured at or above co-location on ``phases`` and 1.5x it on prefill-heavy
+  (bench/notes/placement.md, "Third session").
 
 Flags given through ``--extra-*-args`` come after these, so they win. ``--gpus`` lays the workers
 out itself: with ``--prefill``, ``--decode``, ``--role``, ``--prefill-gpus`` or ``--decode-gpus``
@@ -24,7 +24,7 @@ from __future__ import annotations
 import argparse
 
 PLACEMENTS = ("colocated", "disagg", "fleet")
-DEFAULT_PLACEMENT = "colocated"
+DEFAULT_PLACEMENT = "fleet"
 COLOCATED_BUDGET = 512          # prompt tokens a co-located step carries beside its decode rows
 _LAYOUT_DEFAULTS = {"prefill": 1, "decode": 1, "role": "decode", "prefill_gpus": "", "decode_gpus": ""}
 
@@ -36,7 +36,7 @@ def add_layout_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--placement", choices=PLACEMENTS, default=DEFAULT_PLACEMENT,
                    help="with --gpus: colocated (every GPU prefills and decodes its own requests, chunked), "
                         "disagg (half the GPUs prefill, half decode) or fleet (every GPU serves both phases, "
-                        "the router places each request's prefill and decode; TPOT guard on)")
+                        "the router places each request's prefill and decode; the default)")
 
 
     p.add_argument("--tensor-parallel-size", "-tp", type=int, default=1,

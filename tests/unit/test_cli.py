@@ -146,7 +146,7 @@ def test_up_lays_out_one_worker_per_gpu():
 
     def up(*flags):
         return cmd_up.plan(cli.build_parser().parse_args(["up", "--gpus", "0,1", *flags]))
-    *workers, router = up()                                  # co-located, the default
+    *workers, router = up("--placement", "colocated")
     assert [(c.name, c.gpu) for c in workers] == [("decode worker 0", "0"), ("decode worker 1", "1")]
     assert all(value(c.cmd, "--role") == "both" and value(c.cmd, "--device") == "cuda" for c in workers)
     assert all(value(c.cmd, "--max-num-batched-tokens") == "512" for c in workers)
@@ -154,7 +154,7 @@ def test_up_lays_out_one_worker_per_gpu():
     *workers, router = up("--placement", "disagg", "--extra-router-args=--pd-policy adaptive")
     assert [(c.name, c.gpu) for c in workers] == [("decode worker 0", "1"), ("prefill worker 0", "0")]
     assert router.cmd[router.cmd.index("--pd-policy"):][:4] == ["--pd-policy", "always", "--pd-policy", "adaptive"]
-    *workers, router = up("--placement", "fleet")
+    *workers, router = up()                                  # fleet, the default
     assert all(value(c.cmd, "--max-num-batched-tokens") == "512" and "--tpot-target-ms" not in c.cmd for c in workers)
     assert value(router.cmd, "--pd-policy") == "fleet"
     assert expected_workers("--gpus 0,1") == (2, 2) and expected_workers("--gpus 0,1,2,3 --placement disagg") == (2, 2)
