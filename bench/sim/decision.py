@@ -162,8 +162,8 @@ def _percentiles(ns: list[int]) -> dict:
 def time_parts(flow: Flow, prompts: list[list[int]]) -> dict:
     """Mean thread CPU time (us) of the decision's parts over the requests: hashing the prompt
     (``PromptHasher``, the requests in order, as the router sees them),
-    the prefix match, the decode pick (``Placement._choose_decode``) and the prefill placement
-    (``Placement._place_prefill``), each run alone; ``decode_policy`` / ``prefill_policy``: of those,
+    the prefix match, the decode pick (``Placement.choose_decode``) and the prefill placement
+    (``Placement.place_prefill``), each run alone; ``decode_policy`` / ``prefill_policy``: of those,
     ``pick_decode_workers`` / ``decide_workers`` alone on the arguments the flow passed them for
     the same requests (the rest is the flow's own work)."""
     registry = flow.registry
@@ -177,8 +177,8 @@ def time_parts(flow: Flow, prompts: list[list[int]]) -> dict:
     prefillers = [c for c in registry.prefill_workers() if c is not decode]
     hasher = PromptHasher() if flow.registry.prefix_index.hasher.max_prompts else PromptHasher(max_prompts=0)
     parts = {"hash": lambda i: hasher.chain(prompts[i], BLOCK), "match": lambda i: index.match(chains[i]),
-             "decode_pick": lambda i: flow.placement._choose_decode(jobs[i], registry.decode_workers(), 0),
-             "prefill_placement": lambda i: flow.placement._place_prefill(jobs[i], decode, prefillers, 0)}
+             "decode_pick": lambda i: flow.placement.choose_decode(jobs[i], registry.decode_workers(), 0),
+             "prefill_placement": lambda i: flow.placement.place_prefill(jobs[i], decode, prefillers, 0)}
     picks, decides = _captured(flow, jobs, decode, prefillers)
     parts["decode_policy"] = lambda i: policy.pick_decode_workers(*picks[i])
     parts["prefill_policy"] = lambda i: pd_policy.decide_workers(*decides[i])
@@ -201,8 +201,8 @@ def _captured(flow: Flow, jobs: list[Job], decode, prefillers) -> tuple[list[tup
     placement_mod.decide_workers = lambda *a: decides.append(a) or saved[1](*a)
     try:
         for j in jobs:
-            flow.placement._choose_decode(j, flow.registry.decode_workers(), 0)
-            flow.placement._place_prefill(j, decode, prefillers, 0)
+            flow.placement.choose_decode(j, flow.registry.decode_workers(), 0)
+            flow.placement.place_prefill(j, decode, prefillers, 0)
     finally:
         placement_mod.pick_decode_workers, placement_mod.decide_workers = saved
     return picks, decides

@@ -33,6 +33,7 @@ from pdserve.common.sampling_params import SamplingParams
 from pdserve.router.admission import AdmissionGate
 from pdserve.router.attempt import Attempt
 from pdserve.router.failures import Cut, Retry
+from pdserve.router.fleet_placement import fleet_workers
 from pdserve.router.job import Job
 from pdserve.router.metrics import RouterMetrics
 from pdserve.router.mover import Mover
@@ -82,8 +83,8 @@ class Flow:
         self.metrics = metrics
         self._ids = itertools.count(1)
         self.placement = Placement(registry, settings)
-        self.mover = Mover(self.placement.fleet_workers, settings.pd.slo_tpot_ms,
-                           settings.pd.move_interval_s if settings.pd.mode == "fleet" else 0.0,
+        self.mover = Mover(lambda: fleet_workers(self.placement), settings.pd.slo_tpot_ms,
+                           settings.pd.move_interval_s if self.placement.policy.moves_decodes else 0.0,
                            settings.pd.rate_window_s)
         self.admission = AdmissionGate(registry, settings, metrics)
         self._background: set[asyncio.Task] = set()

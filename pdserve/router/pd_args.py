@@ -4,18 +4,20 @@ from __future__ import annotations
 import argparse
 
 from pdserve.common import env
-from pdserve.router.pd_policy import PD_MODES, PdConfig
+from pdserve.router.pd_policy import PdConfig
+from pdserve.router.placement_policies import check_name
 
 
 def add_pd_arguments(p: argparse.ArgumentParser) -> None:
     d = PdConfig()
     g = p.add_argument_group("prefill placement (pdserve.router.pd_policy)")
-    g.add_argument("--pd-policy", choices=PD_MODES, default=env.get("ROUTER_PD_POLICY", d.mode),
-                   help="adaptive: per request, prefill on the decode worker (local) or on another worker "
-                        "(remote), whichever keeps the SLOs with more headroom; always: remote whenever a "
-                        "prefill-capable worker is up; never: always local; fleet: the decode worker and the "
-                        "prefill worker both chosen per request from all workers, for workers of role both "
-                        "that run the TPOT guard (--tpot-target-ms) (env PDSERVE_ROUTER_PD_POLICY)")
+    g.add_argument("--pd-policy", type=_policy_name, default=env.get("ROUTER_PD_POLICY", d.mode),
+                   help="the placement policy (pdserve/router/placement_policies.py): adaptive: per request, "
+                        "prefill on the decode worker (local) or on another worker (remote), whichever keeps the "
+                        "SLOs with more headroom; always: remote whenever a prefill-capable worker is up; never: "
+                        "always local; fleet: the decode worker and the prefill worker both chosen per request "
+                        "from all workers (workers of role both), decodes that move; or package.module:Class "
+                        "(env PDSERVE_ROUTER_PD_POLICY)")
     g.add_argument("--slo-ttft-ms", type=float, default=env.get_float("ROUTER_SLO_TTFT_MS", d.slo_ttft_ms),
                    help="time-to-first-token objective the policy keeps (env PDSERVE_ROUTER_SLO_TTFT_MS)")
     g.add_argument("--slo-tpot-ms", type=float, default=env.get_float("ROUTER_SLO_TPOT_MS", d.slo_tpot_ms),
@@ -41,6 +43,13 @@ def add_pd_arguments(p: argparse.ArgumentParser) -> None:
                    help="--pd-policy fleet: how often running decodes may be moved off a worker whose decode "
                         "rows alone break the TPOT objective (pdserve.router.fleet_policy); 0 = never "
                         "(env PDSERVE_ROUTER_PD_MOVE_INTERVAL_S)")
+
+
+def _policy_name(name: str) -> str:
+    try:
+        return check_name(name)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
 
 
 def pd_config_from_args(args: argparse.Namespace) -> PdConfig:

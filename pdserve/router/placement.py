@@ -1,7 +1,8 @@
 """Where a request runs: its decode worker and where it is prefilled, from the registry's workers
-as they are now. The decisions are pure functions elsewhere (pdserve.router.policy for the decode
-worker, pdserve.router.pd_policy for local or remote prefill, pdserve.router.fleet_policy for both
-at once under ``--pd-policy fleet``); this module turns the workers into their snapshots.
+as they are now, by the placement policy named by ``--pd-policy`` (pdserve/router/placement_policies.py).
+The decisions are pure functions elsewhere (pdserve.router.policy for the decode worker,
+pdserve.router.pd_policy for local or remote prefill, pdserve.router.fleet_policy for both at
+once); this module and the policies turn the workers into their snapshots.
 
 Raises Unavailable when no decode worker is up.
 """
@@ -13,14 +14,13 @@ from dataclasses import replace
 
 from pdserve.common.grpc_utils import Unavailable
 from pdserve.common.worker_types import Role
-from pdserve.router import fleet_policy
+from pdserve.router import placement_policies
 from pdserve.router.job import Job
 from pdserve.router.pd_policy import (
     REMOTE,
     DecodePlace,
     PdDecision,
     PrefillPlace,
-    decayed_rate,
     decide_workers,
     uncached_tokens,
 )
@@ -37,6 +37,7 @@ class Placement:
     def __init__(self, registry: WorkerRegistry, settings: RouterSettings) -> None:
         self.registry = registry
         self.settings = settings
+        self.policy = placement_policies.create(settings.pd.mode)
         self._turn = itertools.count()
 
     def choose(self, job: Job, excluded: set[str], forced: tuple[str, str] | None = None
@@ -51,29 +52,7 @@ class Placement:
             why = "; ".join(f"{c.key}: {c.last_error or 'down'}" for c in known[:4])
             raise Unavailable("no decode worker is up" + (f" ({why})" if why else ""))
         turn = next(self._turn)     # one per request: round-robin covers every worker of each pool
-        if self.settings.pd.mode == "fleet":
-            return self._choose_fleet(job, decoders, excluded, turn)
-        decode = self._choose_decode(job, decoders, turn)
-        prefillers = [c for c in self.registry.prefill_workers(excluded) if c is not decode]
-        decision = self._place_prefill(job, decode, prefillers, turn)
-        prefill = self.registry.clients[decision.prefill_key] if decision.prefill_key else None
-        return decode, prefill, decision
-
-    def _choose_fleet(self, job: Job, decoders: list[WorkerClient], excluded: set[str],
-                      turn: int) -> tuple[WorkerClient, WorkerClient | None, PdDecision]:
-        """Both workers at once (pdserve.router.fleet_policy) over the current figures of the decode
-        workers and the prefill workers, from co-location's decode pick (``home``)."""
-        home = self._choose_decode(job, decoders, turn).key
-        clients = {c.key: c for c in decoders}
-        clients.update((c.key, c) for c in self.registry.prefill_workers(excluded))
-        bs, n, cfg = self.registry.block_size, len(job.prompt.token_ids), tighten(self.settings.pd, job.slo)
-        matches = job.match(self.registry.prefix_index, bs) if len(clients) > 1 else {}
-        now = time.monotonic()
-        snaps = [_fleet_worker(c, uncached_tokens(n, matches.get(c.key, 0), bs), now, cfg.rate_window_s)
-                 for c in clients.values()]
-        d_key, decision = fleet_policy.decide(snaps, cfg, home)
-        prefill = clients[decision.prefill_key] if decision.prefill_key else None
-        return clients[d_key], prefill, decision
+        return self.policy.choose(self, job, decoders, excluded, turn)
 
     def _forced(self, job: Job, decode_key: str, prefill_key: str
                 ) -> tuple[WorkerClient, WorkerClient | None, PdDecision] | None:
@@ -88,14 +67,7 @@ class Placement:
         return decode, prefill, PdDecision(REMOTE, prefill_key, "move", 0.0, 0.0,
                                            uncached_tokens(n, matches.get(prefill_key, 0), bs))
 
-    def fleet_workers(self) -> list[fleet_policy.FleetWorker]:
-        """Every usable worker as the fleet policy reads it, without a request (``U`` = 0)."""
-        clients = {c.key: c for c in self.registry.decode_workers()}
-        clients.update((c.key, c) for c in self.registry.prefill_workers())
-        now, window = time.monotonic(), self.settings.pd.rate_window_s
-        return [_fleet_worker(c, 0, now, window) for c in clients.values()]
-
-    def _choose_decode(self, job: Job, decoders: list[WorkerClient], turn: int) -> WorkerClient:
+    def choose_decode(self, job: Job, decoders: list[WorkerClient], turn: int) -> WorkerClient:
         """pdserve.router.policy over the decode workers' current figures. The prompt's block hashes
         only matter when there is a choice: one decode worker is picked without them."""
         if len(decoders) == 1:
@@ -108,8 +80,8 @@ class Placement:
             raise Unavailable("no decode worker is up")
         return self.registry.clients[key]
 
-    def _place_prefill(self, job: Job, decode: WorkerClient, prefillers: list[WorkerClient],
-                       turn: int) -> PdDecision:
+    def place_prefill(self, job: Job, decode: WorkerClient, prefillers: list[WorkerClient],
+                      turn: int) -> PdDecision:
         """Local or remote (pdserve.router.pd_policy), from the current figures of the decode worker
         and the prefill-capable workers; the ``--routing`` baselines keep their own choice of the
         prefill worker."""
@@ -135,13 +107,3 @@ class Placement:
                 decision = replace(decision, prefill_key=key,
                                    prefill_tokens=uncached_tokens(n, matches.get(key, 0), bs))
         return decision
-
-
-def _fleet_worker(c: WorkerClient, uncached: int, now: float, window_s: float) -> fleet_policy.FleetWorker:
-    """A worker as the fleet policy reads it: this router's live figures and its last GetStats."""
-    s = c.stats
-    return fleet_policy.FleetWorker(
-        c.key, uncached, c.queued_prompt_tokens, c.prefill_tokens_per_s, c.decoding,
-        s.decode_step_ms if s else 0.0, s.ms_per_prompt_token if s else 0.0, s.max_num_batched_tokens if s else 0,
-        decayed_rate(c.prefill_counter, c.prefill_counter_at, now, window_s),
-        c.can_decode, c.role is not Role.DECODE, s.tpot_target_ms > 0 if s else True)

@@ -148,7 +148,7 @@ def test_unmeasured_figures_use_peers_then_defaults() -> None:
 
 def test_config_is_validated_and_rates_decay() -> None:
     with pytest.raises(ValueError, match="pd policy"):
-        PdConfig(mode="sometimes")
+        PdConfig(mode="")           # names are checked by pdserve/router/placement_policies.py
     with pytest.raises(ValueError, match="slo_tpot_ms"):
         PdConfig(slo_tpot_ms=0)
     assert decayed_rate(2000.0, 10.0, 12.0, 2.0) == approx(2000 / math.e)
