@@ -1,11 +1,12 @@
 """FP8 quality on real weights: the embedded SmolLM2-135M's perplexity on a public-domain text
 (tests/data/kjv_genesis.txt, 22,215 tokens) through the engine's own forward (CPU, torch
 backend), against the same engine in float32 (the reference dtype): within 1% with the FP8 KV
-cache, within 3% with FP8 weights (the issue's bounds).
+cache, within 3% with FP8 weights (the issue's bounds; FP8 weights miss theirs on this model, so
+that test is a strict xfail until they meet it).
 
 The default suite scores the first SUBSET_TOKENS tokens (one window: seconds on two cores); the
 whole text takes minutes a pass on two cores, so it runs with PDSERVE_FULL_PERPLEXITY=1
-(``make test-perplexity``). Measured figures: docs/design.md, "FP8".
+(``make test-perplexity``). Measured figures: bench/notes/fp8.md.
 """
 from __future__ import annotations
 
@@ -25,7 +26,8 @@ FULL_WINDOW = 1024
 FULL = os.environ.get("PDSERVE_FULL_PERPLEXITY") == "1"
 KV_BOUND, WEIGHTS_BOUND = 0.01, 0.03
 WEIGHTS_GAP = ("W8A8 FP8 (per-channel weights, per-token activations) costs this 135M model (itself from a "
-               "4-bit GGUF) about 8% perplexity, over the issue's 3% bound (docs/design.md, FP8)")
+               "4-bit GGUF) +4.6% perplexity on the whole text, +7.9% on its first 512 tokens, over the issue's "
+               "3% bound (bench/notes/fp8.md)")
 
 
 @pytest.fixture(scope="module")
