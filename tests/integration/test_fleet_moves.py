@@ -73,3 +73,29 @@ def test_a_decode_moves_to_the_idle_worker_and_its_output_is_unchanged(tmp_path,
             dep.wait_whole(w)
     finally:
         dep.stop()
+
+
+def test_cancelling_moved_decodes_leaves_both_pools_whole(tmp_path):
+    """The same move, then each stream cancelled by its client as soon as a decode has moved: the
+    moved one (on the second worker now) and the one that stayed; both pools end whole."""
+    prompts = [router_pb2.GenerateRequest(token_ids=router_pb2.TokenIds(ids=list(range(100 + i, 160 + i))),
+                                          params=common_pb2.SamplingParams(temperature=0, max_tokens=4000,
+                                                                           ignore_eos=True))
+               for i in range(2)]
+    dep = services.start(tmp_path, decode_role="both", num_decode=2, num_prefill=0, metrics=True,
+                         extra_worker_args=["--tpot-target-ms", "500"],
+                         router_args=["--pd-policy", "fleet", "--slo-tpot-ms", "1", "--pd-move-interval-s", "0.3"])
+    try:
+        dep.kill("decode1")
+        _wait(lambda: _metric(dep, "pdserve_router_workers_up", role="ROLE_BOTH") == 1)
+        calls = [dep.router_stub().Generate(p, timeout=300) for p in prompts]
+        _wait(lambda: dep.stats(dep.decode[0]).num_running == 2)
+        dep.restart("decode1")
+        _wait(lambda: _metric(dep, "pdserve_router_pd_decisions_total", kind="remote", reason="move") >= 1, 120.0)
+        _wait(lambda: dep.stats(dep.decode[1]).num_running == 1)       # the moved decode runs there
+        for call in calls:
+            call.cancel()
+        for w in dep.decode:
+            dep.wait_whole(w)
+    finally:
+        dep.stop()
