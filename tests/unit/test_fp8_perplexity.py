@@ -4,9 +4,9 @@ backend), against the same engine in float32 (the reference dtype): within 1% wi
 cache, within 3% with FP8 weights (the issue's bounds; FP8 weights miss theirs on this model, so
 that test is a strict xfail until they meet it).
 
-The default suite scores the first SUBSET_TOKENS tokens (one window: seconds on two cores); the
-whole text takes minutes a pass on two cores, so it runs with PDSERVE_FULL_PERPLEXITY=1
-(``make test-perplexity``). Measured figures: bench/notes/fp8.md.
+The default suite scores the FP8 cache on the first SUBSET_TOKENS tokens (one window); the whole
+text takes about 800 s a pass on two shared cores, so it runs with PDSERVE_FULL_PERPLEXITY=1
+(``make test-perplexity``), FP8 weights included. Measured figures: bench/notes/fp8.md.
 """
 from __future__ import annotations
 
@@ -54,6 +54,7 @@ def test_fp8_kv_cache_within_one_percent(token_ids, reference):
     assert ppl >= reference * 0.99 and ppl <= reference * (1 + KV_BOUND), (ppl, reference)
 
 
+@pytest.mark.skipif(not FULL, reason="a known miss (below): scored on the whole text only")
 @pytest.mark.xfail(strict=True, reason=WEIGHTS_GAP)
 def test_fp8_weights_within_three_percent(token_ids, reference):
     ppl = _perplexity(token_ids, quantization="fp8")
