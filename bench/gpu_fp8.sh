@@ -2,7 +2,8 @@
 # FP8 on one H100 (issue 38), one device call: the FP8 kernel and engine tests (CUDA against the
 # dequantized torch references), then W-nano through bench.offline in the same call on the
 # Qwen3-8B preset (bf16; FP8 KV cache only; FP8 weights + FP8 KV cache) and the Qwen3-0.6B preset
-# (bf16; FP8 weights + FP8 KV cache), then a summary: speedups over bf16 and KV pool sizes.
+# (bf16; FP8 weights + FP8 KV cache), then a summary: speedups over bf16 and KV pool sizes. Between
+# the tests and W-nano, the FP8 projection against bf16 at decode row counts (bench/fp8_gemm.py).
 # Usage (device machine, repo root): bash bench/gpu_fp8.sh OUTDIR
 set -uo pipefail
 OUT=${1:-bench/results/fp8_h100}
@@ -11,6 +12,7 @@ mkdir -p "$OUT"
 nvidia-smi --query-gpu=name,memory.total --format=csv
 python3 -m pytest -q -x tests/gpu/test_fp8_gpu.py tests/unit/test_fp8_kv_cache.py -p no:cacheprovider 2>&1 \
   | tee "$OUT/fp8_tests.log" | tail -15
+python3 -m bench.fp8_gemm --out "$OUT/fp8_gemm.json" 2>&1 | tail -34
 run() {   # name, model, extra flags...
   local name=$1 model=$2; shift 2
   python3 -m bench.offline --model "$model" --workload nano --out "$OUT/nano_$name.json" "$@" 2>&1 | tail -1
