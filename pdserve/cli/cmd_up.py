@@ -136,6 +136,7 @@ def plan(args: argparse.Namespace, security: DeploymentSecurity | None = None) -
     """The services to start, workers first, the router last, with ``security`` (default: as
     the flags give it, no token made)."""
     up_layout.apply(args)
+    up_layout.check_tensor_parallel(args)
     security = security if security is not None else DeploymentSecurity.from_args(args)
     children: list[Child] = []
     addresses: dict[str, list[str]] = {"decode": [], "prefill": []}

@@ -7,6 +7,7 @@ import pytest
 from pdserve import cli
 from pdserve.cli import cmd_up
 from pdserve.common.serving.worker_args import engine_config_from_args
+from pdserve.loadtest import up_layout
 from pdserve.loadtest.compare import expected_processes, expected_workers
 
 
@@ -26,20 +27,30 @@ def _plan(*flags: str):
 
 
 def test_up_gives_each_worker_its_gpus():
-    *workers, _ = _plan("--gpus", "0,1,2,3", "-tp", "2")
+    *workers, _ = _plan("--gpus", "0,1,2,3", "-tp", "2", "--placement", "colocated")
     assert [(c.name, c.gpu, _value(c.cmd, "--tensor-parallel-size")) for c in workers] == [
         ("decode worker 0", "0,1", "2"), ("decode worker 1", "2,3", "2")]
-    # prefill at TP1 on GPU 0, decode at TP2 on GPUs 1 and 2
-    *workers, _ = _plan("--gpus", "0,1,2", "--placement", "disagg", "--decode-tensor-parallel-size", "2")
-    assert [(c.name, c.gpu, _value(c.cmd, "--tensor-parallel-size")) for c in workers] == [
-        ("decode worker 0", "1,2", "2"), ("prefill worker 0", "0", None)]
+    # prefill at TP1 on GPU 0, decode at TP2 on GPUs 1 and 2: laid out, but refused until KV
+    # crosses between layouts
+    args = cli.build_parser().parse_args(["up", "--gpus", "0,1,2", "--placement", "disagg",
+                                          "--decode-tensor-parallel-size", "2"])
+    up_layout.apply(args)
+    assert (args.prefill, args.prefill_gpus, args.decode, args.decode_gpus) == (1, "0", 1, "1,2")
+    assert up_layout.worker_gpus(args.decode_gpus, 0, 2) == "1,2"
+    for flags in (["--gpus", "0,1,2", "--placement", "disagg", "--decode-tensor-parallel-size", "2"],
+                  ["--gpus", "0,1,2,3", "--placement", "fleet", "-tp", "2"], ["-tp", "2"],
+                  ["--prefill-tensor-parallel-size", "2"]):
+        with pytest.raises(SystemExit, match="not shipped between tensor-parallel workers"):
+            _plan(*flags)
     *workers, _ = _plan("--decode-gpus", "0,1,2,3", "--decode", "2", "--prefill", "0", "--role", "both",
                         "--decode-tensor-parallel-size", "2")
     assert [c.gpu for c in workers] == ["0,1", "2,3"]
-    *workers, _ = _plan("--prefill-tensor-parallel-size", "2")            # CPU: the ranks are processes
-    assert [_value(c.cmd, "--tensor-parallel-size") for c in workers] == [None, "2"]
+    *workers, _ = _plan("--prefill", "0", "--role", "both", "-tp", "3")       # CPU: the ranks are processes
+    assert [_value(c.cmd, "--tensor-parallel-size") for c in workers] == ["3"]
+    (worker,) = _plan("--gpus", "0,1", "-tp", "2")[:-1]                # fleet of one worker: nothing crosses
+    assert (worker.gpu, _value(worker.cmd, "--role")) == ("0,1", "both")
     assert expected_workers("--gpus 0,1,2,3 -tp 2") == (2, 2)
     assert expected_processes("--gpus 0,1,2,3 -tp 2") == 2 + 4
-    assert expected_processes("--prefill-tensor-parallel-size 2") == 2 + 1 + 2
+    assert expected_processes("--prefill 0 --role both -tp 3") == 2 + 3
     with pytest.raises(SystemExit, match="3 GPUs .* workers of 2"):
         _plan("--gpus", "0,1,2", "-tp", "2")
