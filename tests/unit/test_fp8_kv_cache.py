@@ -102,10 +102,10 @@ def test_triton_store_matches_reference(seed):
     k[0, 0, :4] = torch.tensor([1e4, -1e4, 500 * ks, -449 * ks])     # saturated at +-448 * scale
     slots = torch.randperm(5 * BS, generator=gen)[:n].to(torch.int32)
     slots[2] = -1
+    k, v, slots = k.to(DEVICE), v.to(DEVICE), slots.to(DEVICE)
     caches = [torch.zeros(5, BS, HKV, D, dtype=FP8_DTYPE, device=DEVICE) for _ in range(4)]
-    kv_store.store_kvcache(k.to(DEVICE), v.to(DEVICE), caches[0], caches[1], slots.to(DEVICE), k_scale=ks,
-                           v_scale=vs)
-    store_kvcache_ref(k, v, caches[2], caches[3], slots.to(DEVICE), ks, vs)
+    kv_store.store_kvcache(k, v, caches[0], caches[1], slots, k_scale=ks, v_scale=vs)
+    store_kvcache_ref(k, v, caches[2], caches[3], slots, ks, vs)
     assert torch.equal(caches[0].view(torch.uint8), caches[2].view(torch.uint8))
     assert torch.equal(caches[1].view(torch.uint8), caches[3].view(torch.uint8))
     assert caches[0].float().abs().max() == FP8_MAX
