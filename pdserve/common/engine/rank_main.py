@@ -6,6 +6,7 @@ from __future__ import annotations
 import datetime
 import logging
 import os
+import signal
 import sys
 import threading
 import time
@@ -82,6 +83,10 @@ def main() -> int:
     if spec is None:
         return 1
     rank = spec["rank"]
+    # a rank lives as long as rank 0 (which stops it, or whose exit ends it): a Ctrl-C or a
+    # SIGTERM sent to the whole process group must not cut a worker's graceful drain short
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
     configure_logging(env.log_level())
     threading.Thread(target=_watch_parent, args=(spec["leader_pid"],), daemon=True).start()
     try:
