@@ -93,7 +93,8 @@ async def _abort(exc: Exception, context: grpc.aio.ServicerContext, method: str)
 
 
 def _wrap_unary_response(behavior: Callable[..., Any], method: str) -> Callable[..., Awaitable[Any]]:
-    """Wrap a unary_unary / stream_unary behavior (returns one response)."""
+    """Wrap a unary_unary / stream_unary behavior (returns one response), or a streaming one
+    that writes with ``context.write`` (its coroutine is awaited the same way)."""
 
     async def wrapper(request_or_iterator: Any, context: grpc.aio.ServicerContext) -> Any:
         request_or_iterator = await _checked_request(request_or_iterator, context, method)
@@ -135,19 +136,7 @@ def _wrap_stream_response(behavior: Callable[..., Any], method: str) -> Callable
 
         return gen_wrapper
 
-    async def write_wrapper(request_or_iterator: Any, context: grpc.aio.ServicerContext) -> Any:
-        request_or_iterator = await _checked_request(request_or_iterator, context, method)
-        try:
-            result = behavior(request_or_iterator, context)
-            if inspect.isawaitable(result):
-                result = await result
-            return result
-        except grpc.aio.AbortError:
-            raise
-        except Exception as exc:  # noqa: BLE001
-            await _abort(exc, context, method)
-
-    return write_wrapper
+    return _wrap_unary_response(behavior, method)   # a coroutine: awaited as a unary one is
 
 
 class ErrorInterceptor(grpc.aio.ServerInterceptor):
