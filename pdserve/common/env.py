@@ -3,9 +3,12 @@ pdserve settings, and each is a default that a command-line flag overrides."""
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
 from pathlib import Path
+from typing import TypeVar
 
 PREFIX = "PDSERVE_"
+T = TypeVar("T")
 
 
 def get(name: str, default: str | None = None) -> str | None:
@@ -13,24 +16,24 @@ def get(name: str, default: str | None = None) -> str | None:
     return os.environ.get(PREFIX + name, default)
 
 
-def get_int(name: str, default: int) -> int:
+def _get_parsed(name: str, default: T, parse: Callable[[str], T], what: str) -> T:
+    """``parse`` of ``PDSERVE_<name>``, or ``default`` when unset or empty; a ValueError naming
+    the variable and ``what`` it should be when ``parse`` refuses it."""
     value = get(name)
     if value is None or value == "":
         return default
     try:
-        return int(value)
+        return parse(value)
     except ValueError as e:
-        raise ValueError(f"environment variable {PREFIX}{name}={value!r} is not an integer") from e
+        raise ValueError(f"environment variable {PREFIX}{name}={value!r} is not {what}") from e
+
+
+def get_int(name: str, default: int) -> int:
+    return _get_parsed(name, default, int, "an integer")
 
 
 def get_float(name: str, default: float) -> float:
-    value = get(name)
-    if value is None or value == "":
-        return default
-    try:
-        return float(value)
-    except ValueError as e:
-        raise ValueError(f"environment variable {PREFIX}{name}={value!r} is not a number") from e
+    return _get_parsed(name, default, float, "a number")
 
 
 def get_bool(name: str, default: bool) -> bool:
