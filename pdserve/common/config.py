@@ -108,6 +108,19 @@ class ModelConfig:
             return cls.from_hf_dict(json.load(f), name or Path(path).parent.name)
 
 
+def check_step_limits(max_num_seqs: int, max_num_batched_tokens: int, max_num_partial_prefills: int,
+                      long_prefill_token_threshold: int) -> None:
+    """A ValueError naming the first of one engine step's limits out of range: the first three
+    must be >= 1, ``long_prefill_token_threshold`` >= 0 (0 = no cap). The engine's config and
+    the scheduler's both check them."""
+    for name, value in (("max_num_seqs", max_num_seqs), ("max_num_batched_tokens", max_num_batched_tokens),
+                        ("max_num_partial_prefills", max_num_partial_prefills)):
+        if value < 1:
+            raise ValueError(f"{name} must be >= 1, got {value}")
+    if long_prefill_token_threshold < 0:
+        raise ValueError(f"long_prefill_token_threshold must be >= 0 (0 = no cap), got {long_prefill_token_threshold}")
+
+
 @dataclass(frozen=True)
 class EngineConfig:
     """Limits and placement of one engine (one worker or one offline ``LLM``).
@@ -147,14 +160,8 @@ class EngineConfig:
             raise ValueError("model: must name a checkpoint directory or a preset")
         if self.block_size < 1 or self.block_size & (self.block_size - 1):
             raise ValueError(f"block_size must be a power of two, got {self.block_size}")
-        if self.max_num_seqs < 1:
-            raise ValueError(f"max_num_seqs must be >= 1, got {self.max_num_seqs}")
-        if self.max_num_batched_tokens < 1:
-            raise ValueError(f"max_num_batched_tokens must be >= 1, got {self.max_num_batched_tokens}")
-        if self.max_num_partial_prefills < 1:
-            raise ValueError(f"max_num_partial_prefills must be >= 1, got {self.max_num_partial_prefills}")
-        if self.long_prefill_token_threshold < 0:
-            raise ValueError(f"long_prefill_token_threshold must be >= 0, got {self.long_prefill_token_threshold}")
+        check_step_limits(self.max_num_seqs, self.max_num_batched_tokens, self.max_num_partial_prefills,
+                          self.long_prefill_token_threshold)
         if self.tpot_target_ms < 0:
             raise ValueError(f"tpot_target_ms must be >= 0 (0 = off), got {self.tpot_target_ms}")
         if not 0.0 <= self.tpot_margin < 1.0:

@@ -15,6 +15,7 @@ from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from pdserve.common.config import check_step_limits
 from pdserve.common.engine.block_manager import BlockManager
 from pdserve.common.engine.sequence import Sequence, SequenceStatus
 from pdserve.common.outputs import FinishReason
@@ -31,15 +32,8 @@ class SchedulerConfig:
     long_prefill_token_threshold: int = 0   # cap on one prompt's chunk per step; 0 = no cap
 
     def __post_init__(self) -> None:
-        if self.max_num_seqs < 1:
-            raise ValueError(f"max_num_seqs must be >= 1, got {self.max_num_seqs}")
-        if self.max_num_batched_tokens < 1:
-            raise ValueError(f"max_num_batched_tokens must be >= 1, got {self.max_num_batched_tokens}")
-        if self.max_num_partial_prefills < 1:
-            raise ValueError(f"max_num_partial_prefills must be >= 1, got {self.max_num_partial_prefills}")
-        if self.long_prefill_token_threshold < 0:
-            raise ValueError("long_prefill_token_threshold must be >= 0 (0 = no cap), "
-                             f"got {self.long_prefill_token_threshold}")
+        check_step_limits(self.max_num_seqs, self.max_num_batched_tokens, self.max_num_partial_prefills,
+                          self.long_prefill_token_threshold)
         if self.enable_chunked_prefill:
             if self.max_num_batched_tokens < self.max_num_seqs:
                 raise ValueError(f"max_num_batched_tokens ({self.max_num_batched_tokens}) must be >= "
