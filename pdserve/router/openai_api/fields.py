@@ -3,6 +3,7 @@ field. ``null`` counts as absent (OpenAI's SDKs send it for unset optional field
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from typing import Any
 
 from pdserve.router.openai_api.errors import bad_request
@@ -43,31 +44,27 @@ def integer(body: dict, name: str, default: int | None, lo: int | None = None, h
     return value
 
 
-def boolean(body: dict, name: str, default: bool) -> bool:
+def _of_type(body: dict, name: str, default: Any, kind: type, wrong: Callable[[Any], str]) -> Any:
+    """The value of ``name`` if it is a ``kind``, ``default`` if absent; else a 400 saying
+    ``wrong(value)``."""
     value = _get(body, name)
     if value is _MISSING:
         return default
-    if not isinstance(value, bool):
-        raise bad_request(name, f"must be true or false, got {value!r}")
+    if not isinstance(value, kind):
+        raise bad_request(name, wrong(value))
     return value
+
+
+def boolean(body: dict, name: str, default: bool) -> bool:
+    return _of_type(body, name, default, bool, lambda v: f"must be true or false, got {v!r}")
 
 
 def string(body: dict, name: str, default: str | None = None) -> str | None:
-    value = _get(body, name)
-    if value is _MISSING:
-        return default
-    if not isinstance(value, str):
-        raise bad_request(name, f"must be a string, got {type(value).__name__}")
-    return value
+    return _of_type(body, name, default, str, lambda v: f"must be a string, got {type(v).__name__}")
 
 
 def obj(body: dict, name: str) -> dict | None:
-    value = _get(body, name)
-    if value is _MISSING:
-        return None
-    if not isinstance(value, dict):
-        raise bad_request(name, f"must be an object, got {type(value).__name__}")
-    return value
+    return _of_type(body, name, None, dict, lambda v: f"must be an object, got {type(v).__name__}")
 
 
 def string_list(body: dict, name: str) -> list[str]:
