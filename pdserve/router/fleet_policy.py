@@ -36,7 +36,9 @@ mixed steps, ``W_w`` the prompt tokens this router gave it lately, ``B_w`` its s
                 = 1000 * k / (t_w + c_w * k), k = B_w - rows_w   a worker without the guard with rows
     ttft_w      = 1000 * (Q_w + U_w) / rate_w  (+ remote_overhead_ms + U_D * transfer_us / 1000 if w != D)
     cost_w      = ttft_w + rows_w * U_w * c_w     (this request's wait + each decode row's wait)
-    keeps       = the workers with ttft_w <= TTFT_SHARE * slo_ttft
+    keeps       = every candidate                 while a lean is dedicated (a long queue on the lean
+                                                  still costs less than stalling the others' decode rows)
+                = the workers with ttft_w <= TTFT_SHARE * slo_ttft   otherwise
     P           = D                                 if no lean is dedicated, D keeps, and D is not role decode
                 = the lowest cost among keeps     otherwise (a dedicated lean: no decode rows wait on it);
                   none: the lowest ttft (ties: the key)
@@ -154,7 +156,7 @@ def decide(workers: Sequence[FleetWorker], cfg: PdConfig, home: str | None = Non
         ttft = 1000.0 * (w.queued_tokens + w.uncached_tokens) / prefill_rate(w, cfg.slo_tpot_ms, fallback)
         ttft += 0.0 if w is d else transfer
         options.append((ttft, ttft + w.decode_rows * w.uncached_tokens * c, w))
-    keeps = [o for o in options if o[0] <= TTFT_SHARE * cfg.slo_ttft_ms]
+    keeps = options if lean is not None else [o for o in options if o[0] <= TTFT_SHARE * cfg.slo_ttft_ms]
     local = next((o for o in keeps if o[2] is d and d.can_prefill), None) if lean is None else None
     if local is not None:
         ttft, p = local[0], d

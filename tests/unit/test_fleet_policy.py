@@ -68,6 +68,17 @@ def test_a_busy_prefiller_is_kept_lean_and_prefills_for_the_others():
     assert dec.ttft_ms == pytest.approx(28.0)
 
 
+def test_a_dedicated_lean_prefills_even_over_the_ttft_share_while_the_rows_wait_longer():
+    # a (lean): (31,000 queued + 1,000) / 40k/s = 800 ms + 2 + 1 = 803 ms, over the 600 ms share;
+    # b (40 rows at 6 ms, guarded): (11.4 - 6) / (0.025 * 11.4) = 18,947 tokens/s: 52.8 ms, which
+    # keeps the share, but costs 52.8 + 40 rows * 1000 * 0.025 = 1,052.8 ms of waiting: a
+    a = w("a", queued_tokens=31_000, recent_tokens=BUSY)
+    b = w("b", decode_rows=40, decode_step_ms=6.0, ms_per_prompt_token=0.025)
+    d, dec = decide([a, b], CFG, home="b")
+    assert d == "b" and dec.kind == REMOTE and dec.prefill_key == "a"
+    assert dec.ttft_ms == pytest.approx(803.0)
+
+
 def test_the_lean_is_given_back_when_the_others_have_no_room_or_it_is_not_busy():
     a = w("a", recent_tokens=BUSY)
     over = w("b", decode_rows=40, decode_step_ms=11.5)      # 11.5 > 11.4: no room
