@@ -18,7 +18,7 @@ import torch
 from pdserve.common.config import EngineConfig, ModelConfig, parse_dtype, resolve_kv_cache_dtype
 from pdserve.common.context import ForwardContext, forward_context
 from pdserve.common.engine.prefill_batch import block_table_array, prefill_batch
-from pdserve.common.engine.prompt_logprobs import PromptLogprobsPlan, PromptLogprobsStep
+from pdserve.common.engine.prompt_logprobs import PromptLogprobsPlan, PromptLogprobsStep, to_host
 from pdserve.common.engine.ranks import RankLeader, rank_device
 from pdserve.common.engine.sequence import Sequence
 from pdserve.common.guided.state import fill_bitmask
@@ -53,15 +53,6 @@ def resolve_dtype(name: str, model_cfg: ModelConfig, device: torch.device) -> to
     return torch.bfloat16 if dtype == torch.float32 else dtype
 
 
-def _to_host(t: torch.Tensor | None, cuda: bool) -> torch.Tensor | None:
-    """A pinned host copy of ``t`` enqueued behind the step (CUDA), or ``t`` itself (CPU)."""
-    if t is None or not cuda:
-        return t
-    host = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
-    host.copy_(t, non_blocking=True)
-    return host
-
-
 class LaunchedStep:
     """A step's sampled tokens on their way to the host (pinned copy + event on CUDA)."""
 
@@ -73,10 +64,10 @@ class LaunchedStep:
         self.logprobs = logprobs
         self.event: torch.cuda.Event | None = None
         cuda = device.type == "cuda"
-        self._host_ids = _to_host(token_ids, cuda)
-        self._host_lp = _to_host(logprobs, cuda)
-        self._host_top_ids = _to_host(top_token_ids, cuda)
-        self._host_top_lp = _to_host(top_logprobs, cuda)
+        self._host_ids = to_host(token_ids, cuda)
+        self._host_lp = to_host(logprobs, cuda)
+        self._host_top_ids = to_host(top_token_ids, cuda)
+        self._host_top_lp = to_host(top_logprobs, cuda)
         self.prompt = prompt                # the step's prompt logprobs, if any row asked
         if cuda:
             self.event = torch.cuda.Event()

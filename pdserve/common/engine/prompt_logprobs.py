@@ -51,7 +51,7 @@ class PromptLogprobsPlan:
         rows = torch.tensor(self.rows, dtype=torch.int64, pin_memory=pin).to(device, non_blocking=pin)
         targets = torch.tensor(self.targets, dtype=torch.int64, pin_memory=pin).to(device, non_blocking=pin)
         out = position_logprobs(compute_logits, hidden[rows], targets, self.k)
-        return PromptLogprobsStep(self.owners, [_host(t, pin) for t in (out.logprobs, out.top_token_ids,
+        return PromptLogprobsStep(self.owners, [to_host(t, pin) for t in (out.logprobs, out.top_token_ids,
                                                                        out.top_logprobs)])
 
 
@@ -82,7 +82,9 @@ class PromptLogprobsStep:
             i += count
 
 
-def _host(t: torch.Tensor | None, pin: bool) -> torch.Tensor | None:
+def to_host(t: torch.Tensor | None, pin: bool) -> torch.Tensor | None:
+    """A pinned host copy of ``t`` enqueued behind the step (``pin``: on CUDA), or ``t`` itself
+    (CPU); the model runner's sampled tokens take the same way."""
     if t is None or not pin:
         return t
     host = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
