@@ -8,6 +8,8 @@ import threading
 
 import torch.distributed as dist
 
+from pdserve.common.parallel.group import abort_process_group
+
 log = logging.getLogger(__name__)
 
 
@@ -53,12 +55,4 @@ def abort_pg(pg, is_cuda: bool) -> None:
     """Best-effort abort of an NCCL group (its kernels and connections); Gloo needs nothing."""
     if not is_cuda:
         return  # Gloo: dropping the last reference closes its connections
-    for name in ("abort", "_abort", "shutdown"):
-        fn = getattr(pg, name, None)
-        if fn is None:
-            continue
-        try:
-            fn()
-            return
-        except Exception as e:  # noqa: BLE001 - best effort
-            log.debug("ProcessGroupNCCL.%s failed: %s", name, e)
+    abort_process_group(pg)

@@ -98,15 +98,21 @@ class RankGroup:
     def abort(self) -> None:
         """Best effort: break the group so that collectives in flight end (NCCL); Gloo's end
         when a peer's connections close."""
-        for name in ("abort", "_abort", "shutdown"):
-            fn = getattr(self.pg, name, None)
-            if fn is None:
-                continue
-            try:
-                fn()
-                return
-            except Exception as e:  # noqa: BLE001 - best effort
-                logger.debug("process group %s failed: %s", name, e)
+        abort_process_group(self.pg)
+
+
+def abort_process_group(pg: Any) -> None:
+    """Best effort: the first of ``pg``'s ``abort``, ``_abort`` and ``shutdown`` that it has and
+    that does not raise (failures are logged at debug level)."""
+    for name in ("abort", "_abort", "shutdown"):
+        fn = getattr(pg, name, None)
+        if fn is None:
+            continue
+        try:
+            fn()
+            return
+        except Exception as e:  # noqa: BLE001 - best effort
+            logger.debug("process group %s failed: %s", name, e)
 
 
 def tp_size(group: RankGroup | None) -> int:
