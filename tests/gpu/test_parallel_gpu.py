@@ -6,7 +6,6 @@ captured in two threads of one process hung on H100s: the captures are tested th
 makes them, one process a rank.)"""
 from __future__ import annotations
 
-import threading
 from collections.abc import Callable
 
 import pytest
@@ -19,6 +18,7 @@ from pdserve.common.models.decoder import DecoderForCausalLM
 from pdserve.common.parallel import RankGroup, split_evenly
 from pdserve.common.parallel.embedding import ParallelLMHead, VocabParallelEmbedding
 from pdserve.common.parallel.linear import ColumnParallelLinear, RowParallelLinear
+from tests.rank_threads import run_in_threads
 
 pytestmark = [pytest.mark.gpu,
               pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two GPUs")]
@@ -27,25 +27,14 @@ pytestmark = [pytest.mark.gpu,
 def run_ranks(fn: Callable[[RankGroup], object], size: int = 2) -> list:
     """``fn(group)`` on GPUs 0..size-1, one thread each, over one NCCL group."""
     store = dist.HashStore()
-    out: list = [None] * size
-    errors: list[BaseException] = []
 
-    def rank_main(rank: int) -> None:
-        try:
-            torch.cuda.set_device(rank)
-            out[rank] = fn(RankGroup.create(store, rank, size, torch.device("cuda", rank), 120.0))
-            torch.cuda.synchronize()
-        except BaseException as e:  # noqa: BLE001 - re-raised in the test's thread
-            errors.append(e)
+    def work(rank: int) -> object:
+        torch.cuda.set_device(rank)
+        result = fn(RankGroup.create(store, rank, size, torch.device("cuda", rank), 120.0))
+        torch.cuda.synchronize()
+        return result
 
-    threads = [threading.Thread(target=rank_main, args=(r,)) for r in range(size)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(300)
-    if errors:
-        raise errors[0]
-    return out
+    return run_in_threads(size, work, join_s=300)
 
 
 def _fresh(*shape: int, dtype=torch.bfloat16) -> torch.Tensor:

@@ -4,7 +4,6 @@ unsharded layer on the same fresh random weights."""
 from __future__ import annotations
 
 import datetime
-import threading
 from collections.abc import Callable
 
 import pytest
@@ -17,6 +16,7 @@ from pdserve.common.models.decoder import DecoderForCausalLM
 from pdserve.common.parallel import RankGroup, check_tensor_parallel, head_shard, split_evenly, vocab_shard
 from pdserve.common.parallel.embedding import ParallelLMHead, VocabParallelEmbedding
 from pdserve.common.parallel.linear import ColumnParallelLinear, RowParallelLinear
+from tests.rank_threads import run_in_threads
 
 
 def test_split_evenly_covers_in_order():
@@ -54,24 +54,12 @@ def test_vocab_shard_pads_the_last():
 def run_ranks(size: int, fn: Callable[[RankGroup], object]) -> list:
     """``fn(group)`` on ``size`` ranks, each a thread of this process in one Gloo group."""
     store = dist.HashStore()
-    out: list = [None] * size
-    errors: list[BaseException] = []
 
-    def rank_main(rank: int) -> None:
-        try:
-            pg = dist.ProcessGroupGloo(store, rank, size, datetime.timedelta(seconds=60))
-            out[rank] = fn(RankGroup(rank, size, torch.device("cpu"), pg, 60.0))
-        except BaseException as e:  # noqa: BLE001 - re-raised in the test's thread
-            errors.append(e)
+    def work(rank: int) -> object:
+        pg = dist.ProcessGroupGloo(store, rank, size, datetime.timedelta(seconds=60))
+        return fn(RankGroup(rank, size, torch.device("cpu"), pg, 60.0))
 
-    threads = [threading.Thread(target=rank_main, args=(r,)) for r in range(size)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(120)
-    if errors:
-        raise errors[0]
-    return out
+    return run_in_threads(size, work, join_s=120)
 
 
 def _fresh(*shape: int) -> torch.Tensor:
