@@ -17,6 +17,7 @@ import os
 import re
 import shutil
 import subprocess
+from collections.abc import Sequence
 from pathlib import Path
 
 import pytest
@@ -284,18 +285,29 @@ def quantity_cpu(q: str | int | float) -> float:
     return float(s[:-1]) / 1000 if s.endswith("m") else float(s)
 
 
-def render_with_component(component: Path, tmp_path_factory) -> dict[str, list[dict]]:
-    """{overlay: objects} of every overlay rendered with ``component`` added (a kustomization in a
-    temporary directory naming the overlay as its resource and the component)."""
+def render_path(path: Path) -> list[dict]:
+    """The objects of the kustomization at ``path``, rendered anew (not cached)."""
     cmd = _require_renderer(_find_renderer()[0])
+    proc = subprocess.run([*cmd, str(path)], capture_output=True, text=True, timeout=RENDER_TIMEOUT_S)
+    assert proc.returncode == 0, proc.stderr
+    return [d for d in yaml.safe_load_all(proc.stdout) if d]
+
+
+def render_with_components(components: Sequence[Path], tmp_path_factory, label: str) -> dict[str, list[dict]]:
+    """{overlay: objects} of every overlay rendered with ``components`` added (a kustomization in
+    a temporary directory ``<label>-<overlay>`` naming the overlay as its resource and the
+    components)."""
     out = {}
     for overlay in OVERLAYS:
-        root = tmp_path_factory.mktemp(f"with-{component.name}-{overlay}")
+        root = tmp_path_factory.mktemp(f"{label}-{overlay}")
         (root / "kustomization.yaml").write_text(yaml.safe_dump({
             "apiVersion": "kustomize.config.k8s.io/v1beta1", "kind": "Kustomization",
             "resources": [os.path.relpath(K8S / "overlays" / overlay, root)],
-            "components": [os.path.relpath(component, root)]}))
-        proc = subprocess.run([*cmd, str(root)], capture_output=True, text=True, timeout=RENDER_TIMEOUT_S)
-        assert proc.returncode == 0, proc.stderr
-        out[overlay] = [d for d in yaml.safe_load_all(proc.stdout) if d]
+            "components": [os.path.relpath(c, root) for c in components]}))
+        out[overlay] = render_path(root)
     return out
+
+
+def render_with_component(component: Path, tmp_path_factory) -> dict[str, list[dict]]:
+    """{overlay: objects} of every overlay rendered with ``component`` added."""
+    return render_with_components((component,), tmp_path_factory, f"with-{component.name}")

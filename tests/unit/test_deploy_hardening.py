@@ -9,9 +9,7 @@ Rendering uses the same pinned kustomize as the other deploy tests (tests/unit/d
 from __future__ import annotations
 
 import json
-import os
 import re
-import subprocess
 
 import pytest
 import tomllib
@@ -22,13 +20,12 @@ from deploy_render import (
     KUSTOMIZATIONS,
     MIN_K8S_VERSION,
     OVERLAYS,
-    RENDER_TIMEOUT_S,
     REPO,
     WORKERS,
-    _find_renderer,
-    _require_renderer,
     deployments,
     pod_spec,
+    render_path,
+    render_with_components,
     selector_matches,
 )
 
@@ -37,30 +34,15 @@ MONITORING = K8S / "components" / "monitoring"
 HOME_CACHE = "/home/pdserve/.cache"     # $HOME/.cache of the images' user (JIT caches)
 
 
-def _render(path) -> list[dict]:
-    cmd = _require_renderer(_find_renderer()[0])
-    proc = subprocess.run([*cmd, str(path)], capture_output=True, text=True, timeout=RENDER_TIMEOUT_S)
-    assert proc.returncode == 0, proc.stderr
-    return [d for d in yaml.safe_load_all(proc.stdout) if d]
-
-
 @pytest.fixture(scope="module")
 def rendered() -> dict[str, list[dict]]:
-    return {name: _render(path) for name, path in KUSTOMIZATIONS.items()}
+    return {name: render_path(path) for name, path in KUSTOMIZATIONS.items()}
 
 
 @pytest.fixture(scope="module")
 def autoscaled(tmp_path_factory) -> dict[str, list[dict]]:
     """{overlay: objects} with the monitoring and autoscaling components, as docs/deploy.md says."""
-    out = {}
-    for overlay in OVERLAYS:
-        root = tmp_path_factory.mktemp(f"autoscaled-{overlay}")
-        (root / "kustomization.yaml").write_text(yaml.safe_dump({
-            "apiVersion": "kustomize.config.k8s.io/v1beta1", "kind": "Kustomization",
-            "resources": [os.path.relpath(K8S / "overlays" / overlay, root)],
-            "components": [os.path.relpath(MONITORING, root), os.path.relpath(AUTOSCALING, root)]}))
-        out[overlay] = _render(root)
-    return out
+    return render_with_components((MONITORING, AUTOSCALING), tmp_path_factory, "autoscaled")
 
 
 # ---- pods ---------------------------------------------------------------------------------
