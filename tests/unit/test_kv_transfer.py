@@ -8,10 +8,12 @@ The PushKV control call is played by a queue: the decode child posts its receive
 the prefill child to send.
 """
 
+import contextlib
 import multiprocessing as mp
 import os
 import queue
 import time
+from collections.abc import Iterator
 
 import pytest
 import torch
@@ -218,13 +220,20 @@ def test_two_prefill_processes_to_one_decode(ctx):
 
 
 # ------------------------------------------------------------------ (4) peer death, restart
+@contextlib.contextmanager
+def _decode0_receiver(addr_q, timeout: float) -> Iterator[tuple[torch.Tensor, KvReceiver]]:
+    """Worker ``decode0``'s float32 poisoned pool and its receiver (``timeout`` s) on a new store
+    server, whose address goes to ``addr_q``; the server stops on leaving."""
+    torch.set_num_threads(1)
+    with KvStoreServer("127.0.0.1", 0) as server:
+        addr_q.put(server.address)
+        pool = poisoned_pool("float32")
+        yield pool, KvReceiver(pool, "decode0", server, timeout=timeout)
+
+
 def _decode_restart_child(addr_q, go1, go2, res_q, timeout: float) -> None:
     try:
-        torch.set_num_threads(1)
-        with KvStoreServer("127.0.0.1", 0) as server:
-            addr_q.put(server.address)
-            pool = poisoned_pool("float32")
-            recv = KvReceiver(pool, "decode0", server, timeout=timeout)
+        with _decode0_receiver(addr_q, timeout) as (pool, recv):
             out = {}
             # 1. a normal transfer on epoch 7
             f = recv.post("prefill0", 7, [3, 1])
@@ -291,11 +300,7 @@ def test_sender_death_then_new_epoch(ctx):
 
 def _decode_timeout_child(addr_q, go, back, res_q, timeout: float) -> None:
     try:
-        torch.set_num_threads(1)
-        with KvStoreServer("127.0.0.1", 0) as server:
-            addr_q.put(server.address)
-            pool = poisoned_pool("float32")
-            recv = KvReceiver(pool, "decode0", server, timeout=timeout)
+        with _decode0_receiver(addr_q, timeout) as (pool, recv):
             out = {}
             f = recv.post("p", 1, [2])
             go.put("send")
