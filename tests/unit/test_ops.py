@@ -71,6 +71,23 @@ def make_block_tables(context_lens, block_size, num_blocks, gen, extra_pad=1):
     return bt.to(DEVICE)
 
 
+def paged_case(block_size, hkv, d, context_lens, seed, spare_blocks):
+    """One parametrized case's paged KV: (gen, k_cache, v_cache, block tables, context lens),
+    the cache ``spare_blocks`` larger than the sequences need; ``gen`` (seeded with ``seed``)
+    goes on to draw the queries."""
+    gen = torch.Generator().manual_seed(seed)
+    num_blocks = sum(-(-c // block_size) for c in context_lens) + spare_blocks
+    _, kc, vc = make_cache(num_blocks, block_size, hkv, d, gen)
+    bt = make_block_tables(context_lens, block_size, num_blocks, gen)
+    return gen, kc, vc, bt, torch.tensor(context_lens, dtype=torch.int32, device=DEVICE)
+
+
+def strided_q(rows, hq, hkv, d, gen):
+    """q [rows, Hq, D] as a strided slice of a fused qkv projection output, as in the model."""
+    qkv = torch.randn(rows, (hq + 2 * hkv) * d, generator=gen).to(DEVICE)
+    return qkv[:, :hq * d].view(rows, hq, d)
+
+
 def loop_attention(q_rows, positions, seq_of_row, k_cache, v_cache, block_tables, scale):
     """Dumb per-token, per-head loop: row r attends to keys 0..positions[r] of its sequence."""
     _, bs, hkv, d = k_cache.shape
@@ -189,16 +206,9 @@ DECODE_CASES = [
 
 @pytest.mark.parametrize("block_size,hkv,group,d,ctx,num_splits,seed", DECODE_CASES)
 def test_paged_attention_decode(block_size, hkv, group, d, ctx, num_splits, seed):
-    gen = torch.Generator().manual_seed(seed)
     hq = hkv * group
-    need = sum(-(-c // block_size) for c in ctx)
-    num_blocks = need + 3
-    kv, kc, vc = make_cache(num_blocks, block_size, hkv, d, gen)
-    bt = make_block_tables(ctx, block_size, num_blocks, gen)
-    cl = torch.tensor(ctx, dtype=torch.int32, device=DEVICE)
-    # q as a strided slice of a fused qkv projection output
-    qkv = torch.randn(len(ctx), (hq + 2 * hkv) * d, generator=gen).to(DEVICE)
-    q = qkv[:, :hq * d].view(len(ctx), hq, d)
+    gen, kc, vc, bt, cl = paged_case(block_size, hkv, d, ctx, seed, spare_blocks=3)
+    q = strided_q(len(ctx), hq, hkv, d, gen)
     scale = d ** -0.5
     ref = paged_attention_decode_ref(q, kc, vc, bt, cl, scale)
     if num_splits is None:
@@ -261,17 +271,11 @@ PREFILL_CASES = [
 
 @pytest.mark.parametrize("block_size,hkv,group,d,q_lens,ctx,seed", PREFILL_CASES)
 def test_paged_attention_prefill(block_size, hkv, group, d, q_lens, ctx, seed):
-    gen = torch.Generator().manual_seed(seed)
     hq = hkv * group
-    need = sum(-(-c // block_size) for c in ctx)
-    num_blocks = need + 2
-    kv, kc, vc = make_cache(num_blocks, block_size, hkv, d, gen)
-    bt = make_block_tables(ctx, block_size, num_blocks, gen)
-    cl = torch.tensor(ctx, dtype=torch.int32, device=DEVICE)
+    gen, kc, vc, bt, cl = paged_case(block_size, hkv, d, ctx, seed, spare_blocks=2)
     cu = torch.tensor([0] + torch.tensor(q_lens).cumsum(0).tolist(), dtype=torch.int32, device=DEVICE)
     T = sum(q_lens)
-    qkv = torch.randn(T, (hq + 2 * hkv) * d, generator=gen).to(DEVICE)
-    q = qkv[:, :hq * d].view(T, hq, d)                          # strided, as in the model
+    q = strided_q(T, hq, hkv, d, gen)
     scale = d ** -0.5
     ref = paged_attention_prefill_ref(q, kc, vc, cu, cl, bt, max(q_lens), scale)
     out = torch.full((T, hq, d), float("nan"), device=DEVICE)
