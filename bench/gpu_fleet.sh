@@ -11,6 +11,8 @@
 #   disagg     1 prefill (GPU 0) + 1 decode (GPU 1), router --pd-policy always
 #   colocated  2 workers of role both, chunked prefill at budget 512 (its best: docs/benchmarks.md)
 #   fleet      2 workers of role both at co-location's budget (512), router --pd-policy fleet (pdserve up --placement fleet)
+#   fleet-mixed  the fleet with prefill-sized steps where a worker has no decode rows (budget 8192)
+#              and co-location's 512 in steps with decode rows (--max-mixed-batched-tokens 512)
 #   fleet-guard  2 workers of role both with the TPOT guard at 12 ms (margin 0.05), router --pd-policy fleet
 #   fleet-b512 fleet-guard with co-location's step budget of 512 tokens (the guard's ceiling in every step)
 # Usage (device machine, repo root): bash bench/gpu_fleet.sh OUTDIR part [part ...]
@@ -35,6 +37,7 @@ declare -A UP=(
   [disagg]="--prefill 1 --decode 1 --prefill-gpus $G0 --decode-gpus $G1 --extra-router-args='--pd-policy always $NOADM'"
   [colocated]="--prefill 0 --decode 2 --role both --decode-gpus $GPUS --extra-decode-args='--max-num-batched-tokens 512' --extra-router-args='--pd-policy never $NOADM'"
   [fleet]="--prefill 0 --decode 2 --role both --decode-gpus $GPUS --extra-decode-args='--max-num-batched-tokens 512' --extra-router-args='--pd-policy fleet $ROUTER_SLO $NOADM'"
+  [fleet-mixed]="--prefill 0 --decode 2 --role both --decode-gpus $GPUS --extra-decode-args='--max-num-batched-tokens 8192 --max-mixed-batched-tokens 512' --extra-router-args='--pd-policy fleet $ROUTER_SLO $NOADM'"
   [fleet-guard]="--prefill 0 --decode 2 --role both --decode-gpus $GPUS --extra-decode-args='--tpot-target-ms 12' --extra-router-args='--pd-policy fleet $ROUTER_SLO $NOADM'"
   [fleet-b512]="--prefill 0 --decode 2 --role both --decode-gpus $GPUS --extra-decode-args='--tpot-target-ms 12 --max-num-batched-tokens 512' --extra-router-args='--pd-policy fleet $ROUTER_SLO $NOADM'"
 )

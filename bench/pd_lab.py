@@ -21,10 +21,12 @@ workers: the most cached prompt tokens minus load above the mean (router/policy.
 place of the router's; ``--rule lean`` another, for deployments of role-both workers only
 (:meth:`Lab.route_lean`). Deployment ``fleet`` is two both workers at budget ``--both-budget``
 under the router's ``--pd-policy fleet`` (pdserve/router/fleet_policy.py; ``pdserve up --placement
-fleet``); ``fleet-guard`` (the same policy) and ``colocated-guard`` (two both workers, all local) run
-their workers with the engine's TPOT guard (pdserve/common/engine/tpot_guard.py, target = the TPOT
-SLO, ceiling GUARDED_BUDGET): a step with decode rows carries the prompt tokens the guard allows
-from the worker's own StepTimer, a step without takes the ceiling.
+fleet``); ``fleet-mixed`` the same at budget MIXED[0], MIXED[1] in steps with decode rows
+(``--max-mixed-batched-tokens``); ``fleet-guard`` (the same policy) and ``colocated-guard`` (two
+both workers, all local) run their workers with the engine's TPOT guard
+(pdserve/common/engine/tpot_guard.py, target = the TPOT SLO, ceiling GUARDED_BUDGET): a step
+with decode rows carries the prompt tokens the guard allows from the worker's own StepTimer, a
+step without takes the ceiling.
 """
 from __future__ import annotations
 
@@ -60,8 +62,10 @@ DEPLOYS = {                     # roles, policy mode
     "colocated-guard": (("both", "both"), "never"),
     "fleet": (("both", "both"), "fleet"),            # pdserve up --placement fleet: no guard, budget 512
     "fleet-guard": (("both", "both"), "fleet"),
+    "fleet-mixed": (("both", "both"), "fleet"),      # budget MIXED[0], MIXED[1] in steps with decode rows
 }
 GUARDED = {"colocated-guard", "fleet-guard"}     # deployments whose workers run the TPOT guard
+MIXED = (8192, 512)             # fleet-mixed: --max-num-batched-tokens, --max-mixed-batched-tokens
 
 
 @dataclass(frozen=True)
@@ -128,6 +132,11 @@ class Worker:
     counter_at: float = 0.0                     # ... as of this time
     busy: bool = False
     guard: TpotGuard | None = None              # the engine's TPOT guard (its own timer); None = off
+    mixed: int = 0                              # budget of a step with decode rows; 0 = budget
+
+    @property
+    def mixed_budget(self) -> int:
+        return self.mixed or self.budget
 
     def give(self, tokens: int, now: float, window: float) -> None:
         self.counter = pd.decayed_rate(self.counter, self.counter_at, now, window) + tokens
@@ -167,9 +176,13 @@ class Lab:
     """One run: a deployment, a list of requests with their arrival times."""
 
     def __init__(self, roles: tuple[str, ...], mode: str, gpu: GpuModel, slo_ttft: float, slo_tpot: float,
-                 both_budget: int, prefix_len: int, rule: str = "router", guard_ms: float = 0.0) -> None:
+                 both_budget: int, prefix_len: int, rule: str = "router", guard_ms: float = 0.0,
+                 mixed: tuple[int, int] | None = None) -> None:
         budgets = {"prefill": 16384, "decode": 2048, "both": GUARDED_BUDGET if guard_ms else both_budget}
-        self.workers = [Worker(f"w{i}", r, budgets[r]) for i, r in enumerate(roles)]
+        if mixed is not None:
+            budgets["both"] = mixed[0]
+        self.workers = [Worker(f"w{i}", r, budgets[r], mixed=mixed[1] if mixed and r == "both" else 0)
+                        for i, r in enumerate(roles)]
         for w in self.workers:
             if guard_ms and w.role != "prefill":
                 w.guard = TpotGuard(w.timer, guard_ms, fleet_policy.GUARD_MARGIN)
@@ -275,7 +288,7 @@ class Lab:
         window = self.cfg.rate_window_s
         snaps = [fleet_policy.FleetWorker(
             w.key, self.uncached(w, r), w.queued_tokens(), w.stats[2], len(w.rows), w.stats[0],
-            w.timer.ms_per_prompt_token, w.budget, pd.decayed_rate(w.counter, w.counter_at, now, window),
+            w.timer.ms_per_prompt_token, w.mixed_budget, pd.decayed_rate(w.counter, w.counter_at, now, window),
             guarded=w.guard is not None)
             for w in self.workers]
         d_key, decision = fleet_policy.decide(snaps, self.cfg, self.pick_decode(r).key)
@@ -292,7 +305,7 @@ class Lab:
         guard's budget beside decode rows when it runs one)."""
         if w.role == "prefill":
             return w.budget
-        room = w.budget - len(w.rows)
+        room = (w.mixed_budget if w.rows else w.budget) - len(w.rows)
         if w.guard is not None and w.rows:
             room = min(room, w.guard.budget(w.rows, room))
         return room
@@ -409,9 +422,11 @@ def main(argv: list[str] | None = None) -> None:
 
         guard = tpot if name in GUARDED else 0.0
 
-        def run(rate: float, roles=roles, mode=mode, runs=runs, guard=guard) -> tuple[bool, dict]:
+        mixed = MIXED if name == "fleet-mixed" else None
+
+        def run(rate: float, roles=roles, mode=mode, runs=runs, guard=guard, mixed=mixed) -> tuple[bool, dict]:
             lab = Lab(roles, mode, gpu, ttft, a.router_tpot_ms or tpot, a.both_budget, prefix_len, a.rule,
-                      guard)
+                      guard, mixed)
             reqs = requests_at(a.workload, a.num_prompts, rate, next(runs), a.phase_seconds)
             m = metrics(lab.run(reqs), ttft, tpot, itl)
             m["local_share"] = lab.local / len(reqs)

@@ -121,6 +121,14 @@ def check_step_limits(max_num_seqs: int, max_num_batched_tokens: int, max_num_pa
         raise ValueError(f"long_prefill_token_threshold must be >= 0 (0 = no cap), got {long_prefill_token_threshold}")
 
 
+def check_mixed_budget(max_mixed_batched_tokens: int, max_num_batched_tokens: int) -> None:
+    """A ValueError unless ``0 <= max_mixed_batched_tokens <= max_num_batched_tokens`` (0 = the
+    step budget: a step with decode rows is budgeted as any other)."""
+    if not 0 <= max_mixed_batched_tokens <= max_num_batched_tokens:
+        raise ValueError(f"max_mixed_batched_tokens must be in [0, max_num_batched_tokens = "
+                         f"{max_num_batched_tokens}] (0 = the step budget), got {max_mixed_batched_tokens}")
+
+
 @dataclass(frozen=True)
 class EngineConfig:
     """Limits and placement of one engine (one worker or one offline ``LLM``).
@@ -149,6 +157,7 @@ class EngineConfig:
     enable_chunked_prefill: bool = True     # mixed steps: decode rows + prompt chunks under one budget
     max_num_partial_prefills: int = 1       # prompts partly prefilled at once (chunked prefill)
     long_prefill_token_threshold: int = 0   # cap on one prompt's chunk per step; 0 = no cap
+    max_mixed_batched_tokens: int = 0       # budget of a step with decode rows; 0 = max_num_batched_tokens
     tpot_target_ms: float = 0.0             # TPOT guard (engine/tpot_guard.py); 0 = only per-request targets
     tpot_margin: float = 0.05               # share of the TPOT target the guard keeps free
     extra: dict = field(default_factory=dict)
@@ -162,6 +171,7 @@ class EngineConfig:
             raise ValueError(f"block_size must be a power of two, got {self.block_size}")
         check_step_limits(self.max_num_seqs, self.max_num_batched_tokens, self.max_num_partial_prefills,
                           self.long_prefill_token_threshold)
+        check_mixed_budget(self.max_mixed_batched_tokens, self.max_num_batched_tokens)
         if self.tpot_target_ms < 0:
             raise ValueError(f"tpot_target_ms must be >= 0 (0 = off), got {self.tpot_target_ms}")
         if not 0.0 <= self.tpot_margin < 1.0:

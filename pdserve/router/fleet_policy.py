@@ -11,8 +11,10 @@ Two regimes, chosen per request from the whole fleet's figures:
 - **A lean worker** while prefill dominates: the worker with the fewest decode rows is kept free of
   new decode rows and prefills for the others, as a static 1P1D split does, while it is busy
   prefilling (given at least LEAN_BUSY_SHARE of its prefill-sized rate lately) and another worker's
-  decode rows leave it room. Once no other worker has room, every GPU's decode bandwidth is needed
-  and the rows balance again (co-location).
+  decode rows keep the TPOT objective without it. Once none does, every GPU's decode bandwidth is
+  needed and the rows balance again (co-location). That test is against the objective itself, not
+  the guard's goal that the other choices use: beside a dedicated lean a worker computes no
+  prompts, and the margin made a busy lean flap in and out as the others' steps moved around it.
 
 A worker may run the TPOT guard (pdserve/common/engine/tpot_guard.py) or not (a chunk of its step
 budget every step, as co-location runs); the router models either. Pure functions over snapshots
@@ -26,10 +28,11 @@ mixed steps, ``W_w`` the prompt tokens this router gave it lately, ``B_w`` its s
     full_w      = max(R_w, 1000 / c_w)             (what w computes in a step without decode rows)
     lean        = the decode-capable worker with the fewest rows (then the largest W), *dedicated*
                   while W_lean / window >= LEAN_BUSY_SHARE * full_lean and another decode-capable
-                  worker has room (two or more only)
-    D           = home                              if room_home (or nobody has room) and home is not a dedicated lean
-                = the fewest rows among the workers with room but a dedicated lean, fewer U breaking
-                  ties; none: home
+                  worker keeps the objective itself (rows 0 or t <= slo_tpot: a worker beside a
+                  dedicated lean prefills nothing, so its decode step is its TPOT; two or more only)
+    D           = among the decode-capable workers but a dedicated lean:
+                  home                              if room_home (or nobody has room)
+                = the fewest rows among those with room, fewer U breaking ties; none: the fewest rows
     rate_w      = full_w                           if rows_w == 0
                 = 1000 * (goal - t_w) / (c_w * goal)   a guarded worker with rows: the slack of each
                   step, on average (the guard's floor of MIN_CHUNK_TOKENS a step, when the slack holds fewer)
@@ -88,14 +91,13 @@ def pick_decode(workers: Sequence[FleetWorker], slo_tpot_ms: float, home: str | 
                 window_s: float = 2.0) -> FleetWorker:
     """D (module docstring) among the workers that can decode (at least one); ``home`` is
     co-location's pick (None or unknown: no preference, the fewest rows)."""
-    decoders = [w for w in workers if w.can_decode]
     lean = dedicated_lean(workers, slo_tpot_ms, window_s)
+    decoders = [w for w in workers if w.can_decode and w is not lean]
     own = next((w for w in decoders if w.key == home), None)
-    room = [w for w in decoders if w is not lean and has_room(w, slo_tpot_ms)]
-    if own is not None and own is not lean and (own in room or not room):
+    room = [w for w in decoders if has_room(w, slo_tpot_ms)]
+    if own is not None and (own in room or not room):
         return own
-    return min(room or ([own] if own is not None else decoders),
-               key=lambda w: (w.decode_rows, w.uncached_tokens, w.key))
+    return min(room or decoders, key=lambda w: (w.decode_rows, w.uncached_tokens, w.key))
 
 
 def has_room(w: FleetWorker, slo_tpot_ms: float) -> bool:
@@ -104,16 +106,17 @@ def has_room(w: FleetWorker, slo_tpot_ms: float) -> bool:
 
 
 def dedicated_lean(workers: Sequence[FleetWorker], slo_tpot_ms: float, window_s: float) -> FleetWorker | None:
-    """The lean worker, kept free of decode rows, while it is busy prefilling and another can
-    decode without it (module docstring); None otherwise (or with fewer than two decode-capable
-    workers)."""
+    """The lean worker, kept free of decode rows, while it is busy prefilling and another's
+    decode rows keep the TPOT objective without it (module docstring); None otherwise (or with
+    fewer than two decode-capable workers)."""
     decoders = [w for w in workers if w.can_decode]
     if len(decoders) < 2:
         return None
     lean = min(decoders, key=lambda w: (w.decode_rows, -w.recent_tokens, w.key))
     full = full_rate(lean, _mean_measured([w.tokens_per_s for w in workers]))
     busy = lean.recent_tokens / window_s >= LEAN_BUSY_SHARE * full
-    return lean if busy and any(w is not lean and has_room(w, slo_tpot_ms) for w in decoders) else None
+    keeps = any(w is not lean and (w.decode_rows == 0 or _step_ms(w) <= slo_tpot_ms) for w in decoders)
+    return lean if busy and keeps else None
 
 
 def full_rate(w: FleetWorker, fallback: float) -> float:

@@ -79,9 +79,12 @@ def test_a_dedicated_lean_prefills_even_over_the_ttft_share_while_the_rows_wait_
     assert dec.ttft_ms == pytest.approx(803.0)
 
 
-def test_the_lean_is_given_back_when_the_others_have_no_room_or_it_is_not_busy():
+def test_the_lean_is_given_back_when_the_others_break_the_objective_or_it_is_not_busy():
     a = w("a", recent_tokens=BUSY)
-    over = w("b", decode_rows=40, decode_step_ms=11.5)      # 11.5 > 11.4: no room
+    near = w("b", decode_rows=40, decode_step_ms=11.5)      # no room (11.5 > 11.4) but keeps 12 ms
+    assert dedicated_lean([a, near], 12.0, 2.0) is a
+    assert pick_decode([a, near], 12.0, home="a") is near  # never the dedicated lean, even without room
+    over = w("b", decode_rows=40, decode_step_ms=12.5)      # 12.5 > 12: every GPU's decode is needed
     assert dedicated_lean([a, over], 12.0, 2.0) is None and pick_decode([a, over], 12.0, home="a") is a
     idle = w("a", recent_tokens=9000.0)                     # 4.5k/s < 10k/s
     b = w("b", decode_rows=5, decode_step_ms=6.0)

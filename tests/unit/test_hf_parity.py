@@ -67,6 +67,17 @@ def test_greedy_matches_hf_under_preemption(checkpoint, overlap):
     assert llm.engine.block_manager.is_whole()
 
 
+def test_greedy_matches_hf_with_a_smaller_budget_beside_decode_rows(checkpoint):
+    """Steps without decode rows take 64 tokens, steps with them 20 (--max-mixed-batched-tokens):
+    the prompts are cut into chunks of both sizes and the outputs still equal HF's."""
+    path, prompts, expected, model = checkpoint
+    llm, got = _generate(path, prompts, num_kv_blocks=256, async_scheduling=True,
+                         max_num_seqs=16, max_num_batched_tokens=64, max_mixed_batched_tokens=20)
+    assert_greedy_matches(model, prompts, got, expected)
+    assert llm.engine.stats()["max_num_batched_tokens"] == 20       # what the router models
+    assert llm.engine.block_manager.is_whole()
+
+
 def test_overlapped_prefill_batches_match_hf(checkpoint):
     """Whole prompts spread over several prefill steps (128 tokens each at most, no chunking): each
     prefill is launched before the previous step's tokens are read, and the outputs still equal

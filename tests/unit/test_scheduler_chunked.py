@@ -160,3 +160,17 @@ def test_prefix_hit_skips_whole_blocks_before_chunking():
     sched.add(b)
     composition = run_step(sched)
     assert (b, 3) in composition and b.num_prefix_hit_tokens == 16     # 4 blocks hit, 3 tokens left
+
+
+def test_a_step_with_decode_rows_has_the_mixed_budget_one_without_the_whole():
+    with pytest.raises(ValueError, match="max_mixed_batched_tokens"):
+        make(budget=16, max_mixed_batched_tokens=17)
+    sched, _ = make(budget=16, max_mixed_batched_tokens=8)
+    a, b = seq(40), seq(30, 200)
+    sched.add(a)
+    assert run_step(sched) == [(a, 16)]                 # no decode rows: the whole budget
+    assert run_step(sched) == [(a, 16)]
+    assert run_step(sched) == [(a, 8)]                  # a's last chunk: a is a decode row now
+    sched.add(b)
+    assert run_step(sched) == [(a, 1), (b, 7)]          # 8 - 1 decode row
+    assert run_step(sched) == [(a, 1), (b, 7)]

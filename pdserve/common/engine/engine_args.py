@@ -22,6 +22,11 @@ def add_chunked_prefill_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--long-prefill-token-threshold", type=int,
                    default=env.get_int("LONG_PREFILL_TOKEN_THRESHOLD", d.long_prefill_token_threshold),
                    help="cap on one prompt's chunk per step, so later prompts share the budget; 0 = no cap")
+    p.add_argument("--max-mixed-batched-tokens", type=int,
+                   default=env.get_int("MAX_MIXED_BATCHED_TOKENS", d.max_mixed_batched_tokens),
+                   help="token budget of a step with decode rows (rows + prompt chunks); a step without "
+                        "decode rows keeps --max-num-batched-tokens, so a worker that is not decoding "
+                        "prefills in prefill-sized steps. 0 = --max-num-batched-tokens")
     p.add_argument("--tpot-target-ms", type=float, default=env.get_float("TPOT_TARGET_MS", d.tpot_target_ms),
                    help="TPOT guard: a step with decode rows carries only the prompt tokens that keep its "
                         "predicted time under this target (the engine's own step-time model); without decode "
@@ -35,6 +40,7 @@ def chunked_prefill_kwargs(args: argparse.Namespace) -> dict:
     return {"enable_chunked_prefill": args.enable_chunked_prefill,
             "max_num_partial_prefills": args.max_num_partial_prefills,
             "long_prefill_token_threshold": args.long_prefill_token_threshold,
+            "max_mixed_batched_tokens": args.max_mixed_batched_tokens,
             "tpot_target_ms": args.tpot_target_ms, "tpot_margin": args.tpot_margin}
 
 

@@ -99,7 +99,8 @@ class LLMEngine:
             max_num_seqs=c.max_num_seqs, max_num_batched_tokens=budget, max_model_len=self.max_model_len,
             eos_token_ids=self.eos_token_ids, enable_chunked_prefill=c.enable_chunked_prefill,
             max_num_partial_prefills=c.max_num_partial_prefills,
-            long_prefill_token_threshold=c.long_prefill_token_threshold)
+            long_prefill_token_threshold=c.long_prefill_token_threshold,
+            max_mixed_batched_tokens=min(c.max_mixed_batched_tokens, budget))
 
     def _overlap_enabled(self) -> bool:
         setting = self.config.async_scheduling
@@ -262,7 +263,7 @@ class LLMEngine:
                 "num_preemptions": self.scheduler.num_preemptions,
                 "num_waiting_prefill_tokens": self.scheduler.num_waiting_prefill_tokens(),
                 "num_running_context_tokens": sum(s.num_tokens for s in self.scheduler.running),
-                "max_num_batched_tokens": self.scheduler.config.max_num_batched_tokens,
+                "max_num_batched_tokens": self.scheduler.config.mixed_budget,     # what the router models
                 "chunked_prefill": self.scheduler.config.enable_chunked_prefill,
                 "tpot_target_ms": self.tpot_guard.target_ms,
                 **self.step_timer.stats()}

@@ -203,7 +203,8 @@ class ModelRunner:
         if self.config.enable_chunked_prefill and self.backend_name == "triton":
             from pdserve.common.engine.mixed_graph import MixedGraphRunner
             self.mixed_graph_runner = MixedGraphRunner(
-                self.model, min(self.config.max_num_seqs, 512), self.config.max_num_batched_tokens,
+                self.model, min(self.config.max_num_seqs, 512),
+                self.config.max_mixed_batched_tokens or self.config.max_num_batched_tokens,
                 -(-max_model_len // self.block_size), max_model_len, self.device)
             self.mixed_graph_runner.capture()
 

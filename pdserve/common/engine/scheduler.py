@@ -6,8 +6,10 @@ a step that preempted). A prompt's blocks are all taken at admission, so it neve
 mid-way; a chunk's full blocks reach the prefix cache only once that chunk is scheduled.
 Without chunking a step is all prefill or all decode.
 
-``prompt_budget`` (the engine's TPOT guard, engine/tpot_guard.py) caps the prompt tokens of a
-step that has decode rows; a step without decode rows keeps the whole budget.
+A step with decode rows has the smaller ``mixed_budget`` (``max_mixed_batched_tokens``, where
+set), and ``prompt_budget`` (the engine's TPOT guard, engine/tpot_guard.py) may cap its prompt
+tokens further; a step without decode rows keeps the whole budget, so a worker that is not
+decoding prefills in prefill-sized steps while its decode rows, when it has some, see short ones.
 """
 from __future__ import annotations
 
@@ -15,7 +17,7 @@ from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from pdserve.common.config import check_step_limits
+from pdserve.common.config import check_mixed_budget, check_step_limits
 from pdserve.common.engine.block_manager import BlockManager
 from pdserve.common.engine.sequence import Sequence, SequenceStatus
 from pdserve.common.outputs import FinishReason
@@ -30,15 +32,17 @@ class SchedulerConfig:
     enable_chunked_prefill: bool = True
     max_num_partial_prefills: int = 1       # prompts that may be partly prefilled at once
     long_prefill_token_threshold: int = 0   # cap on one prompt's chunk per step; 0 = no cap
+    max_mixed_batched_tokens: int = 0       # budget of a step with decode rows; 0 = max_num_batched_tokens
 
     def __post_init__(self) -> None:
         check_step_limits(self.max_num_seqs, self.max_num_batched_tokens, self.max_num_partial_prefills,
                           self.long_prefill_token_threshold)
+        check_mixed_budget(self.max_mixed_batched_tokens, self.max_num_batched_tokens)
         if self.enable_chunked_prefill:
-            if self.max_num_batched_tokens < self.max_num_seqs:
-                raise ValueError(f"max_num_batched_tokens ({self.max_num_batched_tokens}) must be >= "
-                                 f"max_num_seqs ({self.max_num_seqs}) so that every running sequence "
-                                 "can decode in one step")
+            for name in ("max_num_batched_tokens", "max_mixed_batched_tokens"):
+                if 0 < getattr(self, name) < self.max_num_seqs:
+                    raise ValueError(f"{name} ({getattr(self, name)}) must be >= max_num_seqs "
+                                     f"({self.max_num_seqs}) so that every running sequence can decode in one step")
         elif self.max_num_batched_tokens < self.max_model_len:
             raise ValueError(f"max_num_batched_tokens ({self.max_num_batched_tokens}) must be >= "
                              f"max_model_len ({self.max_model_len}) so that any prompt fits one step "
@@ -47,6 +51,11 @@ class SchedulerConfig:
     @property
     def chunk_cap(self) -> int:
         return self.long_prefill_token_threshold or self.max_num_batched_tokens
+
+    @property
+    def mixed_budget(self) -> int:
+        """Tokens (decode rows + prompt tokens) of a step with decode rows."""
+        return self.max_mixed_batched_tokens or self.max_num_batched_tokens
 
 
 def num_remaining_tokens(seq: Sequence) -> int:
@@ -98,6 +107,8 @@ class Scheduler:
         num_preempted = self.num_preemptions
         partial: list[Sequence] = []
         decode = self._schedule_decode(exclude, budget, partial)
+        if decode:
+            budget = min(budget, self.config.mixed_budget)
         budget -= len(decode)
         if self.prompt_budget is not None and decode:
             budget = min(budget, self.prompt_budget(decode, budget))
