@@ -20,7 +20,6 @@ from pathlib import Path
 
 import pytest
 
-from bench import deployment as services
 from pdserve.v1 import common_pb2, router_pb2
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -146,10 +145,8 @@ def tritonclient_python() -> Path:
 
 
 @pytest.fixture(scope="module")
-def dep(tmp_path_factory):
-    d = services.start_up(tmp_path_factory.mktemp("kserve-tc-logs"))      # `pdserve up`
-    yield d
-    d.stop()
+def dep(openai_up):
+    return openai_up            # `pdserve up`, the session's: tests/integration/conftest.py
 
 
 def _generate(dep, text: str) -> dict:

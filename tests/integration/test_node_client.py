@@ -15,8 +15,6 @@ from pathlib import Path
 
 import pytest
 
-from bench import deployment as services
-
 ROOT = Path(__file__).resolve().parents[2]
 NODE_DIR = ROOT / "examples" / "node"
 CLIENT = NODE_DIR / "client.js"
@@ -52,10 +50,8 @@ def node_modules() -> Path:
 
 
 @pytest.fixture(scope="module")
-def deployment(tmp_path_factory):
-    dep = services.start_up(tmp_path_factory.mktemp("node-client-logs"))     # `pdserve up`, CPU
-    yield dep
-    dep.stop()
+def deployment(openai_up):
+    return openai_up            # `pdserve up`, CPU, the session's: tests/integration/conftest.py
 
 
 def _client(address: str, *args: str) -> subprocess.CompletedProcess:
