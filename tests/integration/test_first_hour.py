@@ -11,6 +11,7 @@ import subprocess
 import sys
 import time
 import urllib.request
+from concurrent.futures import ThreadPoolExecutor
 
 import grpc
 import pytest
@@ -27,6 +28,12 @@ STARTUP_S = 300
 def pdserve(*args: str, timeout: float = 120) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "-m", "pdserve.cli", *args], cwd=ROOT, capture_output=True,
                           text=True, timeout=timeout)
+
+
+def pdserve_together(*argvs: list[str]) -> list[subprocess.CompletedProcess]:
+    """``pdserve(*argv)`` for each of ``argvs``, all at once; their results in the same order."""
+    with ThreadPoolExecutor(len(argvs)) as pool:
+        return list(pool.map(lambda argv: pdserve(*argv), argvs))
 
 
 def assert_clean(log: str) -> None:
@@ -100,15 +107,18 @@ def test_up_starts_and_stops_quietly(tmp_path):
         while "all services are SERVING" not in log.read_text():
             assert up.poll() is None, log.read_text()
             assert time.monotonic() < deadline, log.read_text()
-            time.sleep(0.5)
-        done = pdserve("generate", "Say hello.", "--router", f"127.0.0.1:{router}", "--max-tokens", "5")
+            time.sleep(0.1)
+        address = f"127.0.0.1:{router}"
+        # the three clients together (each is seconds of Python start-up on the CPU); the last is
+        # longer than the model's context: refused by the router, with no tokenizer warning in its log
+        done, quiet, too_long = pdserve_together(
+            ["generate", "Say hello.", "--router", address, "--max-tokens", "5"],
+            ["generate", "Say hello.", "--router", address, "--max-tokens", "3", "--quiet"],
+            ["generate", "word " * 9000, "--router", address, "--raw"])
         assert done.returncode == 0 and done.stdout.strip(), done.stderr
         assert re.fullmatch(r"\[finish_reason=length prompt_tokens=\d+ completion_tokens=5 cached_tokens=\d+\]\n",
                             done.stderr), done.stderr
-        quiet = pdserve("generate", "Say hello.", "--router", f"127.0.0.1:{router}", "--max-tokens", "3", "--quiet")
         assert quiet.returncode == 0 and quiet.stderr == "" and quiet.stdout.strip()
-        # longer than the model's context: refused by the router, with no tokenizer warning in its log
-        too_long = pdserve("generate", "word " * 9000, "--router", f"127.0.0.1:{router}", "--raw")
         assert too_long.returncode == cli_errors.EXIT_INVALID and "INVALID_ARGUMENT" in too_long.stderr
         assert len(too_long.stderr.strip().splitlines()) == 1, too_long.stderr
     finally:
