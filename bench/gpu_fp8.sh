@@ -7,7 +7,7 @@
 # Usage (device machine, repo root): bash bench/gpu_fp8.sh OUTDIR
 set -uo pipefail
 OUT=${1:-bench/results/fp8_h100}
-export PYTHONUNBUFFERED=1 PYTHONPATH=$PWD
+export PYTHONUNBUFFERED=1 PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
 mkdir -p "$OUT"
 nvidia-smi --query-gpu=name,memory.total --format=csv
 python3 -m pytest -q -x tests/gpu/test_fp8_gpu.py tests/unit/test_fp8_kv_cache.py -p no:cacheprovider 2>&1 \

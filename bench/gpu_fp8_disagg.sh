@@ -7,7 +7,7 @@
 # Usage (device machine, repo root): bash bench/gpu_fp8_disagg.sh OUTDIR
 set -uo pipefail
 OUT=${1:-bench/results/fp8_disagg}
-export PYTHONUNBUFFERED=1 PYTHONPATH=$PWD
+export PYTHONUNBUFFERED=1 PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
 mkdir -p "$OUT"
 nvidia-smi --query-gpu=name,memory.total --format=csv
 python3 -m bench.disagg_gpu --worker-args "--kv-cache-dtype fp8" --out "$OUT/disagg_fp8.json" 2>&1 | tail -3

@@ -47,7 +47,7 @@ def build(args: argparse.Namespace) -> LLM:
         from transformers import AutoTokenizer
 
         from pdserve.common.default_model import ensure_default_model
-        tok = AutoTokenizer.from_pretrained(str(ensure_default_model()))
+        tok = AutoTokenizer.from_pretrained(args.tokenizer or str(ensure_default_model()))
         eng.guides = GuideCompiler(tok, eng.source.config.vocab_size, [tok.eos_token_id])
     return llm
 
@@ -78,6 +78,8 @@ def run_once(llm: LLM, args: argparse.Namespace, guided: bool) -> float:
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--model", default="qwen3-0.6b", help="preset name, checkpoint dir, or 'default'")
+    p.add_argument("--tokenizer", default="",
+                   help="a tokenizer directory for a preset (default: the embedded model's)")
     p.add_argument("--batch", type=int, default=64)
     p.add_argument("--prompt-len", type=int, default=256)
     p.add_argument("--max-tokens", type=int, default=512)

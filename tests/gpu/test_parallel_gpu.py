@@ -3,10 +3,12 @@ bf16) against the unsharded one on fresh random weights (ranks as threads of thi
 eager); and the engine at TP2 (rank processes, decode and mixed-step graphs captured with their
 all-reduces, replayed on every rank) giving TP1's greedy tokens on a tiny fp32 model. (A graph
 captured in two threads of one process hung on H100s: the captures are tested the way the engine
-makes them, one process a rank.)"""
+makes them, one process a rank. Loading a compiled Triton kernel onto a GPU from two threads at
+once aborted the process on H100s too: the threads load kernels one at a time, :func:`_one_loader`.)"""
 from __future__ import annotations
 
-from collections.abc import Callable
+import threading
+from collections.abc import Callable, Iterator
 
 import pytest
 import torch
@@ -22,6 +24,21 @@ from tests.rank_threads import run_in_threads
 
 pytestmark = [pytest.mark.gpu,
               pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two GPUs")]
+
+
+@pytest.fixture(autouse=True)
+def _one_loader() -> Iterator[None]:
+    """Triton's CompiledKernel._init_handles (a kernel's first launch on a device loads its
+    module) under one lock for the test, so rank threads never load at the same time."""
+    from triton.compiler.compiler import CompiledKernel
+    lock, load = threading.RLock(), CompiledKernel._init_handles
+
+    def locked(self):
+        with lock:
+            return load(self)
+    CompiledKernel._init_handles = locked
+    yield
+    CompiledKernel._init_handles = load
 
 
 def run_ranks(fn: Callable[[RankGroup], object], size: int = 2) -> list:
