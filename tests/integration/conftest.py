@@ -1,9 +1,11 @@
-"""Fixtures shared by the integration tests of the OpenAI API and its clients."""
+"""Fixtures shared by the integration tests: the OpenAI API deployment of its clients, the offline
+engine the served outputs are compared with."""
 from __future__ import annotations
 
 import pytest
 
 from bench import deployment as services
+from pdserve.common.engine import LLM
 from pdserve.loadtest.ports import free_port_range
 
 
@@ -21,3 +23,11 @@ def openai_up(tmp_path_factory):
     d.colocated = False
     yield d
     d.stop()
+
+
+@pytest.fixture(scope="session")
+def offline():
+    """The offline engine on the embedded model (CPU, 1,024 KV blocks): the greedy reference of the
+    tests that compare served tokens with it, loaded once for all of them."""
+    with LLM("default", device="cpu", num_kv_blocks=1024) as llm:
+        yield llm

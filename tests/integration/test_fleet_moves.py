@@ -15,16 +15,11 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 
 from bench import deployment as services
-from pdserve.common.engine import LLM, SamplingParams
+from pdserve.common.engine import SamplingParams
 from pdserve.v1 import common_pb2, router_pb2
 
 MAX_TOKENS = 320
 QUESTIONS = ["Tell me a long story about a lighthouse keeper.", "Explain how glaciers carve valleys, in detail."]
-
-
-@pytest.fixture(scope="module")
-def offline():
-    return LLM("default", device="cpu", num_kv_blocks=1024)
 
 
 @pytest.fixture(scope="module")

@@ -7,15 +7,14 @@ from __future__ import annotations
 from pathlib import Path
 
 from bench import deployment as services
-from pdserve.common.engine import LLM, SamplingParams
+from pdserve.common.engine import SamplingParams
 from pdserve.v1 import common_pb2, router_pb2
 
 PLUGINS = Path(__file__).parents[1] / "plugins"
 
 
-def test_a_toy_policy_serves_every_request_on_its_worker(tmp_path, monkeypatch):
+def test_a_toy_policy_serves_every_request_on_its_worker(tmp_path, monkeypatch, offline):
     monkeypatch.setenv("PYTHONPATH", str(PLUGINS))
-    offline = LLM("default", device="cpu", num_kv_blocks=256)
     prompts = [offline.apply_chat_template([{"role": "user", "content": q}])
                for q in ("What is a moraine?", "Name a glacier.", "Why is ice blue?")]
     expected = [o.token_ids for o in offline.generate(prompts, SamplingParams(temperature=0, max_tokens=6),

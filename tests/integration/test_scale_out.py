@@ -17,7 +17,7 @@ import grpc
 import pytest
 
 from bench import deployment as services
-from pdserve.common.engine import LLM, SamplingParams
+from pdserve.common.engine import SamplingParams
 from pdserve.common.hashing import block_hash_chain
 from pdserve.v1 import common_pb2, router_pb2, worker_pb2, worker_pb2_grpc
 
@@ -30,11 +30,6 @@ QUESTIONS = ["When do you open?", "Is there parking?", "Can I bring a dog?"]
 def system(topic: str) -> str:
     return (f"{topic}: you answer for us briefly and precisely, never invent facts, "
             "quote opening hours and prices exactly, and say so when you are unsure. ") * 4
-
-
-@pytest.fixture(scope="module")
-def offline():
-    return LLM("default", device="cpu", num_kv_blocks=512)
 
 
 @pytest.fixture(scope="module")

@@ -13,7 +13,7 @@ import grpc
 import pytest
 
 from bench import deployment as services
-from pdserve.common.engine import LLM, SamplingParams
+from pdserve.common.engine import SamplingParams
 from pdserve.v1 import common_pb2, router_pb2, worker_pb2, worker_pb2_grpc
 
 MAX_TOKENS = 20
@@ -25,11 +25,6 @@ QUESTIONS = ["When does the first train leave?", "Is there a dining car?", "Can 
              "Is there wifi on board?", "Can I reserve a seat?", "What about night trains?"]
 OTHERS = ["What is the capital of France?", "Name three primary colors.", "What is 2+2?",
           "Who wrote Hamlet?", "Translate 'cat' into French.", "What is the boiling point of water?"]
-
-
-@pytest.fixture(scope="module")
-def offline():
-    return LLM("default", device="cpu", num_kv_blocks=1024)
 
 
 @pytest.fixture(scope="module")

@@ -37,12 +37,12 @@ def test_tp2_equals_tp1(model):
         assert b.logprobs == pytest.approx(a.logprobs, abs=1e-4)
 
 
-def test_embedded_model_tp2_and_uneven_tp3_equal_tp1():
-    """SmolLM2's 9 query / 3 KV heads: TP2 splits its KV heads 2 + 1, TP3 one each."""
-    with LLM("default", device="cpu", num_kv_blocks=64) as llm:
-        prompts = [llm.apply_chat_template([{"role": "user", "content": q}])
-                   for q in ("What is the capital of France?", "Name three primary colors.")]
-        want = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=12), use_tqdm=False)
+def test_embedded_model_tp2_and_uneven_tp3_equal_tp1(offline):
+    """SmolLM2's 9 query / 3 KV heads: TP2 splits its KV heads 2 + 1, TP3 one each (TP1: the
+    session's offline engine, tests/integration/conftest.py)."""
+    prompts = [offline.apply_chat_template([{"role": "user", "content": q}])
+               for q in ("What is the capital of France?", "Name three primary colors.")]
+    want = offline.generate(prompts, SamplingParams(temperature=0, max_tokens=12), use_tqdm=False)
     assert want[0].text.startswith("The capital of France is Paris")
     for tp in (2, 3):
         got, _ = _generate("default", tp, [SamplingParams(temperature=0, max_tokens=12)] * 2, prompts,
