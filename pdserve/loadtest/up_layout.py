@@ -4,11 +4,12 @@
   COLOCATED_BUDGET tokens beside its decode rows, router ``--pd-policy never``;
 - ``disagg``: the first half of the GPUs prefill workers, the rest decode workers, router
   ``--pd-policy always`` (the static split);
-- ``fleet`` (the default): every GPU a worker of role ``both`` at co-location's budget (no TPOT
-  guard: on H100 it cost goodput), router ``--pd-policy fleet`` (pdserve/router/fleet_policy.py:
+- ``fleet`` (the default): every GPU a worker of role ``both`` (no TPOT guard: on H100 it cost
+  goodput) with co-location's budget in steps with decode rows and FLEET_BUDGET in steps without
+  (``--max-mixed-batched-tokens``), router ``--pd-policy fleet`` (pdserve/router/fleet_policy.py:
   co-location's pick first, a lean worker that prefills for the others while prefill dominates,
-  decodes that move); measured at or above co-location on ``phases`` and 1.5x it on prefill-heavy
-  (bench/notes/placement.md, "Third session").
+  decodes that move); measured at 0.94x the better static deployment on prefill-heavy and
+  ``phases`` on 2 x H100 (bench/notes/placement.md, "Fourth session").
 
 Flags given through ``--extra-*-args`` come after these, so they win. ``--gpus`` lays the workers
 out itself: with ``--prefill``, ``--decode``, ``--role``, ``--prefill-gpus`` or ``--decode-gpus``
@@ -26,6 +27,7 @@ import argparse
 PLACEMENTS = ("colocated", "disagg", "fleet")
 DEFAULT_PLACEMENT = "fleet"
 COLOCATED_BUDGET = 512          # prompt tokens a co-located step carries beside its decode rows
+FLEET_BUDGET = 8192             # a fleet worker's step without decode rows (prefill-sized)
 _LAYOUT_DEFAULTS = {"prefill": 1, "decode": 1, "role": "decode", "prefill_gpus": "", "decode_gpus": ""}
 
 
@@ -110,6 +112,6 @@ def apply(args: argparse.Namespace) -> None:
                 decode_extra = f"--max-num-batched-tokens {COLOCATED_BUDGET}"
         else:
             router = "--pd-policy fleet"
-            decode_extra = f"--max-num-batched-tokens {COLOCATED_BUDGET}"
+            decode_extra = f"--max-num-batched-tokens {FLEET_BUDGET} --max-mixed-batched-tokens {COLOCATED_BUDGET}"
     args.extra_router_args = f"{router} {args.extra_router_args}".strip()
     args.extra_decode_args = f"{decode_extra} {args.extra_decode_args}".strip()
