@@ -26,7 +26,6 @@ from pdserve.common import env
 from pdserve.common.grpc_utils.errors import Unavailable
 from pdserve.common.security.config import ClientSecurity
 from pdserve.common.security.deployment import DeploymentSecurity, add_deployment_arguments, deployment_security
-from pdserve.common.serving.worker_args import DEFAULT_BUDGET, ENGINE_DEFAULTS
 from pdserve.loadtest import procs, up_layout
 from pdserve.router.settings import DEFAULT_PORT as ROUTER_PORT
 
@@ -35,8 +34,27 @@ DEFAULT_HTTP_PORT = 8000        # `up` turns the router's OpenAI HTTP API on (th
 DEMO_PROMPTS = ["What is the capital of France?",
                 "Name three primary colors.",
                 "Write a haiku about the sea."]
+
+
+@dataclass(frozen=True)
+class EngineDefaults:
+    """The engine defaults that `up` passes on or shows in its help, as EngineConfig
+    (pdserve/common/config.py) declares them. Mirrored, not imported: that module loads torch,
+    which `up` itself never needs; tests/unit/test_cli.py checks that the two agree."""
+
+    model: str = "default"
+    dtype: str = "auto"
+    block_size: int = 16
+    max_num_seqs: int = 256
+    attention_backend: str = "auto"
+    kv_cache_dtype: str = "auto"
+
+
+ENGINE_DEFAULTS = EngineDefaults()
+# the workers' default step budget by role, as DEFAULT_BUDGET of pdserve/common/serving/worker_args.py
+DEFAULT_BUDGET = {"prefill": 16384, "decode": 2048}
 # worker flags that `up` passes through to every worker when given (flag, type, help); unset, each
-# worker takes its own default (shown here from where it is declared)
+# worker takes its own default (shown here as mirrored above)
 WORKER_FLAGS = (
     ("--dtype", str, f"auto, float32, bfloat16, float16 (default: the workers' own, {ENGINE_DEFAULTS.dtype})"),
     ("--block-size", int, f"tokens per KV block, router and workers (default: the workers' own, "

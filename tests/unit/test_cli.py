@@ -4,6 +4,8 @@ subcommand has help, and help shows the defaults. Commands run as subprocesses."
 from __future__ import annotations
 
 import argparse
+import dataclasses
+import json
 import socket
 import subprocess
 import sys
@@ -109,6 +111,44 @@ def test_help_shows_defaults(command):
         assert "(default: 50051)" in text and "--metrics-port" in text and "--max-num-seqs" in text
     if command == "generate":
         assert "(default: 128)" in text and "--quiet" in text
+
+
+# ---- imports: a subcommand loads its own module only, and no client or router loads torch ------
+
+IMPORT_PROBE = """
+import json, sys
+from pdserve import cli
+seen = {}
+cli.build_parser()
+seen["none"] = sorted(m for m, _ in cli.SUBCOMMANDS.values() if m in sys.modules)
+cli.build_parser().parse_args(["router"])
+seen["router"] = sorted(m for m, _ in cli.SUBCOMMANDS.values() if m in sys.modules)
+for argv in (["up"], ["generate", "hi"], ["bench", "serve"]):
+    cli.build_parser().parse_args(argv)
+seen["torch"] = "torch" in sys.modules
+print(json.dumps(seen))
+"""
+
+
+def test_build_parser_imports_only_the_chosen_subcommand_and_no_torch():
+    # a fresh process: this one's own imports (torch among them) must not count
+    proc = subprocess.run([sys.executable, "-c", IMPORT_PROBE], cwd=ROOT, capture_output=True, text=True,
+                          timeout=TIMEOUT_S)
+    assert proc.returncode == 0, proc.stderr
+    seen = json.loads(proc.stdout)
+    assert seen["none"] == []                               # `pdserve --help` imports no subcommand
+    assert seen["router"] == ["pdserve.router.main"]
+    assert seen["torch"] is False                           # router, up, generate, bench serve
+
+
+def test_up_mirrors_the_engine_defaults():
+    from pdserve.cli import cmd_up
+    from pdserve.common.config import EngineConfig
+    from pdserve.common.serving.worker_args import DEFAULT_BUDGET
+    engine = EngineConfig()
+    for f in dataclasses.fields(cmd_up.EngineDefaults):
+        assert getattr(cmd_up.ENGINE_DEFAULTS, f.name) == getattr(engine, f.name), f.name
+    assert cmd_up.DEFAULT_BUDGET == DEFAULT_BUDGET
 
 
 # ---- up: the command lines it starts ------------------------------------------------------
