@@ -39,6 +39,7 @@ mixed steps, ``W_w`` the prompt tokens this router gave it lately, ``B_w`` its s
                 = 1000 * k / (t_w + c_w * k), k = B_w - rows_w   a worker without the guard with rows
     ttft_w      = 1000 * (Q_w + U_w) / rate_w  (+ remote_overhead_ms + U_D * transfer_us / 1000 if w != D)
     cost_w      = ttft_w + rows_w * U_w * c_w     (this request's wait + each decode row's wait)
+    candidates  = the workers that can prefill (a role-decode D only where none can)
     keeps       = every candidate                 while a lean is dedicated (a long queue on the lean
                                                   still costs less than stalling the others' decode rows)
                 = the workers with ttft_w <= TTFT_SHARE * slo_ttft   otherwise
@@ -151,9 +152,8 @@ def decide(workers: Sequence[FleetWorker], cfg: PdConfig, home: str | None = Non
     fallback = _mean_measured([w.tokens_per_s for w in workers])
     transfer = cfg.remote_overhead_ms + d.uncached_tokens * cfg.transfer_us_per_token / 1000.0
     options = []
-    for w in workers:
-        if not (w.can_prefill or w is d):
-            continue
+    places = [w for w in workers if w.can_prefill] or [d]   # a role-decode D prefills only when nobody else can
+    for w in places:
         r = w.tokens_per_s if w.tokens_per_s > 0 else fallback
         c = w.ms_per_prompt_token if w.ms_per_prompt_token > 0 else 1000.0 / r
         ttft = 1000.0 * (w.queued_tokens + w.uncached_tokens) / prefill_rate(w, cfg.slo_tpot_ms, fallback)

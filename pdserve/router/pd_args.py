@@ -15,9 +15,9 @@ def add_pd_arguments(p: argparse.ArgumentParser) -> None:
                    help="the placement policy (pdserve/router/placement_policies.py): adaptive: per request, "
                         "prefill on the decode worker (local) or on another worker (remote), whichever keeps the "
                         "SLOs with more headroom; always: remote whenever a prefill-capable worker is up; never: "
-                        "always local; fleet: the decode worker and the prefill worker both chosen per request "
-                        "from all workers (workers of role both), decodes that move; or package.module:Class "
-                        "(env PDSERVE_ROUTER_PD_POLICY)")
+                        "always local; fleet (the default): the decode worker and the prefill worker both chosen "
+                        "per request from all workers (workers of role both), decodes that move; or "
+                        "package.module:Class (env PDSERVE_ROUTER_PD_POLICY)")
     g.add_argument("--slo-ttft-ms", type=float, default=env.get_float("ROUTER_SLO_TTFT_MS", d.slo_ttft_ms),
                    help="time-to-first-token objective the policy keeps (env PDSERVE_ROUTER_SLO_TTFT_MS)")
     g.add_argument("--slo-tpot-ms", type=float, default=env.get_float("ROUTER_SLO_TPOT_MS", d.slo_tpot_ms),

@@ -77,7 +77,7 @@ TIE_MARGIN = 0.02                       # headrooms closer than this are a tie (
 
 @dataclass(frozen=True)
 class PdConfig:
-    mode: str = "adaptive"
+    mode: str = "fleet"                # the router's default policy (docs/design.md, Decisions)
     slo_ttft_ms: float = 1000.0
     slo_tpot_ms: float = 50.0
     local_max_tokens: int = 256        # rule 4

@@ -195,7 +195,8 @@ def test_up_lays_out_one_worker_per_gpu():
     assert [(c.name, c.gpu) for c in workers] == [("decode worker 0", "1"), ("prefill worker 0", "0")]
     assert router.cmd[router.cmd.index("--pd-policy"):][:4] == ["--pd-policy", "always", "--pd-policy", "adaptive"]
     *workers, router = up()                                  # fleet, the default
-    assert all(value(c.cmd, "--max-num-batched-tokens") == "512" and "--tpot-target-ms" not in c.cmd for c in workers)
+    assert all(value(c.cmd, "--max-num-batched-tokens") == "8192" and "--tpot-target-ms" not in c.cmd
+               and value(c.cmd, "--max-mixed-batched-tokens") == "512" for c in workers)
     assert value(router.cmd, "--pd-policy") == "fleet"
     assert expected_workers("--gpus 0,1") == (2, 2) and expected_workers("--gpus 0,1,2,3 --placement disagg") == (2, 2)
     with pytest.raises(SystemExit, match="--role"):

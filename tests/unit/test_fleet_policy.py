@@ -166,6 +166,13 @@ def test_prefill_only_workers_never_decode_and_decode_only_never_prefill_for_oth
     assert d in {"d", "b"} and dec.prefill_key in {None, "p"}
     d, dec = decide([p, w("d", can_prefill=False, decode_rows=3, decode_step_ms=6.0)], CFG)
     assert d == "d" and dec.kind == REMOTE and dec.prefill_key == "p"
+    # a busy prefill worker (29,000 queued: 750 ms) still prefills for an idle role-decode D
+    # (25 ms on its own): role decode prefills only where no worker can
+    busy_p = w("p", can_decode=False, queued_tokens=29_000)
+    d, dec = decide([busy_p, w("d", can_prefill=False)], CFG)
+    assert d == "d" and dec.kind == REMOTE and dec.prefill_key == "p"
+    d, dec = decide([w("d", can_prefill=False)], CFG)
+    assert d == "d" and dec.kind == LOCAL
 
 
 def test_moves_off_a_worker_whose_rows_break_the_tpot():
