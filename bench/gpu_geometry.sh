@@ -9,7 +9,7 @@
 set -uo pipefail
 OUT=${1:-bench/results}; shift || true
 PARTS=${*:-tests steps nano baseline}
-MODELS=${MODELS:-qwen3-0.6b qwen3-8b qwen2.5-7b}
+MODELS=${MODELS:-qwen3-0.6b qwen3-8b qwen2.5-7b smollm2-1.7b llama3.2-3b}
 RUNS=${RUNS:-1}
 export PYTHONUNBUFFERED=1 PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
 mkdir -p "$OUT"
