@@ -25,6 +25,54 @@ def parse_dtype(name: str | torch.dtype) -> torch.dtype:
 
 
 @dataclass(frozen=True)
+class RopeScaling:
+    """Llama 3's rotary frequency scaling (HF ``rope_type: llama3``, Llama-3.1 / 3.2 / 3.3).
+
+    Wavelengths shorter than ``original_max_position_embeddings / high_freq_factor`` keep their
+    frequency, those longer than ``original_max_position_embeddings / low_freq_factor`` have it
+    divided by ``factor``, and those between are interpolated smoothly (layers/rotary.py).
+    """
+
+    factor: float
+    low_freq_factor: float
+    high_freq_factor: float
+    original_max_position_embeddings: int
+
+    def __post_init__(self) -> None:
+        if self.factor <= 0:
+            raise ValueError(f"rope_scaling: factor must be > 0, got {self.factor}")
+        if not 0 < self.low_freq_factor < self.high_freq_factor:
+            raise ValueError(f"rope_scaling: need 0 < low_freq_factor < high_freq_factor, got "
+                             f"{self.low_freq_factor} and {self.high_freq_factor}")
+        if self.original_max_position_embeddings < 1:
+            raise ValueError(f"rope_scaling: original_max_position_embeddings must be >= 1, "
+                             f"got {self.original_max_position_embeddings}")
+
+
+def _rope_scaling_from_hf(d: dict) -> RopeScaling | None:
+    """The rope scaling of an HF ``config.json``: ``rope_parameters`` (transformers 5) or
+    ``rope_scaling`` (4.x). None for the default rope; a ValueError naming any type other than
+    ``default`` / ``llama3``, or a llama3 block missing a field."""
+    rope = d.get("rope_parameters") or {}
+    scaling = d.get("rope_scaling") or {}
+    block = rope if (rope.get("rope_type") or rope.get("type")) else scaling
+    rope_type = block.get("rope_type") or block.get("type")
+    if rope_type in (None, "default"):
+        return None
+    if rope_type != "llama3":
+        raise ValueError(f"rope_scaling: type {rope_type!r} is not supported (default, llama3)")
+    missing = [k for k in ("factor", "low_freq_factor", "high_freq_factor") if block.get(k) is None]
+    if missing:
+        raise ValueError(f"rope_scaling: type 'llama3' needs {', '.join(missing)}")
+    # as transformers: a top-level original_max_position_embeddings wins, then the block's
+    original = (d.get("original_max_position_embeddings") or block.get("original_max_position_embeddings")
+                or d.get("max_position_embeddings", 4096))
+    return RopeScaling(factor=float(block["factor"]), low_freq_factor=float(block["low_freq_factor"]),
+                       high_freq_factor=float(block["high_freq_factor"]),
+                       original_max_position_embeddings=int(original))
+
+
+@dataclass(frozen=True)
 class ModelConfig:
     """The decoder geometry read from an HF ``config.json`` (Llama / Qwen2 / Qwen3)."""
 
@@ -48,8 +96,11 @@ class ModelConfig:
     bos_token_id: int | None = None
     torch_dtype: str = "float32"
     name: str = "model"
+    rope_scaling: RopeScaling | None = None    # None = the default rope (no scaling)
 
     def __post_init__(self) -> None:
+        if isinstance(self.rope_scaling, dict):    # from dataclasses.asdict (a rank's spec)
+            object.__setattr__(self, "rope_scaling", RopeScaling(**self.rope_scaling))
         if self.model_type not in SUPPORTED_MODEL_TYPES:
             raise ValueError(f"model_type: {self.model_type!r} is not supported "
                              f"({', '.join(SUPPORTED_MODEL_TYPES)})")
@@ -72,10 +123,7 @@ class ModelConfig:
         model_type = d.get("model_type", "llama")
         heads = d["num_attention_heads"]
         rope = d.get("rope_parameters") or {}
-        rope_scaling = d.get("rope_scaling") or {}
-        rope_type = rope.get("rope_type") or rope_scaling.get("rope_type") or rope_scaling.get("type")
-        if rope_type not in (None, "default"):
-            raise ValueError(f"rope_scaling: type {rope_type!r} is not supported")
+        rope_scaling = _rope_scaling_from_hf(d)
         eos = d.get("eos_token_id")
         eos_ids = tuple(eos) if isinstance(eos, list) else ((eos,) if eos is not None else ())
         attention_bias = bool(d.get("attention_bias", model_type == "qwen2"))
@@ -100,6 +148,7 @@ class ModelConfig:
             bos_token_id=d.get("bos_token_id"),
             torch_dtype=str(d.get("torch_dtype") or d.get("dtype") or "float32").replace("torch.", ""),
             name=name,
+            rope_scaling=rope_scaling,
         )
 
     @classmethod

@@ -136,7 +136,7 @@ class DecoderForCausalLM(nn.Module):
         heads = head_shard(cfg.num_attention_heads, cfg.num_key_value_heads, self.tp_size, tp_rank(group))
         self.q_heads = (heads.q_start, heads.q_end)         # the query heads this rank computes
         self.kv_heads = (heads.kv_start, heads.kv_end)      # the KV heads this rank holds (its KV cache)
-        rotary = RotaryEmbedding(cfg.head_dim, cfg.max_position_embeddings, cfg.rope_theta)
+        rotary = RotaryEmbedding(cfg.head_dim, cfg.max_position_embeddings, cfg.rope_theta, cfg.rope_scaling)
         self.embed_tokens: nn.Embedding = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size, group)
         self.layers = nn.ModuleList(DecoderLayer(cfg, rotary, attention_backend, group)
                                     for _ in range(cfg.num_hidden_layers))
