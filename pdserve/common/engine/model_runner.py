@@ -21,7 +21,7 @@ from pdserve.common.engine.prefill_batch import block_table_array, prefill_batch
 from pdserve.common.engine.prompt_logprobs import PromptLogprobsPlan, PromptLogprobsStep, to_host
 from pdserve.common.engine.ranks import RankLeader, rank_device
 from pdserve.common.engine.sequence import Sequence
-from pdserve.common.guided.state import fill_bitmask
+from pdserve.common.guided.bitmask import StepBitmask
 from pdserve.common.layers.attention_backends import resolve_backend_name
 from pdserve.common.layers.sampler import Sampler, SamplingBatch, prepare_sampling
 from pdserve.common.loader import ModelSource, build_model
@@ -120,6 +120,7 @@ class ModelRunner:
         self.mixed_graph_runner: MixedGraphRunner | None = None
         self._sampling_key: tuple[int, ...] | None = None
         self._sampling_cache: SamplingBatch | None = None
+        self.bitmask = StepBitmask(source.config.vocab_size, pin=self.device.type == "cuda")  # guided rows
         self.eos_token_ids: tuple[int, ...] = tuple(source.config.eos_token_ids)   # min_tokens bans them
 
     @property
@@ -331,11 +332,10 @@ class ModelRunner:
             batch = prepare_sampling(seqs, self.model_config.vocab_size, self.device, self.generators,
                                      self.eos_token_ids)
             self._sampling_key, self._sampling_cache = (key, batch) if not batch.per_step else (None, None)
-        cuda = self.device.type == "cuda"
-        bitmask = fill_bitmask(seqs, self.model_config.vocab_size, pin=cuda)
+        bitmask = self.bitmask.fill(seqs)
         if bitmask is None:
             return batch
-        return dataclasses.replace(batch, token_bitmask=bitmask.to(self.device, non_blocking=cuda))
+        return dataclasses.replace(batch, token_bitmask=self.bitmask.upload(bitmask, self.device))
 
     def release(self, seq: Sequence) -> None:
         """Forget per-sequence state (its seeded generator) once it has finished."""

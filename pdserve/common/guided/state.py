@@ -1,23 +1,23 @@
-"""Guides compiled against the model's vocabulary (one :class:`GuideCompiler` per engine) and
-the per-sequence grammar state (:class:`GuideState`), which fills the sequence's row of a step's
-token bitmask (:func:`fill_bitmask`).
+"""Guides compiled against the model's tokenizer (one :class:`GuideCompiler` per engine) and
+the per-sequence grammar state (:class:`GuideState`), whose matcher fills the sequence's row of a
+step's token bitmask (pdserve.common.guided.bitmask; :func:`fill_bitmask` for one step).
 
 Invariant: a GuideState has accepted exactly ``num_accepted`` leading completion tokens of its
 Sequence. ``advance`` catches up from the sequence's tokens, so the state follows whatever the
 sequence holds: the first token a prefill worker sampled (a decode worker's sequence gets it at
 admission), tokens kept over a preemption (recompute keeps the completion), tokens appended
-offline. The engine advances it after every accepted token; ``fill_bitmask`` catches up too.
+offline. The engine advances it after every accepted token; the bitmask's fill catches up too.
 """
 from __future__ import annotations
 
 from collections import OrderedDict
 from collections.abc import Sequence as Seq
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import TYPE_CHECKING, Any
 
 import torch
 
+from pdserve.common.guided.bitmask import GuidedSequence, StepBitmask
 from pdserve.common.guided.grammar import to_grammar
-from pdserve.common.layers.token_mask import bitmask_words
 from pdserve.common.sampling_params import Guide, InvalidParameter
 
 if TYPE_CHECKING:
@@ -27,9 +27,12 @@ MAX_COMPILED = 256      # compiled grammars kept per engine (least recently used
 
 
 class GuideCompiler:
-    """Compiles Guides for one model's vocabulary (xgrammar TokenizerInfo built on first use),
-    keeping the most recent ``MAX_COMPILED``. ``stop_token_ids``: what ends a grammar's output
-    (the engine's EOS ids); ``tokenizer``: the HF tokenizer, or None for a model without one."""
+    """Compiles Guides for one model (xgrammar TokenizerInfo built on first use), keeping the most
+    recent ``MAX_COMPILED``. ``vocab_size``: the model's (its logits' width); ``stop_token_ids``:
+    what ends a grammar's output (the engine's EOS ids); ``tokenizer``: the HF tokenizer, or None
+    for a model without one. Grammars cover ``grammar_vocab_size`` tokens: the tokenizer's
+    vocabulary, not the ids the model has beyond it (no text: never allowed, and costly to
+    xgrammar's fill and accept, which reject such ids one by one; the bitmask forbids them)."""
 
     def __init__(self, tokenizer: Any, vocab_size: int, stop_token_ids: Seq[int]) -> None:
         self.tokenizer = tokenizer
@@ -38,13 +41,20 @@ class GuideCompiler:
         self._compiler: xgrammar.GrammarCompiler | None = None
         self._compiled: OrderedDict[Guide, xgrammar.CompiledGrammar] = OrderedDict()
 
+    @property
+    def grammar_vocab_size(self) -> int:
+        """Tokens a grammar covers: the tokenizer's ids (and the stop ids), at most the model's."""
+        vocab = self.tokenizer.get_vocab()
+        ids = [len(vocab), max(vocab.values(), default=-1) + 1, *(t + 1 for t in self.stop_token_ids)]
+        return min(self.vocab_size, max(ids))
+
     def _grammar_compiler(self, guide: Guide) -> xgrammar.GrammarCompiler:
         if self._compiler is None:
             if self.tokenizer is None:
                 raise InvalidParameter(f"guide.{guide.kind}", "guided decoding needs the model's tokenizer; "
                                                               "this model has none")
             import xgrammar as xgr
-            info = xgr.TokenizerInfo.from_huggingface(self.tokenizer, vocab_size=self.vocab_size,
+            info = xgr.TokenizerInfo.from_huggingface(self.tokenizer, vocab_size=self.grammar_vocab_size,
                                                       stop_token_ids=self.stop_token_ids or None)
             self._compiler = xgr.GrammarCompiler(info, max_threads=1)
         return self._compiler
@@ -77,6 +87,7 @@ class GuideState:
     def __init__(self, compiled: xgrammar.CompiledGrammar) -> None:
         import xgrammar as xgr
         self.matcher = xgr.GrammarMatcher(compiled)
+        self.vocab_size = compiled.tokenizer_info.vocab_size     # the grammar's tokens (ids below it)
         self.num_accepted = 0
         self.failed = False
 
@@ -87,7 +98,7 @@ class GuideState:
             token = int(completion_token_ids[self.num_accepted])
             if token < 0:
                 break
-            if not self.matcher.accept_token(token):
+            if token >= self.vocab_size or not self.matcher.accept_token(token):
                 self.failed = True
             self.num_accepted += 1
         return not self.failed
@@ -97,32 +108,8 @@ class GuideState:
         """The grammar is complete and its stop token was accepted: nothing may follow."""
         return self.matcher.is_terminated()
 
-    def fill(self, bitmask: torch.Tensor, row: int) -> None:
-        """Write the allowed next tokens into row ``row`` of the host bitmask (left all-ones,
-        unconstrained, when the state failed or terminated: the engine ends the sequence)."""
-        if not self.failed and not self.is_terminated:
-            self.matcher.fill_next_token_bitmask(bitmask, row)
-
-
-class GuidedSequence(Protocol):
-    """What the bitmask reads of a sequence (the engine's Sequence is one)."""
-
-    @property
-    def guide(self) -> GuideState | None: ...
-    @property
-    def completion_token_ids(self) -> list[int]: ...
-
 
 def fill_bitmask(seqs: Seq[GuidedSequence], vocab_size: int, pin: bool = False) -> torch.Tensor | None:
-    """The step's host token bitmask ``[len(seqs), ceil(vocab_size / 32)]`` int32 (rows without a
-    guide allow everything), each guided state first caught up with its sequence; None when no
-    sequence is guided (the sampler then masks nothing)."""
-    if not any(s.guide is not None for s in seqs):
-        return None
-    bitmask = torch.full((len(seqs), bitmask_words(vocab_size)), -1, dtype=torch.int32, pin_memory=pin)
-    for row, seq in enumerate(seqs):
-        state = seq.guide
-        if state is not None:
-            state.advance(seq.completion_token_ids)
-            state.fill(bitmask, row)
-    return bitmask
+    """One step's host token bitmask ``[len(seqs), ceil(vocab_size / 32)]`` int32 (see
+    ``StepBitmask.fill``, which an engine keeps to reuse its buffer from step to step)."""
+    return StepBitmask(vocab_size, pin).fill(seqs)
