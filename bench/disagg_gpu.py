@@ -52,40 +52,71 @@ def make_prompts(n: int, num_prefixes: int, prefix_len: int, seed: int = 0) -> l
             for i in range(n)]
 
 
-def request(tokens: list[int], max_tokens: int) -> router_pb2.GenerateRequest:
+def request(tokens: list[int], max_tokens: int, top_logprobs: int = 0) -> router_pb2.GenerateRequest:
+    """Greedy; ``top_logprobs`` > 0 also asks for each position's most likely tokens."""
     return router_pb2.GenerateRequest(token_ids=router_pb2.TokenIds(ids=tokens), params=common_pb2.SamplingParams(
-        temperature=0, max_tokens=max_tokens, ignore_eos=True))
+        temperature=0, max_tokens=max_tokens, ignore_eos=True, logprobs=top_logprobs > 0, top_logprobs=top_logprobs))
 
 
-async def run_all(router: str, prompts: list[list[int]], max_tokens: int, timeout: float = 300.0) -> list:
-    """Every prompt at once; returns (token ids, first-message latency s) or the error code name."""
+async def run_all(router: str, prompts: list[list[int]], max_tokens: int, timeout: float = 300.0,
+                  top_logprobs: int = 0) -> list:
+    """Every prompt at once; returns (token ids, first-message latency s) or the error code name,
+    and with ``top_logprobs`` > 0 a third item: per token, ``{token id: logprob}`` of its position's
+    most likely tokens."""
     async with grpc.aio.insecure_channel(router) as ch:
         stub = router_pb2_grpc.GenerationStub(ch)
 
         async def one(p):
             start, ttft, ids = time.perf_counter(), None, []
+            tops: list[dict[int, float]] = []
             try:
-                async for msg in stub.Generate(request(p, max_tokens), timeout=timeout):
+                async for msg in stub.Generate(request(p, max_tokens, top_logprobs), timeout=timeout):
                     ttft = ttft if ttft is not None else time.perf_counter() - start
                     ids.extend(msg.token_ids)
-                return ids, ttft
+                    tops.extend(dict(zip(t.token_ids, t.logprobs)) for t in msg.top_logprobs)
+                return (ids, ttft, tops) if top_logprobs else (ids, ttft)
             except grpc.aio.AioRpcError as e:
                 return f"{e.code().name}: {e.details()}", None
         return await asyncio.gather(*(one(p) for p in prompts))
 
 
+def divergence(x: tuple, y: tuple) -> dict:
+    """Where two successful, different results first differ (``position``; None when one is a
+    prefix of the other) and, when both carry top logprobs there, whether it is a near tie: each
+    side's token is among the other's top tokens (``swapped``), with the margin by which each side
+    preferred its own token (``margin_*``, logprob; None where the other token is not in that
+    side's top list)."""
+    i = next((k for k, (u, v) in enumerate(zip(x[0], y[0])) if u != v), None)
+    out: dict = {"position": i}
+    if i is None or len(x) < 3 or len(y) < 3 or i >= min(len(x[2]), len(y[2])):
+        return out
+    (u, tx), (v, ty) = (x[0][i], x[2][i]), (y[0][i], y[2][i])
+    out.update(tokens=[u, v], swapped=v in tx and u in ty,
+               margin_disaggregated=tx[u] - tx[v] if v in tx and u in tx else None,
+               margin_co_located=ty[v] - ty[u] if u in ty and v in ty else None)
+    return out
+
+
 def compare(a: list, b: list) -> dict:
+    """Token-for-token equality of two runs of the same prompts (``a`` disaggregated, ``b`` the
+    reference). With top logprobs in the results (``run_all(top_logprobs=...)``), ``near_ties``
+    counts the mismatches whose first differing tokens are swapped top choices, and
+    ``divergences`` gives each mismatch's position, tokens and margins."""
     same = sum(x[0] == y[0] for x, y in zip(a, b))
-    diverged = [next((i for i, (u, v) in enumerate(zip(x[0], y[0])) if u != v), None)
-                for x, y in zip(a, b) if x[0] != y[0] and isinstance(x[0], list) and isinstance(y[0], list)]
+    found = [divergence(x, y) for x, y in zip(a, b)
+             if x[0] != y[0] and isinstance(x[0], list) and isinstance(y[0], list)]
     def errors(results: list) -> dict[str, int]:
         counts: dict[str, int] = {}
         for x in results:
             if not isinstance(x[0], list):
                 counts[x[0]] = counts.get(x[0], 0) + 1
         return counts
-    return {"requests": len(a), "identical": same, "first_divergence_positions": diverged[:20],
-            "errors": {"disaggregated": errors(a), "co_located": errors(b)}}
+    out = {"requests": len(a), "identical": same, "first_divergence_positions": [d["position"] for d in found][:20],
+           "errors": {"disaggregated": errors(a), "co_located": errors(b)}}
+    if any(len(x) > 2 for x in a) and any(len(y) > 2 for y in b):
+        out["near_ties"] = sum(bool(d.get("swapped")) for d in found)
+        out["divergences"] = found[:50]
+    return out
 
 
 def pools_whole(dep: deployment.Deployment) -> dict:
@@ -165,6 +196,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--max-model-len", type=int, default=8192)
     p.add_argument("--kill-prompt-len", type=int, default=4000)
     p.add_argument("--worker-args", default="", help="more worker flags, e.g. '--async-scheduling on'")
+    p.add_argument("--top-logprobs", type=int, default=0,
+                   help="ask the 200 requests for each position's N most likely tokens (N >= 2: the equality "
+                        "check then tells near ties at the first differing token from other mismatches)")
     p.add_argument("--fleet", action="store_true", help="also check --pd-policy fleet on two both workers")
     p.add_argument("--moves", action="store_true", help="also check decodes moved between the two workers")
     p.add_argument("--move-wave", type=int, default=32, help="--moves: concurrent requests per wave")
@@ -191,9 +225,9 @@ def main(argv: list[str] | None = None) -> int:
         asyncio.run(run_all(disagg.router, prompts[:4], args.max_tokens))        # warm-up (JIT, channels)
         asyncio.run(run_all(both.router, prompts[:4], args.max_tokens))
         t0 = time.perf_counter()
-        a = asyncio.run(run_all(disagg.router, prompts, args.max_tokens))
+        a = asyncio.run(run_all(disagg.router, prompts, args.max_tokens, top_logprobs=args.top_logprobs))
         t1 = time.perf_counter()
-        b = asyncio.run(run_all(both.router, prompts, args.max_tokens))
+        b = asyncio.run(run_all(both.router, prompts, args.max_tokens, top_logprobs=args.top_logprobs))
         t2 = time.perf_counter()
         result["equality"] = compare(a, b)
         result["seconds"] = {"disaggregated": t1 - t0, "co_located": t2 - t1}
