@@ -222,8 +222,8 @@ def main(argv: list[str] | None = None) -> int:
     result: dict = {"config": vars(args)}
     try:
         prompts = make_prompts(args.requests, 10, args.prefix_len)
-        asyncio.run(run_all(disagg.router, prompts[:4], args.max_tokens))        # warm-up (JIT, channels)
-        asyncio.run(run_all(both.router, prompts[:4], args.max_tokens))
+        for router in (disagg.router, both.router):          # warm-up (JIT, channels), same parameters
+            asyncio.run(run_all(router, prompts[:4], args.max_tokens, top_logprobs=args.top_logprobs))
         t0 = time.perf_counter()
         a = asyncio.run(run_all(disagg.router, prompts, args.max_tokens, top_logprobs=args.top_logprobs))
         t1 = time.perf_counter()
