@@ -40,7 +40,7 @@ def _place(rows_tokens_queued: int = 0, step_ms: float = 8.0) -> pd.DecodePlace:
 
 
 def test_waiting_rule_by_hand():
-    cfg = pd.PdConfig(slo_ttft_ms=1000, slo_tpot_ms=12)
+    cfg = pd.PdConfig(mode="adaptive", slo_ttft_ms=1000, slo_tpot_ms=12)
     idle_p = [pd.PrefillPlace("p", 300, 0, 40_000)]
     # ttft local 7.5 ms, remote 7.5 + 2 + 0.3 = 9.8 ms: local costs 60 rows x 300 x 0.025 = 450 ms of
     # waiting against 2.3 ms for this request: remote (the router's rules keep a 300-token prompt local)
