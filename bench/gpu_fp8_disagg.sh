@@ -10,7 +10,7 @@ OUT=${1:-bench/results/fp8_disagg}
 export PYTHONUNBUFFERED=1 PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
 mkdir -p "$OUT"
 nvidia-smi --query-gpu=name,memory.total --format=csv
-python3 -m bench.disagg_gpu --worker-args "--kv-cache-dtype fp8" --out "$OUT/disagg_fp8.json" 2>&1 | tail -3
+python3 -m bench.disagg_gpu --worker-args "--kv-cache-dtype fp8" --top-logprobs 2 --out "$OUT/disagg_fp8.json" 2>&1 | tail -3
 python3 -m bench.disagg_gpu --dtype bfloat16 --out "$OUT/disagg_bf16.json" 2>&1 | tail -3
 python3 - "$OUT" <<'PY'
 import json, sys
@@ -26,12 +26,16 @@ for name in ("fp8", "bf16"):
     pools = r.get("pools_after", {}).get("disaggregated", {})
     sent = sum(v["transfers"] for v in pools.values())
     nbytes = sum(v["transfer_bytes"] for v in pools.values())
+    restart = r.get("kill", {}).get("pools_after_restart", {})   # the same 8 prompts to a fresh decode worker
+    kill_bytes = min((v["transfer_bytes"] for v in restart.values() if v["transfers"]), default=0)  # the fresh one
     summary[name] = {"identical": r.get("equality", {}).get("identical"), "requests": r.get("equality", {}).get("requests"),
+                     "near_ties": r.get("equality", {}).get("near_ties"), "kill_phase_bytes": kill_bytes,
                      "errors": r.get("equality", {}).get("errors"), "bytes_per_transfer": nbytes / sent if sent else None,
                      "pools_whole": all(v["free"] == v["total"] for pools in r.get("pools_after", {}).values()
                                         for v in pools.values())}
-if isinstance(summary.get("fp8"), dict) and isinstance(summary.get("bf16"), dict) and summary["bf16"]["bytes_per_transfer"]:
-    summary["fp8_over_bf16_bytes_per_transfer"] = summary["fp8"]["bytes_per_transfer"] / summary["bf16"]["bytes_per_transfer"]
+if isinstance(summary.get("fp8"), dict) and isinstance(summary.get("bf16"), dict) and summary["bf16"]["kill_phase_bytes"]:
+    # the same blocks shipped (bytes per transfer also depend on the decode worker's prefix hits)
+    summary["fp8_over_bf16_kill_phase_bytes"] = summary["fp8"]["kill_phase_bytes"] / summary["bf16"]["kill_phase_bytes"]
 (out / "fp8_disagg_summary.json").write_text(json.dumps(summary, indent=1))
 print(json.dumps(summary, indent=1))
 PY
