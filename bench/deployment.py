@@ -139,12 +139,17 @@ def start(log_dir: Path, model: str = "default", decode_blocks: int = 0, decode_
     return dep
 
 
-def start_up(log_dir: Path, up_args: list[str] = (), timeout: float = 240.0) -> Deployment:
+def start_up(log_dir: Path, up_args: list[str] = (), timeout: float = 240.0, num_prefill: int = 1,
+             num_decode: int = 1, decode_role: str = "decode") -> Deployment:
     """``pdserve up`` (router + 1 prefill + 1 decode on the CPU by default) as one process; its
-    HTTP API on a free port unless ``up_args`` name one."""
-    router_port, base = free_port(), free_port_range(4)
-    dep = Deployment(router=f"127.0.0.1:{router_port}", decode=[f"127.0.0.1:{base}"],
-                     prefill=[f"127.0.0.1:{base + 2}"], log_dir=log_dir)
+    HTTP API on a free port unless ``up_args`` name one. ``num_prefill``, ``num_decode`` and
+    ``decode_role``: the layout ``up_args`` ask for (``--prefill``, ``--decode``, ``--role``), for
+    the workers' addresses (up gives worker i port base + 2i, decode workers first) and for what
+    the router must see before the deployment is ready."""
+    router_port, base = free_port(), free_port_range(2 * (num_prefill + num_decode))
+    ports = [f"127.0.0.1:{base + 2 * i}" for i in range(num_prefill + num_decode)]
+    dep = Deployment(router=f"127.0.0.1:{router_port}", decode=ports[:num_decode], prefill=ports[num_decode:],
+                     log_dir=log_dir)
     up_args = list(up_args)
     if "--http-port" not in up_args:
         up_args += ["--http-port", str(free_port())]
@@ -156,5 +161,5 @@ def start_up(log_dir: Path, up_args: list[str] = (), timeout: float = 240.0) -> 
         up_args += ["--internal-token-file", str(log_dir / "internal-token")]
     _start(dep, "up", procs.pdserve_cmd("up", "--router-port", str(router_port), "--base-port", str(base), *up_args),
            dep.router)
-    _wait(dep, timeout, 1, 1)
+    _wait(dep, timeout, num_prefill + (num_decode if decode_role == "both" else 0), num_decode)
     return dep

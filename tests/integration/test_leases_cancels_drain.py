@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import random
 import signal
-import subprocess
 import sys
 import threading
 import time
@@ -34,6 +33,7 @@ from pdserve.loadtest import procs
 from pdserve.loadtest.ports import free_port
 from pdserve.loadtest.procs import Service
 from pdserve.v1 import common_pb2, router_pb2, worker_pb2, worker_pb2_grpc
+from tests.integration.cpu_load import CpuLoad
 
 BLOCKS = 96
 SLOW_STEP_S = 3.0            # added to a step computing >= SLOW_MIN_TOKENS tokens of one prompt
@@ -214,19 +214,6 @@ def test_long_prompts_queued_behind_each_other_all_complete(dep):
         dep.wait_whole(address)
 
 
-class _CpuLoad:
-    """A busy loop per core, each ending by itself after ``seconds``."""
-
-    def __init__(self, seconds: float, cores: int = 2) -> None:
-        code = f"import time\nend = time.monotonic() + {seconds}\nwhile time.monotonic() < end: pass\n"
-        self.procs = [subprocess.Popen([sys.executable, "-c", code]) for _ in range(cores)]
-
-    def stop(self) -> None:
-        for p in self.procs:
-            p.kill()
-            p.wait(10)
-
-
 def test_cancels_after_a_storm_with_the_cpu_loaded_leave_every_pool_whole(dep):
     """150 concurrent streams, then six 1,200-token streams on the 96-block pools, cancelled by
     their clients during prefill and 1.5 s into decoding while busy loops hold both cores.
@@ -247,7 +234,7 @@ def test_cancels_after_a_storm_with_the_cpu_loaded_leave_every_pool_whole(dep):
         dep.wait_whole(address)
 
     decode, prefill = dep.decode[0], dep.prefill[0]
-    load = _CpuLoad(40.0)
+    load = CpuLoad(40.0)
     calls: dict[str, grpc.Future] = {}
     firsts: dict[str, float] = {}
     ends: dict[str, str] = {}
