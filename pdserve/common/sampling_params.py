@@ -1,7 +1,7 @@
 """Per-request sampling parameters, validated on construction."""
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 MAX_TOP_LOGPROBS = 20
 MAX_LOGIT_BIAS = 300          # entries of logit_bias (OpenAI's limit)
@@ -49,7 +49,8 @@ class SamplingParams:
     sampling, greedy or random). ``logit_bias`` ((token id, bias) pairs, bias in [-100, 100],
     ids unique) is added to the logits before sampling; ``min_tokens`` (<= max_tokens, not with a
     guide) masks the EOS ids (unless ``ignore_eos``) and ``stop_token_ids`` until that many tokens
-    exist.
+    exist. ``n`` (>= 1) samples share one prefill: the engine forks the prompt's KV into n
+    sequences (engine/fork.py), sample ``i`` drawing with ``seed + i`` when seeded.
     """
 
     temperature: float = 1.0
@@ -69,6 +70,7 @@ class SamplingParams:
     prompt_logprobs: bool = False
     logit_bias: tuple[tuple[int, float], ...] = ()
     min_tokens: int = 0
+    n: int = 1
 
     def __post_init__(self) -> None:
         _check(self.temperature >= 0.0, "temperature", f"must be >= 0, got {self.temperature}")
@@ -84,6 +86,7 @@ class SamplingParams:
         _check(isinstance(self.max_tokens, int) and self.max_tokens >= 1, "max_tokens",
                f"must be an integer >= 1, got {self.max_tokens}")
         _check(self.seed is None or self.seed >= 0, "seed", f"must be >= 0, got {self.seed}")
+        _check(isinstance(self.n, int) and self.n >= 1, "n", f"must be an integer >= 1, got {self.n}")
         _check(isinstance(self.top_logprobs, int) and 0 <= self.top_logprobs <= MAX_TOP_LOGPROBS, "top_logprobs",
                f"must be an integer in [0, {MAX_TOP_LOGPROBS}], got {self.top_logprobs}")
         _check(self.logprobs or not self.top_logprobs, "top_logprobs", "needs logprobs")
@@ -98,6 +101,12 @@ class SamplingParams:
     @property
     def is_greedy(self) -> bool:
         return self.temperature == 0.0
+
+    def for_sample(self, index: int) -> SamplingParams:
+        """The parameters of sample ``index`` of an ``n``-sample request: one sample (n 1), its
+        own seed stream (``seed + index``), no prompt logprobs (sample 0 carries them)."""
+        seed = None if self.seed is None else self.seed + index
+        return replace(self, n=1, seed=seed, prompt_logprobs=self.prompt_logprobs and index == 0)
 
     @property
     def has_penalties(self) -> bool:

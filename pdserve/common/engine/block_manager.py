@@ -37,7 +37,9 @@ class BlockManager:
 
     ``allocate`` once per WAITING sequence with an empty table, for its whole prompt; it sets
     ``num_cached_tokens`` and never hits the last prompt block (the prefill needs a token to
-    compute). ``may_append`` before every decode step, after ``can_append``. ``on_stored`` /
+    compute); a sequence that will fork (``Sequence.num_forks``) also takes one block per fork,
+    kept in ``fork_block_ids`` until ``fork`` hands them out. ``may_append`` before every decode
+    step, after ``can_append``. ``on_stored`` /
     ``on_evicted`` (optional) hear of hashes entering and leaving the cache (router's index).
     """
 
@@ -131,7 +133,7 @@ class BlockManager:
     def num_blocks_needed(self, seq: Sequence) -> int:
         """Blocks ``allocate(seq)`` would take out of the free pool (cached free blocks included)."""
         hits = self._prefix_hits(seq)
-        return seq.num_blocks - len(hits) + sum(self.blocks[b].ref_count == 0 for b in hits)
+        return seq.num_blocks - len(hits) + sum(self.blocks[b].ref_count == 0 for b in hits) + seq.num_forks
 
     def prefix_hit_tokens(self, seq: Sequence) -> int:
         """Leading tokens of ``seq`` that ``allocate`` would find in the cache."""
@@ -154,6 +156,7 @@ class BlockManager:
             seq.block_table.append(block_id)
         for _ in range(len(hits), seq.num_blocks):
             seq.block_table.append(self._allocate_new_block().block_id)
+        seq.fork_block_ids = [self._allocate_new_block().block_id for _ in range(seq.num_forks)]
         if register:
             self.register_blocks(seq)
         seq.num_cached_tokens = len(hits) * self.block_size
@@ -175,10 +178,27 @@ class BlockManager:
 
     def deallocate(self, seq: Sequence) -> None:
         """Release every block of ``seq`` (in reverse, so a prefix outlives its suffix)."""
+        for block_id in seq.fork_block_ids:
+            self._release_block(block_id)
+        seq.fork_block_ids = []
         for block_id in reversed(seq.block_table):
             self._release_block(block_id)
         seq.block_table.clear()
         seq.num_cached_tokens = 0
+
+    def fork(self, seq: Sequence, child: Sequence) -> tuple[int, int]:
+        """Give ``child`` (a new sample of ``seq``, same prompt, no blocks) ``seq``'s blocks
+        before the one holding the prompt's last token, shared (one more reference each), and
+        one of ``seq``'s fork blocks for that last block: the copy-on-write. Returns (source,
+        destination) of the block copy the KV cache must make before ``child`` computes."""
+        assert not child.block_table and seq.fork_block_ids, (seq, child)
+        last = (seq.num_prompt_tokens - 1) // self.block_size
+        for block_id in seq.block_table[:last]:
+            self.blocks[block_id].ref_count += 1
+            child.block_table.append(block_id)
+        dst = seq.fork_block_ids.pop()
+        child.block_table.append(dst)
+        return seq.block_table[last], dst
 
     def can_append(self, seq: Sequence) -> bool:
         """Room for the KV of ``seq``'s newest token (a new block only when the last one is full)."""

@@ -11,7 +11,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from pdserve.common.config import EngineConfig
-from pdserve.common.engine import guide_stop, overlap
+from pdserve.common.engine import fork, guide_stop, overlap
 from pdserve.common.engine.block_manager import BlockManager
 from pdserve.common.engine.handoff import KvHandoff
 from pdserve.common.engine.model_runner import LaunchedStep, ModelRunner
@@ -134,6 +134,12 @@ class LLMEngine:
         if len(prompt_token_ids) >= self.max_model_len:
             raise InvalidParameter("prompt", f"{len(prompt_token_ids)} tokens leave no room to generate "
                                              f"within the model context of {self.max_model_len} tokens")
+        if params.n > self.config.max_num_seqs:
+            raise InvalidParameter("n", f"{params.n} samples are more than max_num_seqs ({self.config.max_num_seqs})")
+        bs = self.config.block_size
+        if -(-len(prompt_token_ids) // bs) + params.n - 1 > self.block_manager.num_blocks:
+            raise InvalidParameter("n", f"{params.n} samples of a {len(prompt_token_ids)}-token prompt do not fit "
+                                        f"the KV pool ({self.block_manager.num_blocks} blocks of {bs})")
 
     def new_sequence(self, prompt_token_ids: list[int], params: SamplingParams,
                       request_id: str | None) -> Sequence:
@@ -160,14 +166,23 @@ class LLMEngine:
         self.scheduler.add(seq)
         return seq
 
-    def abort(self, request_id: str, reason: FinishReason = FinishReason.CANCELLED) -> Sequence | None:
-        """Finish a request wherever it is (queued, running, reserved or held) and free its
-        blocks; None if unknown or already done."""
-        seq = self.requests.pop(request_id, None)
+    def abort(self, request_id: str, reason: FinishReason = FinishReason.CANCELLED,
+              index: int | None = None) -> Sequence | None:
+        """Finish a request wherever it is (queued, running, reserved or held), every sample of
+        it, and free their blocks; None if unknown or already done. ``index``: only that sample
+        (the request goes on while another runs); None if it is not running."""
+        seq = self.requests.get(request_id)
         if seq is None:
             return self.kv_handoff.release_id(request_id)
-        self.scheduler.finish(seq, reason)
-        self.model_runner.release(seq)
+        if index is not None:
+            sample = next((s for s in seq.samples if s.index == index and not s.is_finished), None)
+            if sample is not None:
+                self.finish(sample, reason)
+            return sample
+        for s in seq.samples:
+            if not s.is_finished:
+                self.finish(s, reason)
+        self.requests.pop(request_id, None)
         return seq
 
     def close(self) -> None:
@@ -241,6 +256,8 @@ class LLMEngine:
         for i, (seq, token_id) in enumerate(zip(seqs, token_ids)):
             seq.append_token(token_id, logprobs[i] if logprobs is not None else None, seq.top_of_row(top, i))
             reason = guide_stop.reason(seq) or self.scheduler.stop_reason(seq)
+            if seq.num_forks:
+                fork.fork(self, seq)
             if seq.prefill_only:
                 self.kv_handoff.hold(seq, reason)
                 finished.append(seq)
@@ -251,7 +268,9 @@ class LLMEngine:
 
     def finish(self, seq: Sequence, reason: FinishReason) -> None:
         self.scheduler.finish(seq, reason)
-        self.requests.pop(seq.request_id, None)
+        """Finish one sample and free its blocks; the request leaves ``requests`` with its last."""
+        if seq.all_samples_finished:
+            self.requests.pop(seq.request_id, None)
         self.model_runner.release(seq)
 
     def stats(self) -> dict[str, int | float | bool]:

@@ -337,6 +337,19 @@ class ModelRunner:
             return batch
         return dataclasses.replace(batch, token_bitmask=self.bitmask.upload(bitmask, self.device))
 
+    @torch.inference_mode()
+    def copy_blocks(self, pairs: list[tuple[int, int]]) -> None:
+        """Copy KV block ``src`` to ``dst`` (all layers, K and V) for each ``(src, dst)``: the
+        copy-on-write of a fork (engine/fork.py). Enqueued on the current stream, so it reads
+        what the steps launched before it wrote; every rank copies its own heads."""
+        if not pairs:
+            return
+        if self.leader is not None:
+            self.leader.call("copy_blocks", [list(p) for p in pairs])
+        src = torch.tensor([p[0] for p in pairs], dtype=torch.int64, device=self.device)
+        dst = torch.tensor([p[1] for p in pairs], dtype=torch.int64, device=self.device)
+        self.kv_cache.index_copy_(0, dst, self.kv_cache.index_select(0, src))
+
     def release(self, seq: Sequence) -> None:
         """Forget per-sequence state (its seeded generator) once it has finished."""
         self.generators.pop(seq.seq_id, None)

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from pdserve.common.engine import guide_stop
+from pdserve.common.engine import fork, guide_stop
 from pdserve.common.engine.model_runner import LaunchedStep
 from pdserve.common.engine.sequence import PLACEHOLDER, Sequence, SequenceStatus
 
@@ -93,6 +93,8 @@ def resolve(engine, step: PendingStep, out) -> None:
             seq.output_logprobs.append(logprobs[i])
         if (row_top := seq.top_of_row(top, i)) is not None:
             seq.output_top_logprobs.append(row_top)
+        if seq.num_forks:
+            fork.fork(engine, seq)
         out.seqs.append(seq)
         out.new_token_ids.append(token)
         reason = guide_stop.reason(seq) or sched.stop_reason_at(seq, token, pos + 1)

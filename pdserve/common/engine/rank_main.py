@@ -25,7 +25,7 @@ from pdserve.common.parallel import RankGroup
 from pdserve.common.telemetry import configure_logging
 
 logger = logging.getLogger(__name__)
-CALLS = ("allocate_kv_cache", "capture_cuda_graphs")    # the runner methods rank 0 may ask for
+CALLS = ("allocate_kv_cache", "capture_cuda_graphs", "copy_blocks")    # the runner methods rank 0 may ask for
 
 
 def _watch_parent(leader_pid: int) -> None:

@@ -137,6 +137,8 @@ class Scheduler:
         max_rows = self.config.max_num_seqs
         while self.waiting and budget > 0 and len(self.running) < max_rows and num_rows + len(admitted) < max_rows:
             seq = self.waiting[0]
+            if len(self.running) + 1 + seq.num_forks > max_rows:
+                break                       # its samples would not fit the batch once forked
             remaining = seq.num_tokens - self.block_manager.prefix_hit_tokens(seq)
             if min(remaining, budget, self.config.chunk_cap) < remaining:
                 if num_partial >= self.config.max_num_partial_prefills:
@@ -164,6 +166,8 @@ class Scheduler:
         num_tokens = 0
         while self.waiting and len(self.running) < self.config.max_num_seqs:
             seq = self.waiting[0]
+            if len(self.running) + 1 + seq.num_forks > self.config.max_num_seqs:
+                break
             if num_tokens + seq.num_tokens > self.config.max_num_batched_tokens:
                 break
             if not self.block_manager.can_allocate(seq):

@@ -28,6 +28,11 @@ class Sequence:
     ``block_table[i]`` holds tokens ``[i*block_size, (i+1)*block_size)``; the first
     ``num_cached_tokens`` have KV in the cache. A step computes ``num_scheduled_tokens`` more and
     samples a token only when that reaches ``num_tokens`` (``completes_in_step``).
+
+    Samples of one request (``SamplingParams.n``): the sequence added is sample 0; its forks
+    (engine/fork.py) share its ``request_id`` and ``samples`` (the one list of all of them, in
+    index order) and differ by ``index``. Until it forks, sample 0 keeps ``fork_block_ids``: one
+    block per other sample, taken at admission, for its copy of the prompt's last block.
     """
 
     _counter = itertools.count()
@@ -60,6 +65,10 @@ class Sequence:
         self.tpot_slo_ms = 0.0           # this request's TPOT target for the TPOT guard; 0 = the worker's
         # CUDA event after the prefill that computed the KV (a sender waits on it); None on CPU
         self.kv_ready: torch.cuda.Event | None = None
+        self.index = 0                   # sample index within its request (choices[index])
+        self.samples: list[Sequence] = [self]   # every sample of the request, shared by all of them
+        self.forked = False              # sample 0 after its fork (engine/fork.py)
+        self.fork_block_ids: list[int] = []   # blocks reserved for the forks' last-block copies
 
     def __len__(self) -> int:
         return len(self.token_ids)
@@ -83,6 +92,19 @@ class Sequence:
     @property
     def is_finished(self) -> bool:
         return self.status == SequenceStatus.FINISHED
+
+    @property
+    def num_forks(self) -> int:
+        """Samples this sequence will still fork into (n - 1 before its fork; never for a
+        prefill-only sequence: the decode worker forks it)."""
+        if self.forked or self.prefill_only or self.index:
+            return 0
+        return self.sampling_params.n - 1
+
+    @property
+    def all_samples_finished(self) -> bool:
+        """Whether every sample of the request has finished (so has the request)."""
+        return all(s.is_finished for s in self.samples)
 
     @property
     def completes_in_step(self) -> bool:
