@@ -293,12 +293,14 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--rule", choices=("router", "waiting", "lean"), default="router",
                    help="the adaptive mode's rule (module docstring)")
     p.add_argument("--gpu", choices=("h200", "h100"), default="h200", help="GpuModel.named")
-    p.add_argument("--lean-busy-share", type=float, default=fleet_policy.LEAN_BUSY_SHARE,
-                   help="fleet_policy.LEAN_BUSY_SHARE for this run")
+    p.add_argument("--dedicate-at", type=float, default=fleet_policy.DEDICATE_AT,
+                   help="fleet_policy.DEDICATE_AT for this run")
+    p.add_argument("--dedicate-cause", type=float, default=fleet_policy.DEDICATE_CAUSE,
+                   help="fleet_policy.DEDICATE_CAUSE for this run")
     p.add_argument("--out", default=None, help="write the capacities and every point here (JSON)")
     a = p.parse_args(argv)
     ttft, tpot, itl = (float(x) for x in a.slo.split(","))
-    fleet_policy.LEAN_BUSY_SHARE = a.lean_busy_share
+    fleet_policy.DEDICATE_AT, fleet_policy.DEDICATE_CAUSE = a.dedicate_at, a.dedicate_cause
     gpu = GpuModel.named(a.gpu)
     prefix_len = WORKLOADS["shared-prefix" if a.workload == "phases" else a.workload].get("prefix_len", 0)
     out = {}

@@ -45,11 +45,12 @@ class GpuModel:
 
     @classmethod
     def named(cls, gpu: str) -> GpuModel:
-        """``h200`` (the fitted model) or ``h100``: the same compute, the reads at 3.0 TB/s instead
-        of 4.8 (16.4 GB of weights: 5.5 ms; KV 0.043 ms per 1,000 tokens), mixed steps linear at
-        0.024 ms a prompt token (the engine's step-time lines on two H100s)."""
+        """``h200`` (the fitted model) or ``h100``: the reads at 3.0 TB/s instead of 4.8 (16.4 GB of
+        weights: 5.5 ms; KV 0.043 ms per 1,000 tokens), mixed steps linear at 0.017 ms a prompt
+        token and a prefill worker's 0.0275 (fitted to the device's prefill-heavy runs of 1P1D at
+        8/11/13 req/s and co-location at 8/11: bench/notes/placement.md, "Fifth session")."""
         return cls() if gpu == "h200" else cls(weights_ms=5.5, kv_ms_per_ktok=0.043, linear_mixed=True,
-                                               ms_per_chunk_token=0.024)
+                                               ms_per_chunk_token=0.017, ms_per_prompt_token=0.0275)
 
     def step_ms(self, rows: int, context_tokens: int, prompt_tokens: int, chunked: bool) -> float:
         per_token = self.ms_per_chunk_token if chunked else self.ms_per_prompt_token

@@ -8,13 +8,17 @@ Two regimes, chosen per request from the whole fleet's figures:
   the decode pick of pdserve.router.policy, cached prefix and load) and is prefilled there, unless
   that breaks its TTFT objective; under the loads where co-location keeps every SLO the fleet *is*
   co-location.
-- **A lean worker** while prefill dominates: the worker with the fewest decode rows is kept free of
-  new decode rows and prefills for the others, as a static 1P1D split does, while it is busy
-  prefilling (given at least LEAN_BUSY_SHARE of its prefill-sized rate lately) and another worker's
-  decode rows keep the TPOT objective without it. Once none does, every GPU's decode bandwidth is
-  needed and the rows balance again (co-location). That test is against the objective itself, not
-  the guard's goal that the other choices use: beside a dedicated lean a worker computes no
-  prompts, and the margin made a busy lean flap in and out as the others' steps moved around it.
+- **A lean worker** while co-location's own TPOT is at risk from the prompts: the worker with the
+  fewest decode rows is kept free of new decode rows and prefills for the others, as a static 1P1D
+  split does, while co-location's TPOT estimate (``tpot_co``) is over DEDICATE_AT of the objective
+  and another worker's decode rows keep the objective without it. It begins only where the rows
+  alone keep under DEDICATE_CAUSE of it (``t_co``; when the rows break it, concentrating them
+  cannot help); once dedicated (no rows of its own, the others' steps longer with its rows) it
+  stays while the prompts take at least the share of each GPU's time that those two bounds imply. Once no
+  other worker keeps the objective, every GPU's decode bandwidth is needed and the rows balance
+  again (co-location). That test is against the objective itself, not the guard's goal that the
+  other choices use: beside a dedicated lean a worker computes no prompts, and the margin made a
+  busy lean flap in and out as the others' steps moved around it.
 
 A worker may run the TPOT guard (pdserve/common/engine/tpot_guard.py) or not (a chunk of its step
 budget every step, as co-location runs); the router models either. Pure functions over snapshots
@@ -26,10 +30,16 @@ mixed steps, ``W_w`` the prompt tokens this router gave it lately, ``B_w`` its s
     goal        = slo_tpot * (1 - GUARD_MARGIN)
     room_w      = rows_w == 0 or t_w <= goal       (its decode rows alone keep the TPOT objective)
     full_w      = max(R_w, 1000 / c_w)             (what w computes in a step without decode rows)
+    t_co        = the mean t_w of the decode-capable workers with rows
+    tpot_co     = t_co / (1 - P * c / 1000), P = sum(W_w) / window / n (each of the n decode-capable
+                  workers' share of the recent prompt tokens), c = the mean measured c_w
+                  (co-location's TPOT: a step stretched by its share of mixed-step prompt time)
     lean        = the decode-capable worker with the fewest rows (then the largest W), *dedicated*
-                  while W_lean / window >= LEAN_BUSY_SHARE * full_lean and another decode-capable
-                  worker keeps the objective itself (rows 0 or t <= slo_tpot: a worker beside a
-                  dedicated lean prefills nothing, so its decode step is its TPOT; two or more only)
+                  while tpot_co > DEDICATE_AT * slo_tpot, the prompts are the cause (t_co <=
+                  DEDICATE_CAUSE * slo_tpot, or rows_lean == 0 and 1 - t_co / tpot_co >= 1 -
+                  DEDICATE_CAUSE / DEDICATE_AT), and another decode-capable worker keeps the objective itself (rows 0
+                  or t <= slo_tpot: a worker beside a dedicated lean prefills nothing, so its decode
+                  step is its TPOT; two or more only)
     D           = among the decode-capable workers but a dedicated lean:
                   home                              if room_home (or nobody has room)
                 = the fewest rows among those with room, fewer U breaking ties; none: the fewest rows
@@ -68,7 +78,8 @@ from pdserve.router.pd_policy import DEFAULT_DECODE_STEP_MS, LOCAL, REMOTE, PdCo
 TTFT_SHARE = 0.6    # a prefill place keeps the TTFT SLO while its estimate is under this share of it
 GUARD_MARGIN = 0.05  # the workers' default --tpot-margin (the budget the router expects of them)
 MAX_MOVES_PER_ROUND = 4   # decodes one worker gives away per round of pick_moves
-LEAN_BUSY_SHARE = 0.25    # the lean worker is kept free of decode rows while given this share of its prefill rate
+DEDICATE_AT = 0.9         # a lean is dedicated while co-location's TPOT estimate is over this share of the SLO ...
+DEDICATE_CAUSE = 0.85     # ... and, to begin, the decode rows alone keep under this share (the prompts are the cause)
 
 
 @dataclass(frozen=True, slots=True)
@@ -107,17 +118,35 @@ def has_room(w: FleetWorker, slo_tpot_ms: float) -> bool:
 
 
 def dedicated_lean(workers: Sequence[FleetWorker], slo_tpot_ms: float, window_s: float) -> FleetWorker | None:
-    """The lean worker, kept free of decode rows, while it is busy prefilling and another's
-    decode rows keep the TPOT objective without it (module docstring); None otherwise (or with
-    fewer than two decode-capable workers)."""
+    """The lean worker, kept free of decode rows, while the prompts put co-location's TPOT at risk
+    and another's decode rows keep the TPOT objective without it (module docstring); None
+    otherwise (or with fewer than two decode-capable workers)."""
     decoders = [w for w in workers if w.can_decode]
     if len(decoders) < 2:
         return None
     lean = min(decoders, key=lambda w: (w.decode_rows, -w.recent_tokens, w.key))
-    full = full_rate(lean, _mean_measured([w.tokens_per_s for w in workers]))
-    busy = lean.recent_tokens / window_s >= LEAN_BUSY_SHARE * full
+    t_co, tpot_co = colocated_tpot_ms(decoders, window_s)
+    at_risk = tpot_co > DEDICATE_AT * slo_tpot_ms
+    share = 1.0 - t_co / tpot_co if tpot_co > 0 else 0.0    # of each GPU's time, in prompt tokens
+    caused = (t_co <= DEDICATE_CAUSE * slo_tpot_ms
+              or (lean.decode_rows == 0 and share >= 1.0 - DEDICATE_CAUSE / DEDICATE_AT))
     keeps = any(w is not lean and (w.decode_rows == 0 or _step_ms(w) <= slo_tpot_ms) for w in decoders)
-    return lean if busy and keeps else None
+    return lean if at_risk and caused and keeps else None
+
+
+def colocated_tpot_ms(decoders: Sequence[FleetWorker], window_s: float) -> tuple[float, float]:
+    """(t_co, tpot_co): the mean decode step of the workers with rows, and the TPOT co-location
+    would give with the fleet's recent prompt tokens spread evenly over ``decoders`` in mixed
+    steps (module docstring); (0, 0) without rows, tpot_co inf when the prompts alone fill them."""
+    rows = [w for w in decoders if w.decode_rows > 0]
+    if not rows:
+        return 0.0, 0.0
+    t_co = sum(_step_ms(w) for w in rows) / len(rows)
+    measured = [w.ms_per_prompt_token for w in decoders if w.ms_per_prompt_token > 0]
+    c = (sum(measured) / len(measured) if measured
+         else 1000.0 / _mean_measured([w.tokens_per_s for w in decoders]))
+    share = sum(w.recent_tokens for w in decoders) / window_s / len(decoders) * c / 1000.0
+    return t_co, (t_co / (1.0 - share) if share < 1.0 else float("inf"))
 
 
 def full_rate(w: FleetWorker, fallback: float) -> float:

@@ -7,6 +7,7 @@ import pytest
 from pdserve.router.fleet_policy import (
     MAX_MOVES_PER_ROUND,
     FleetWorker,
+    colocated_tpot_ms,
     decide,
     dedicated_lean,
     pick_decode,
@@ -54,39 +55,70 @@ def test_a_tighter_tpot_leaves_fewer_with_room():
     assert pick_decode([b, c], 8.0, home="b") is c       # 7.8 > 7.6 = 8 * 0.95; c has room (5 <= 7.6)
 
 
-BUSY = 30_000.0    # W of a worker given 15k prompt tokens/s lately: >= LEAN_BUSY_SHARE (0.25) of 40k/s
+BUSY = 40_000.0    # W of a worker given 20k prompt tokens/s lately (window 2 s): 10k/s for each of two
 
 
-def test_a_busy_prefiller_is_kept_lean_and_prefills_for_the_others():
-    a, b = w("a", recent_tokens=BUSY), w("b", decode_rows=5, decode_step_ms=6.0)
+def test_colocated_tpot_by_hand():
+    # t_co = (8 + 10) / 2 = 9 ms; c = (0.02 + 0.03) / 2 = 0.025 ms; P = 40,000 / 2 s / 2 = 10k/s:
+    # a quarter of each second in prompt tokens, tpot_co = 9 / 0.75 = 12 ms
+    a = w("a", decode_rows=10, decode_step_ms=8.0, ms_per_prompt_token=0.02, recent_tokens=20_000.0)
+    b = w("b", decode_rows=30, decode_step_ms=10.0, ms_per_prompt_token=0.03, recent_tokens=20_000.0)
+    assert colocated_tpot_ms([a, b], 2.0) == pytest.approx((9.0, 12.0))
+    # c unmeasured: 1000 / R = 0.025 ms; no rows: (0, 0); prompts filling the GPUs: inf
+    assert colocated_tpot_ms([w("a", decode_rows=1, decode_step_ms=9.0, recent_tokens=BUSY), w("b")],
+                             2.0) == pytest.approx((9.0, 12.0))
+    assert colocated_tpot_ms([w("a", recent_tokens=BUSY), w("b")], 2.0) == (0.0, 0.0)
+    assert colocated_tpot_ms([w("a", decode_rows=1, recent_tokens=160_000.0), w("b")], 2.0)[1] == float("inf")
+
+
+def test_a_lean_is_dedicated_when_the_prompts_put_colocations_tpot_at_risk():
+    # b: 20 rows at 9 ms, c 0.02; P = 10k/s each: 9 / (1 - 0.2) = 11.25 ms > 0.9 * 12 = 10.8: a is lean
+    a, b = w("a", recent_tokens=BUSY), w("b", decode_rows=20, decode_step_ms=9.0, ms_per_prompt_token=0.02)
     assert dedicated_lean([a, b], 12.0, 2.0) is a
-    assert pick_decode([a, b], 12.0, home="a") is b       # home is the lean: b has room (6 <= 11.4)
+    assert pick_decode([a, b], 12.0, home="a") is b       # home is the lean: b has room (9 <= 11.4)
     d, dec = decide([a, b], CFG, home="b")
     # a: 1000 / 40k = 25 ms + 2 ms + 1000 tokens * 1 us = 28 ms, no rows waiting;
-    # b: 5 rows at 6 ms leave (11.4 - 6) / 0.025 tokens every 11.4 ms: 52.8 ms + 5 rows * 1000 * 0.025 ms
+    # b: 20 rows at 9 ms leave (11.4 - 9) / (0.02 * 11.4) = 10,526 tokens/s: 95 ms + 20 * 1000 * 0.02 ms
     assert d == "b" and dec.kind == REMOTE and dec.prefill_key == "a"
     assert dec.ttft_ms == pytest.approx(28.0)
+    # fewer prompts: 5k/s each, 9 / 0.9 = 10 ms <= 10.8: co-location keeps it, no lean
+    assert dedicated_lean([w("a", recent_tokens=20_000.0), b], 12.0, 2.0) is None
+
+
+def test_a_lean_begins_only_where_the_prompts_are_the_cause():
+    # both hold rows: t_co 10.5 > 0.85 * 12 = 10.2, the rows alone are near the objective (no lean);
+    # at 9 ms (<= 10.2) the prompts are the cause: 9 / 0.75 = 12 > 10.8, a (fewer rows) leans
+    slow = [w("a", decode_rows=10, decode_step_ms=10.5, recent_tokens=BUSY),
+            w("b", decode_rows=12, decode_step_ms=10.5)]
+    assert dedicated_lean(slow, 12.0, 2.0) is None
+    fast = [w("a", decode_rows=10, decode_step_ms=9.0, recent_tokens=BUSY),
+            w("b", decode_rows=12, decode_step_ms=9.0)]
+    assert dedicated_lean(fast, 12.0, 2.0).key == "a"
+    # once dedicated (no rows of its own) it stays while tpot_co is at risk, whatever t_co
+    kept = [w("a", recent_tokens=BUSY), w("b", decode_rows=40, decode_step_ms=11.5)]
+    assert dedicated_lean(kept, 12.0, 2.0).key == "a"
 
 
 def test_a_dedicated_lean_prefills_even_over_the_ttft_share_while_the_rows_wait_longer():
-    # a (lean): (31,000 queued + 1,000) / 40k/s = 800 ms + 2 + 1 = 803 ms, over the 600 ms share;
-    # b (40 rows at 6 ms, guarded): (11.4 - 6) / (0.025 * 11.4) = 18,947 tokens/s: 52.8 ms, which
-    # keeps the share, but costs 52.8 + 40 rows * 1000 * 0.025 = 1,052.8 ms of waiting: a
+    # lean a (tpot_co = 9 / (1 - 10k/s * 0.025 ms) = 12 > 10.8): (31,000 queued + 1,000) / 40k/s =
+    # 800 ms + 2 + 1 = 803 ms, over the 600 ms share; b (40 rows at 9 ms, guarded):
+    # (11.4 - 9) / (0.025 * 11.4) = 8,421 tokens/s: 118.75 ms, which keeps the share, but costs
+    # 118.75 + 40 rows * 1000 * 0.025 = 1,118.75 ms of waiting: a
     a = w("a", queued_tokens=31_000, recent_tokens=BUSY)
-    b = w("b", decode_rows=40, decode_step_ms=6.0, ms_per_prompt_token=0.025)
+    b = w("b", decode_rows=40, decode_step_ms=9.0, ms_per_prompt_token=0.025)
     d, dec = decide([a, b], CFG, home="b")
     assert d == "b" and dec.kind == REMOTE and dec.prefill_key == "a"
     assert dec.ttft_ms == pytest.approx(803.0)
 
 
-def test_the_lean_is_given_back_when_the_others_break_the_objective_or_it_is_not_busy():
+def test_the_lean_is_given_back_when_the_others_break_the_objective_or_the_prompts_ease():
     a = w("a", recent_tokens=BUSY)
     near = w("b", decode_rows=40, decode_step_ms=11.5)      # no room (11.5 > 11.4) but keeps 12 ms
     assert dedicated_lean([a, near], 12.0, 2.0) is a
     assert pick_decode([a, near], 12.0, home="a") is near  # never the dedicated lean, even without room
     over = w("b", decode_rows=40, decode_step_ms=12.5)      # 12.5 > 12: every GPU's decode is needed
     assert dedicated_lean([a, over], 12.0, 2.0) is None and pick_decode([a, over], 12.0, home="a") is a
-    idle = w("a", recent_tokens=9000.0)                     # 4.5k/s < 10k/s
+    idle = w("a", recent_tokens=9000.0)                     # 2,250/s each: 6 / (1 - 0.056) = 6.4 ms
     b = w("b", decode_rows=5, decode_step_ms=6.0)
     assert dedicated_lean([idle, b], 12.0, 2.0) is None
     d, dec = decide([idle, b], CFG, home="a")
@@ -193,8 +225,9 @@ def test_no_move_without_risk_room_or_a_gap():
                        w("b", decode_rows=1, decode_step_ms=5.0)], 12.0) == []               # gap under 2
     assert pick_moves([w("a", decode_rows=8, decode_step_ms=12.5),
                        w("p", can_decode=False)], 12.0) == []                                # p never decodes
-    # never onto a dedicated lean: c is busy prefilling while b has room
-    lean, b3 = w("c", recent_tokens=BUSY), w("b", decode_rows=3, decode_step_ms=5.0)
+    # never onto a dedicated lean: c leans (P = 60k / 2 s / 3 = 10k/s each, c 0.025 ms:
+    # (12.5 + 5) / 2 / 0.75 = 11.7 ms > 10.8) while b has room
+    lean, b3 = w("c", recent_tokens=60_000.0), w("b", decode_rows=3, decode_step_ms=5.0)
     assert pick_moves([w("a", decode_rows=10, decode_step_ms=12.5), b3, lean], 12.0) == [("a", "b", 3)]
     # the destination is the fewest rows among those with room
     b, c = w("b", decode_rows=3, decode_step_ms=5.0), w("c", decode_rows=2, decode_step_ms=5.0)
