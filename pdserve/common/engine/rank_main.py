@@ -4,6 +4,7 @@ rank 0 says exit or goes away (ranks.py has the contract)."""
 from __future__ import annotations
 
 import datetime
+import importlib
 import logging
 import os
 import signal
@@ -11,6 +12,7 @@ import sys
 import threading
 import time
 import traceback
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -61,11 +63,25 @@ def _logits(runner: ModelRunner, header: dict) -> None:
     runner.model.get_submodule("lm_head")(hidden)
 
 
-def follow(runner: ModelRunner, stdin) -> None:
+def load_extensions(spec: dict, runner: ModelRunner) -> dict[str, Any]:
+    """The extensions rank 0 names (ranks.register_rank_extension), by the message kinds they take."""
+    by_kind: dict[str, Any] = {}
+    for target in spec.get("extensions", []):
+        module, name = target.split(":")
+        ext = getattr(importlib.import_module(module), name)(spec["rank"], spec["store_port"],
+                                                             lambda: runner.kv_cache, spec["timeout_s"])
+        by_kind.update(dict.fromkeys(ext.kinds, ext))
+    return by_kind
+
+
+def follow(runner: ModelRunner, stdin, extensions: dict[str, Any] | None = None) -> None:
     """Run rank 0's messages in order until it says exit or its pipe closes."""
+    extensions = extensions or {}
     while (message := read_frame(stdin)) is not None:
         kind = message["k"]
-        if kind == "forward":
+        if kind in extensions:
+            extensions[kind].handle(message)
+        elif kind == "forward":
             _forward(runner, message)
         elif kind == "logits":
             _logits(runner, message)
@@ -100,7 +116,12 @@ def main() -> int:
         store.set(f"joined/{rank}", "1")
         group = RankGroup.create(store, rank, spec["size"], device, spec["timeout_s"])
         runner = ModelRunner(config, source_from_json(spec["source"]), group)
-        follow(runner, stdin)
+        extensions = load_extensions(spec, runner)
+        try:
+            follow(runner, stdin, extensions)
+        finally:
+            for ext in set(extensions.values()):
+                ext.close()
     except Exception:  # noqa: BLE001 - any error ends this rank; rank 0's watchdog sees the exit
         logger.error("tensor-parallel rank %d failed:\n%s", rank, traceback.format_exc())
         return 1

@@ -12,7 +12,10 @@ same ModelRunner over its shard of the model (pdserve/common/parallel). Rank 0 t
   broadcasts).
 
 Each message is a length-prefixed JSON header on the follower's stdin, then its tensors by one
-broadcast over the rank group (rank_packet.py). No pickle.
+broadcast over the rank group (rank_packet.py). No pickle. Messages of other kinds go to the
+extensions a worker registered before its engine starts (``register_rank_extension``: the KV
+transfers between tensor-parallel workers, pdserve/common/kv_transfer/rank_agent.py); any thread
+may send (frames are written whole, in the order sent).
 
 Failure: a rank that exits ends the engine. Rank 0's watchdog notices at once; in a worker
 (``exit_on_rank_failure``) the whole process then exits, so the router sees one dead worker; in
@@ -52,6 +55,16 @@ logger = logging.getLogger(__name__)
 DEFAULT_TIMEOUT_S = 180.0       # a collective (and the ranks' start) may take this long
 _FRAME = struct.Struct(">I")
 _exit_on_failure = False
+_extensions: list[str] = []
+
+
+def register_rank_extension(target: str) -> None:
+    """Every rank of the engines started from now on builds ``"module:Class"``
+    (``Class(rank, store_port, pool, timeout_s)``: ``pool()`` the rank's KV pool, ``store_port``
+    the rank group's store on 127.0.0.1) and hands it the messages whose kind is in its
+    ``kinds`` (``handle(message)``, on the command loop: it must not block)."""
+    if target not in _extensions:
+        _extensions.append(target)
 
 
 def exit_on_rank_failure(on: bool = True) -> None:
@@ -111,6 +124,7 @@ class RankLeader:
         self._paused = 0
         self.counts: collections.Counter[str] = collections.Counter()   # mirrored forwards by mode
         self._lock = threading.Lock()
+        self._write = threading.Lock()        # one frame at a time on every pipe, from any thread
         self.group: RankGroup | None = None
         # CPU ranks share this host's cores (oversubscribed intra-op threads spin against each
         # other: 10x slower steps measured on 2 cores); restored on close
@@ -121,7 +135,7 @@ class RankLeader:
                                    timeout=datetime.timedelta(seconds=self.timeout_s), wait_for_workers=False)
         spec = {"config": dataclasses.asdict(config), "source": source_to_json(source), "size": self.size,
                 "store_port": self.store.port, "timeout_s": self.timeout_s, "leader_pid": os.getpid(),
-                "threads": threads}
+                "threads": threads, "extensions": list(_extensions)}
         self.procs: list[subprocess.Popen] = []
         try:
             for rank in range(1, self.size):
@@ -189,9 +203,10 @@ class RankLeader:
         """``message`` to every other rank, in order; RankFailure when one is gone."""
         self._raise_if_failed()
         try:
-            for proc in self.procs:
-                assert proc.stdin is not None
-                write_frame(proc.stdin, message)
+            with self._write:
+                for proc in self.procs:
+                    assert proc.stdin is not None
+                    write_frame(proc.stdin, message)
         except (BrokenPipeError, OSError) as e:
             raise RankFailure(self.failed or f"a tensor-parallel rank is gone ({e})") from None
 

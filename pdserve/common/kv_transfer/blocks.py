@@ -147,3 +147,54 @@ def scatter_blocks(kv_cache: torch.Tensor, block_ids: BlockIds, buffer: torch.Te
     with _stream_ctx(stream):
         idx = _index_tensor(block_ids, kv_cache.device)
         _wide_rows(kv_cache).index_copy_(0, idx, _wide_rows(buffer.reshape(n, *block_shape)))
+
+
+def head_range(kv_cache: torch.Tensor, heads: tuple[int, int] | None) -> tuple[int, int]:
+    """``heads`` checked against the pool's KV heads (None: all of them)."""
+    num_heads = kv_cache.shape[4]
+    h0, h1 = (0, num_heads) if heads is None else (int(heads[0]), int(heads[1]))
+    if not 0 <= h0 < h1 <= num_heads:
+        raise KvTransferError(f"KV heads [{h0}, {h1}) outside the pool's [0, {num_heads})")
+    return h0, h1
+
+
+def head_bytes(kv_cache: torch.Tensor, heads: tuple[int, int] | None) -> int:
+    """Bytes of KV heads ``heads`` (None: all) of one block of all layers."""
+    h0, h1 = head_range(kv_cache, heads)
+    return bytes_per_block(kv_cache) // kv_cache.shape[4] * (h1 - h0)
+
+
+def gather_heads(kv_cache: torch.Tensor, block_ids: BlockIds, heads: tuple[int, int], out: torch.Tensor,
+                 stream: torch.cuda.Stream | None = None) -> torch.Tensor:
+    """KV heads ``heads`` (``[start, end)``) of blocks ``block_ids`` as a contiguous
+    ``[n, layers, 2, block_size, end - start, head_dim]`` view of ``out`` (pool dtype, enough
+    elements); bit-exact."""
+    h0, h1 = head_range(kv_cache, heads)
+    n = len(block_ids)
+    shape = (n, *kv_cache.shape[1:4], h1 - h0, kv_cache.shape[5])
+    need = n * kv_cache[0].numel() // kv_cache.shape[4] * (h1 - h0)
+    if out.dtype != kv_cache.dtype or not out.is_contiguous() or out.numel() < need:
+        raise KvTransferError(f"staging buffer of {out.numel()} {out.dtype} elements cannot hold {need} "
+                              f"{kv_cache.dtype} ones")
+    view = out.view(-1)[:need].view(shape)
+    with _stream_ctx(stream):
+        idx = _index_tensor(block_ids, kv_cache.device)
+        view.copy_(torch.index_select(kv_cache, 0, idx)[:, :, :, :, h0:h1])
+    return view
+
+
+def scatter_heads(kv_cache: torch.Tensor, block_ids: BlockIds, heads: tuple[int, int], buffer: torch.Tensor,
+                  stream: torch.cuda.Stream | None = None) -> None:
+    """Write ``buffer`` (what :func:`gather_heads` made, pool dtype) into KV heads ``heads`` of
+    blocks ``block_ids``; the pool's other heads are untouched."""
+    h0, h1 = head_range(kv_cache, heads)
+    n = len(block_ids)
+    shape = (n, *kv_cache.shape[1:4], h1 - h0, kv_cache.shape[5])
+    if buffer.dtype != kv_cache.dtype or buffer.numel() != torch.Size(shape).numel():
+        raise KvTransferError(f"buffer of {buffer.numel()} {buffer.dtype} elements is not {n} blocks of "
+                              f"{h1 - h0} heads of the {kv_cache.dtype} pool")
+    if n == 0:
+        return
+    with _stream_ctx(stream):
+        idx = _index_tensor(block_ids, kv_cache.device)
+        kv_cache[:, :, :, :, h0:h1].index_copy_(0, idx, buffer.reshape(shape))

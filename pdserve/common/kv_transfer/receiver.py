@@ -17,7 +17,7 @@ from concurrent.futures import Future
 
 import torch
 
-from .blocks import DEFAULT_MAX_MESSAGE_BYTES, BlockIds, bytes_per_block, check_block_ids, check_pool
+from .blocks import DEFAULT_MAX_MESSAGE_BYTES, BlockIds, bytes_per_block, check_block_ids, check_pool, head_range
 from .channel import DEFAULT_TIMEOUT, PairChannel, channel_prefix
 from .channel_lru import channels_to_close
 from .errors import KvTransferError
@@ -101,10 +101,12 @@ class KvReceiver:
         return None if peer is None else peer.epoch
 
     def post(self, prefill_worker_id: str, epoch: int, block_ids: BlockIds, *,
-             with_first_token: bool = False, secret: str = "") -> Future:
+             with_first_token: bool = False, secret: str = "",
+             heads: tuple[int, int] | None = None) -> Future:
         """Post the receive announced by one PushKV. Raises ``KvTransferError`` at once (PushKV
         answers an error, nothing is sent) for a stale or broken epoch, a bad prefill worker id
-        or bad block ids."""
+        or bad block ids. ``heads``: only these KV heads ``[start, end)`` of each block arrive (a
+        route between tensor-parallel layouts, layout.py); the others are untouched."""
         epoch = int(epoch)
         channel_prefix(prefill_worker_id, self.decode_worker_id, epoch)   # checks the ids
         ids = check_block_ids(block_ids, self.kv_cache.shape[0])
@@ -113,7 +115,9 @@ class KvReceiver:
         self.close_idle()
         future: Future = Future()
         future.set_running_or_notify_cancel()  # not cancellable: the data may be in flight
-        post = Post(epoch, ids, future, time.monotonic(), with_first_token, secret)
+        if heads is not None:
+            head_range(self.kv_cache, heads)
+        post = Post(epoch, ids, future, time.monotonic(), with_first_token, secret, heads)
         with self._lock:
             if self._closed:
                 raise KvTransferError("KvReceiver is closed")

@@ -43,6 +43,7 @@ class Post:
     posted_at: float
     with_first_token: bool = False
     secret: str = ""          # the epoch's rendezvous secret (PushKV.pair_secret)
+    heads: tuple[int, int] | None = None   # only these KV heads of each block (None: all)
 
 
 class RecvPeer:
@@ -211,7 +212,7 @@ class RecvPeer:
             deadline = time.monotonic() + owner.timeout
             nbytes, first = _recv_blocks_on(ch, owner.kv_cache, item.ids,
                                             owner.max_message_bytes, deadline, self.staging,
-                                            item.with_first_token)
+                                            item.with_first_token, item.heads)
             event = ch.record_event()
             item.future.set_result(Received(nbytes, event, first))
         except Exception as e:  # noqa: BLE001 - every failure goes to the future

@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from .blocks import DEFAULT_MAX_MESSAGE_BYTES, BlockIds, bytes_per_block, check_block_ids, check_pool
+from .blocks import DEFAULT_MAX_MESSAGE_BYTES, BlockIds, check_block_ids, check_pool, head_bytes
 from .channel import DEFAULT_TIMEOUT, PairChannel, new_pair_secret
 from .channel_lru import channels_to_close
 from .errors import KvTransferError
@@ -116,6 +116,21 @@ class KvSender:
                 self._retire(pair)
             return pair.epoch
 
+    def adopt_epoch(self, decode_worker_id: str, epoch: int, secret: str) -> None:
+        """Make ``epoch`` (with ``secret``) the pair's current one, as another sender chose it: the
+        channels of one tensor-parallel transfer share the epoch of its route (0, 0) (layout.py).
+        A channel of another epoch is closed. Under ``lock()``."""
+        if not self.pair_secrets and secret:
+            raise KvTransferError("this sender's channels carry no pair secret")
+        pair = self._pair(decode_worker_id)
+        with pair.lock:
+            if pair.epoch != int(epoch) and pair.channel is not None:
+                ch, pair.channel = pair.channel, None
+                ch.close()
+                pair.staging = [None, None]
+            pair.epoch = int(epoch)
+            pair.secret, pair.secret_epoch = secret, int(epoch)
+
     def pair_secret(self, decode_worker_id: str) -> str:
         """The current epoch's secret for PushKV.pair_secret ("" unless ``pair_secrets``);
         take it after ``next_epoch`` under ``lock()``."""
@@ -183,14 +198,17 @@ class KvSender:
     def start_send(self, decode_worker_id: str, store_address: str, epoch: int,
                    kv_cache: torch.Tensor, block_ids: BlockIds, *,
                    ready_event: torch.cuda.Event | None = None,
-                   first_token: FirstTokenRef | None = None) -> PendingSend:
+                   first_token: FirstTokenRef | None = None,
+                   heads: tuple[int, int] | None = None) -> PendingSend:
         """Start sending blocks ``block_ids`` of ``kv_cache`` for the receive a PushKV with
         ``epoch`` posted (``first_token`` only if posted ``with_first_token``).
 
         CUDA: enqueued behind ``ready_event`` (else the current stream), so it may be called
         before the prefill step finished; returns once enqueued. CPU: waits for the pair's
         previous send first. Bad input or a failed start raises ``KvTransferError`` now (epoch
-        bumped); a failed transfer raises from ``PendingSend.wait``.
+        bumped); a failed transfer raises from ``PendingSend.wait``. ``heads``: only these KV
+        heads ``[start, end)`` of each block cross (a route between tensor-parallel layouts,
+        layout.py); the receive must name as many.
         """
         pair = self._pair(decode_worker_id)
         label = f"{self.prefill_worker_id}->{decode_worker_id}"
@@ -218,10 +236,10 @@ class KvSender:
                 deadline = time.monotonic() + self.timeout
                 ops = _enqueue_send_on(ch, kv_cache, ids, self.max_message_bytes, deadline,
                                        ready_event, None if kv_cache.is_cuda else pair.staging,
-                                       first_token)
+                                       first_token, heads)
                 pair.inflight += 1
                 pair.last_used = time.monotonic()
-                pending = PendingSend(self, pair, ch, ops, len(ids) * bytes_per_block(kv_cache),
+                pending = PendingSend(self, pair, ch, ops, len(ids) * head_bytes(kv_cache, heads),
                                       deadline, t0, label)
                 pair.last = None if kv_cache.is_cuda else pending
                 return pending

@@ -15,7 +15,17 @@ import time
 
 import torch
 
-from .blocks import bytes_per_block, contiguous_range, gather_blocks, plan_chunks, scatter_blocks, wire_view
+from .blocks import (
+    contiguous_range,
+    gather_blocks,
+    gather_heads,
+    head_bytes,
+    head_range,
+    plan_chunks,
+    scatter_blocks,
+    scatter_heads,
+    wire_view,
+)
 from .channel import PairChannel
 
 log = logging.getLogger(__name__)
@@ -59,8 +69,7 @@ def _trailer_elems(kv_cache: torch.Tensor) -> int:
     return -(-_TOKEN_BYTES // kv_cache.element_size())
 
 
-def _staging(slots: list, slot: int, n: int, kv_cache: torch.Tensor, extra: int = 0) -> torch.Tensor:
-    need = n * kv_cache[0].numel() + extra
+def _staging(slots: list, slot: int, need: int, kv_cache: torch.Tensor) -> torch.Tensor:
     buf = slots[slot]
     if buf is None or buf.numel() < need:
         buf = torch.empty(need, dtype=kv_cache.dtype, device=kv_cache.device)
@@ -72,11 +81,14 @@ def _enqueue_send_on(ch: PairChannel, kv_cache: torch.Tensor, ids: list[int],
                      max_message_bytes: int, deadline: float,
                      ready_event: torch.cuda.Event | None = None,
                      staging: list | None = None,
-                     first_token: FirstTokenRef | None = None) -> list:
+                     first_token: FirstTokenRef | None = None,
+                     heads: tuple[int, int] | None = None) -> list:
     """Start sending blocks ``ids`` of ``kv_cache`` (``first_token`` at the end); the caller must
-    ``ch.synchronize`` the returned operations. ``staging``: two reusable buffer slots."""
+    ``ch.synchronize`` the returned operations. ``staging``: two reusable buffer slots;
+    ``heads``: only these KV heads ``[start, end)`` of each block (None: all)."""
     kv_cache = wire_view(kv_cache)
-    block_bytes = bytes_per_block(kv_cache)
+    heads, sliced, block_elems = _slice(kv_cache, heads)
+    block_bytes = block_elems * kv_cache.element_size()
     chunks = plan_chunks(len(ids), block_bytes, max_message_bytes)
     stream = ch.stream
     if stream is not None:
@@ -94,15 +106,18 @@ def _enqueue_send_on(ch: PairChannel, kv_cache: torch.Tensor, ids: list[int],
             slot = i % 2
             token = first_token if i == len(chunks) - 1 else None
             rng = contiguous_range(sub)
-            if rng is not None and token is None:
+            if rng is not None and token is None and not sliced:
                 ops.append(ch.isend(kv_cache[rng[0]:rng[1]], tag=i))
                 continue
             if last[slot] is not None:  # the buffer is free once its last send is done
                 ch.wait(last[slot], deadline)
             extra = _trailer_elems(kv_cache) if token is not None else 0
-            buf = _staging(slots, slot, len(sub), kv_cache, extra)
-            gather_blocks(kv_cache, sub, out=buf, stream=stream)
-            need = len(sub) * kv_cache[0].numel()
+            need = len(sub) * block_elems
+            buf = _staging(slots, slot, need + extra, kv_cache)
+            if sliced:
+                gather_heads(kv_cache, sub, heads, buf, stream=stream)
+            else:
+                gather_blocks(kv_cache, sub, out=buf, stream=stream)
             msg = buf[:need + extra]
             if token is not None:
                 msg[need:].view(torch.uint8)[:_TOKEN_BYTES].copy_(token.message().view(torch.uint8))
@@ -114,11 +129,13 @@ def _enqueue_send_on(ch: PairChannel, kv_cache: torch.Tensor, ids: list[int],
 def _recv_blocks_on(ch: PairChannel, kv_cache: torch.Tensor, ids: list[int],
                     max_message_bytes: int, deadline: float,
                     staging: list | None = None, with_first_token: bool = False,
-                    ) -> tuple[int, tuple[int, float] | None]:
-    """Receive blocks ``ids`` into ``kv_cache``; returns ``(num_bytes, (token, logprob) or None)``.
-    On return the data landed (CPU) or its scatter is enqueued on ``ch.stream`` (CUDA)."""
+                    heads: tuple[int, int] | None = None) -> tuple[int, tuple[int, float] | None]:
+    """Receive blocks ``ids`` into ``kv_cache`` (only its KV heads ``heads``, ``[start, end)``,
+    when given); returns ``(num_bytes, (token, logprob) or None)``. On return the data landed
+    (CPU) or its scatter is enqueued on ``ch.stream`` (CUDA)."""
     kv_cache = wire_view(kv_cache)
-    block_bytes = bytes_per_block(kv_cache)
+    heads, sliced, block_elems = _slice(kv_cache, heads)
+    block_bytes = block_elems * kv_cache.element_size()
     chunks = plan_chunks(len(ids), block_bytes, max_message_bytes)
     stream = ch.stream
     slots: list = staging if staging is not None else [None, None]
@@ -131,11 +148,11 @@ def _recv_blocks_on(ch: PairChannel, kv_cache: torch.Tensor, ids: list[int],
         sub = ids[s:e]
         rng = contiguous_range(sub)
         trailer = extra if i == len(chunks) - 1 else 0
-        if rng is not None and not trailer:
+        if rng is not None and not trailer and not sliced:
             posted[i] = (ch.irecv(kv_cache[rng[0]:rng[1]], tag=i), None)
         else:
-            buf = _staging(slots, i % 2, len(sub), kv_cache, trailer)
-            view = buf[:len(sub) * kv_cache[0].numel() + trailer]
+            buf = _staging(slots, i % 2, len(sub) * block_elems + trailer, kv_cache)
+            view = buf[:len(sub) * block_elems + trailer]
             posted[i] = (ch.irecv(view, tag=i), view)
 
     token_msg = None
@@ -147,8 +164,11 @@ def _recv_blocks_on(ch: PairChannel, kv_cache: torch.Tensor, ids: list[int],
             work, view = posted[i]
             ch.wait(work, deadline)
             if view is not None:
-                need = (e - s) * kv_cache[0].numel()
-                scatter_blocks(kv_cache, ids[s:e], view[:need], stream=stream)
+                need = (e - s) * block_elems
+                if sliced:
+                    scatter_heads(kv_cache, ids[s:e], heads, view[:need], stream=stream)
+                else:
+                    scatter_blocks(kv_cache, ids[s:e], view[:need], stream=stream)
                 if extra and i == len(chunks) - 1:
                     token_msg = view[need:].view(torch.uint8)[:_TOKEN_BYTES].clone().view(torch.int32)
             if i + 2 < len(chunks):
@@ -156,6 +176,12 @@ def _recv_blocks_on(ch: PairChannel, kv_cache: torch.Tensor, ids: list[int],
         ch.synchronize([p[0] for p in posted], deadline)
         first = parse_first_token(token_msg) if token_msg is not None else None
     return len(ids) * block_bytes, first
+
+
+def _slice(kv_cache: torch.Tensor, heads: tuple[int, int] | None) -> tuple[tuple[int, int], bool, int]:
+    """``(heads, sliced, elements a block of them has)``: ``sliced`` unless all heads move."""
+    h0, h1 = head_range(kv_cache, heads)
+    return (h0, h1), (h1 - h0) != kv_cache.shape[4], head_bytes(kv_cache, heads) // kv_cache.element_size()
 
 
 class _Null:
