@@ -13,6 +13,7 @@
 #   fleet      2 workers of role both at co-location's budget (512), router --pd-policy fleet (pdserve up --placement fleet)
 #   fleet-mixed  the fleet with prefill-sized steps where a worker has no decode rows (budget 8192)
 #              and co-location's 512 in steps with decode rows (--max-mixed-batched-tokens 512)
+#   fleet-still  fleet-mixed with no decode moves (--pd-move-interval-s 0)
 #   fleet-guard  2 workers of role both with the TPOT guard at 12 ms (margin 0.05), router --pd-policy fleet
 #   fleet-b512 fleet-guard with co-location's step budget of 512 tokens (the guard's ceiling in every step)
 # Usage (device machine, repo root): bash bench/gpu_fleet.sh OUTDIR part [part ...]
@@ -38,6 +39,7 @@ declare -A UP=(
   [colocated]="--prefill 0 --decode 2 --role both --decode-gpus $GPUS --extra-decode-args='--max-num-batched-tokens 512' --extra-router-args='--pd-policy never $NOADM'"
   [fleet]="--prefill 0 --decode 2 --role both --decode-gpus $GPUS --extra-decode-args='--max-num-batched-tokens 512' --extra-router-args='--pd-policy fleet $ROUTER_SLO $NOADM'"
   [fleet-mixed]="--prefill 0 --decode 2 --role both --decode-gpus $GPUS --extra-decode-args='--max-num-batched-tokens 8192 --max-mixed-batched-tokens 512' --extra-router-args='--pd-policy fleet $ROUTER_SLO $NOADM'"
+  [fleet-still]="--prefill 0 --decode 2 --role both --decode-gpus $GPUS --extra-decode-args='--max-num-batched-tokens 8192 --max-mixed-batched-tokens 512' --extra-router-args='--pd-policy fleet --pd-move-interval-s 0 $ROUTER_SLO $NOADM'"
   [fleet-guard]="--prefill 0 --decode 2 --role both --decode-gpus $GPUS --extra-decode-args='--tpot-target-ms 12' --extra-router-args='--pd-policy fleet $ROUTER_SLO $NOADM'"
   [fleet-b512]="--prefill 0 --decode 2 --role both --decode-gpus $GPUS --extra-decode-args='--tpot-target-ms 12 --max-num-batched-tokens 512' --extra-router-args='--pd-policy fleet $ROUTER_SLO $NOADM'"
 )

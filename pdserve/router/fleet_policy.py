@@ -57,10 +57,12 @@ mixed steps, ``W_w`` the prompt tokens this router gave it lately, ``B_w`` its s
                 = the lowest cost among keeps     otherwise (a dedicated lean: no decode rows wait on it);
                   none: the lowest ttft (ties: the key)
 
-Moving decodes (:func:`pick_moves`, run every ``--pd-move-interval-s``): a worker without room
-(``t_w > goal``) that holds at least two rows more than the decode-capable worker with the fewest
-rows moves ``min((rows_src - rows_dst) // 2, MAX_MOVES_PER_ROUND)`` of them there, when that worker
-has room and is not the dedicated lean. A moved decode is continued on ``dst`` from its prompt and
+Moving decodes (:func:`pick_moves`, run every ``--pd-move-interval-s``): a worker whose decode
+rows alone break the objective itself (``t_w > slo_tpot``: a move stalls its stream for a few
+hundred ms, which only rows already over the objective gain back) and that holds at least two rows
+more than the decode-capable worker with the fewest rows moves
+``min((rows_src - rows_dst) // 2, MAX_MOVES_PER_ROUND)`` of them there, when that worker has room
+and is not the dedicated lean. A moved decode is continued on ``dst`` from its prompt and
 the tokens already sent, prefilled on ``src`` (whose prefix cache holds all of its full blocks) and
 its KV shipped like any remote prefill.
 
@@ -215,7 +217,7 @@ def pick_moves(workers: Sequence[FleetWorker], slo_tpot_ms: float, window_s: flo
     lean = dedicated_lean(workers, slo_tpot_ms, window_s)
     taken: set[str] = {lean.key} if lean is not None else set()
     for src in decoders:
-        if src.decode_rows < 2 or has_room(src, slo_tpot_ms) or src.key in taken:
+        if src.decode_rows < 2 or _step_ms(src) <= slo_tpot_ms or src.key in taken:
             continue
         room = [w for w in decoders if w is not src and w.key not in taken and w.decode_rows <= src.decode_rows - 2
                 and has_room(w, slo_tpot_ms)]

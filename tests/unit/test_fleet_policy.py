@@ -208,7 +208,7 @@ def test_prefill_only_workers_never_decode_and_decode_only_never_prefill_for_oth
 
 
 def test_moves_off_a_worker_whose_rows_break_the_tpot():
-    # a: 10 rows at 12.5 ms (> the goal 12, margin 0), b: 2 rows at 6 ms (room: <= 0.7 * 12) -> (10 - 2) // 2 = 4
+    # a: 10 rows at 12.5 ms (> the objective, 12), b: 2 rows at 6 ms (room: <= 11.4) -> (10 - 2) // 2 = 4
     a = w("a", decode_rows=10, decode_step_ms=12.5)
     b = w("b", decode_rows=2, decode_step_ms=6.0)
     assert pick_moves([a, b], 12.0) == [("a", "b", 4)]
@@ -219,6 +219,8 @@ def test_moves_off_a_worker_whose_rows_break_the_tpot():
 
 def test_no_move_without_risk_room_or_a_gap():
     assert pick_moves([w("a", decode_rows=10, decode_step_ms=10.0), w("b")], 12.0) == []     # TPOT kept
+    # no room (11.8 > 11.4) but the rows keep the objective: a move's stall would cost more than it gains
+    assert pick_moves([w("a", decode_rows=10, decode_step_ms=11.8), w("b")], 12.0) == []
     assert pick_moves([w("a", decode_rows=10, decode_step_ms=12.5),
                        w("b", decode_rows=3, decode_step_ms=11.6)], 12.0) == []              # b has no room
     assert pick_moves([w("a", decode_rows=2, decode_step_ms=12.5),
