@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from kv_pools import GEOM, POISON, poisoned_pool, same_bits, source_pool
+from kv_pools import GEOM, NUM_BLOCKS, POISON, poisoned_pool, same_bits, source_pool
 
 from pdserve.common.kv_transfer import FirstTokenRef, KvReceiver, KvSender, KvStoreServer, KvTransferError
 from pdserve.common.kv_transfer.layout import KvLayout, pair_error, rank_name, routes
@@ -52,13 +52,23 @@ def _shard(full: torch.Tensor, layout: KvLayout, rank: int) -> torch.Tensor:
     return full[:, :, :, :, h0:h1].contiguous()
 
 
-@pytest.mark.parametrize("p,d", [(1, 2), (2, 1), (2, 2), (1, 4), (4, 1)])
-def test_route_sends_land_each_decode_ranks_heads(p, d):
-    """What the ranks of two workers do for one transfer (rank_agent / rank_fanout), in threads."""
-    pre, dec = KvLayout(p, HEADS, GEOM[4]), KvLayout(d, HEADS, GEOM[4])
-    full = source_pool(3, "float32")
+def _pools(heads: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """A seeded source pool and a poisoned one of ``heads`` KV heads (the tiny geometry otherwise)."""
+    if heads == HEADS:
+        return source_pool(3, "float32"), poisoned_pool("float32")
+    shape = (NUM_BLOCKS, *GEOM[:3], heads, GEOM[4])
+    return torch.randn(shape, generator=torch.Generator().manual_seed(3)), torch.full(shape, POISON)
+
+
+@pytest.mark.parametrize("heads,p,d", [(2, 1, 2), (2, 2, 1), (2, 2, 2), (2, 1, 4), (2, 4, 1),
+                                       (3, 2, 3), (3, 3, 2), (3, 2, 1), (3, 1, 3)])
+def test_route_sends_land_each_decode_ranks_heads(heads, p, d):
+    """What the ranks of two workers do for one transfer (rank_agent / rank_fanout), in threads;
+    3 heads split unevenly (2 + 1) over 2 ranks."""
+    pre, dec = KvLayout(p, heads, GEOM[4]), KvLayout(d, heads, GEOM[4])
+    full, poisoned = _pools(heads)
     src_pools = [_shard(full, pre, r) for r in range(p)]
-    dst_pools = [_shard(poisoned_pool("float32"), dec, r) for r in range(d)]
+    dst_pools = [_shard(poisoned, dec, r) for r in range(d)]
     src_ids, dst_ids = [3, 4, 5, 9], [10, 2, 7, 8]
     store = KvStoreServer("127.0.0.1", 0)
     senders = [KvSender(rank_name("P", r, p), timeout=20, pair_secrets=True) for r in range(p)]
@@ -85,7 +95,7 @@ def test_route_sends_land_each_decode_ranks_heads(p, d):
             rcv.close()
         store.close()
     assert got[0].first_token == (41, 0.0)
-    assert sent == sum(g.num_bytes for g in got) == len(src_ids) * full[0].numel() // HEADS * 4 * sum(
+    assert sent == sum(g.num_bytes for g in got) == len(src_ids) * full[0].numel() // heads * 4 * sum(
         r.num_heads for r in plan)
     for rank, pool in enumerate(dst_pools):
         expect = _shard(full, dec, rank)
