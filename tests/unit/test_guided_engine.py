@@ -144,8 +144,9 @@ def test_malformed_guides_are_refused_on_construction(kwargs, field):
 
 
 def test_overlapped_steps_give_the_same_guided_tokens(llm):
-    """With async scheduling a guided sequence is never decoded before its last token is known
-    (its mask needs it): the same tokens as without overlap, unguided neighbours still overlapped."""
+    """With async scheduling a guided sequence's step is launched before its last token is read,
+    its sampling deferred until that token is accepted (its mask needs it): the same tokens as
+    without overlap, beside an unguided neighbour (tests/unit/test_guided_overlap.py has more)."""
     overlapped = LLM("default", device="cpu", num_kv_blocks=256, async_scheduling=True)
     prompts = [chat(llm, q) for q in QUESTIONS[:2]]
     params = [SamplingParams(temperature=0.0, max_tokens=30, guide=JSON_GUIDE), SamplingParams(temperature=0.0,

@@ -6,19 +6,17 @@ this engine's sampler) ends the request with FinishReason.ERROR rather than emit
 """
 from __future__ import annotations
 
-from pdserve.common.engine.sequence import PLACEHOLDER, Sequence
+from pdserve.common.engine.sequence import Sequence
 from pdserve.common.outputs import FinishReason
 
 
 def reason(seq: Sequence) -> FinishReason | None:
-    """Advance ``seq``'s guide over its new tokens; why the grammar ends it, or None (also for an
-    unguided sequence)."""
+    """Advance ``seq``'s guide over its new known tokens (up to the first PLACEHOLDER: an
+    overlapped step's token not read yet, accepted when its step resolves); why the grammar
+    ends it, or None (also for an unguided sequence)."""
     state = seq.guide
     if state is None:
         return None
-    tokens = seq.completion_token_ids
-    if PLACEHOLDER in tokens[state.num_accepted:]:
-        return None     # not known yet (overlapped step): checked when it resolves
-    if not state.advance(tokens):
+    if not state.advance(seq.completion_token_ids):
         return FinishReason.ERROR
     return FinishReason.STOP if state.is_terminated else None

@@ -17,13 +17,14 @@ import torch
 
 from pdserve.common.config import EngineConfig, ModelConfig, parse_dtype, resolve_kv_cache_dtype
 from pdserve.common.context import ForwardContext, forward_context
+from pdserve.common.engine.launched_step import LaunchedStep as LaunchedStep  # re-exported: its old home
 from pdserve.common.engine.prefill_batch import block_table_array, prefill_batch
-from pdserve.common.engine.prompt_logprobs import PromptLogprobsPlan, PromptLogprobsStep, to_host
+from pdserve.common.engine.prompt_logprobs import PromptLogprobsPlan, PromptLogprobsStep
 from pdserve.common.engine.ranks import RankLeader, rank_device
 from pdserve.common.engine.sequence import Sequence
 from pdserve.common.guided.bitmask import StepBitmask
 from pdserve.common.layers.attention_backends import resolve_backend_name
-from pdserve.common.layers.sampler import Sampler, SamplingBatch, prepare_sampling
+from pdserve.common.layers.sampler import Sampler, SamplerOutput, SamplingBatch, prepare_sampling
 from pdserve.common.loader import ModelSource, build_model
 from pdserve.common.parallel import RankGroup, tp_rank
 
@@ -51,44 +52,6 @@ def resolve_dtype(name: str, model_cfg: ModelConfig, device: torch.device) -> to
         return torch.float32
     dtype = parse_dtype(model_cfg.torch_dtype)
     return torch.bfloat16 if dtype == torch.float32 else dtype
-
-
-class LaunchedStep:
-    """A step's sampled tokens on their way to the host (pinned copy + event on CUDA)."""
-
-    def __init__(self, token_ids: torch.Tensor, logprobs: torch.Tensor | None, device: torch.device,
-                 seqs: list[Sequence] | None = None, top_token_ids: torch.Tensor | None = None,
-                 top_logprobs: torch.Tensor | None = None, prompt: PromptLogprobsStep | None = None) -> None:
-        self.seqs = seqs if seqs is not None else []   # row i of the tokens belongs to seqs[i]
-        self.token_ids = token_ids          # [B] int64, on the device (feeds the next step)
-        self.logprobs = logprobs
-        self.event: torch.cuda.Event | None = None
-        cuda = device.type == "cuda"
-        self._host_ids = to_host(token_ids, cuda)
-        self._host_lp = to_host(logprobs, cuda)
-        self._host_top_ids = to_host(top_token_ids, cuda)
-        self._host_top_lp = to_host(top_logprobs, cuda)
-        self.prompt = prompt                # the step's prompt logprobs, if any row asked
-        if cuda:
-            self.event = torch.cuda.Event()
-            self.event.record()
-
-    def result(self) -> tuple[list[int], list[float] | None]:
-        """The tokens and their logprobs; also stores the step's prompt logprobs in their
-        sequences (engine/prompt_logprobs.py)."""
-        if self.event is not None:
-            self.event.synchronize()
-        if self.prompt is not None:
-            self.prompt.write()
-        assert self._host_ids is not None
-        return self._host_ids.tolist(), (self._host_lp.tolist() if self._host_lp is not None else None)
-
-    def top(self) -> tuple[list[list[int]], list[list[float]]] | None:
-        """Per row, the most likely tokens' ids and raw logprobs (the batch's largest
-        ``top_logprobs`` of them, most likely first); None when no row asked. After ``result``."""
-        if self._host_top_ids is None or self._host_top_lp is None:
-            return None
-        return self._host_top_ids.tolist(), self._host_top_lp.tolist()
 
 
 class ModelRunner:
@@ -258,11 +221,13 @@ class ModelRunner:
 
     @torch.inference_mode()
     def launch(self, seqs: list[Sequence], is_prefill: bool, src_rows: list[int] | None = None,
-               prev_tokens: torch.Tensor | None = None) -> LaunchedStep:
+               prev_tokens: torch.Tensor | None = None, defer_guided: bool = False) -> LaunchedStep:
         """Enqueue forward + sampling for one step without waiting for the tokens; only sequences
         that reach their last token sample (``LaunchedStep.seqs``, step order). Decode row ``i``
         with ``src_rows[i] >= 0`` takes its input token from ``prev_tokens[src_rows[i]]`` on the
-        device."""
+        device. ``defer_guided``: when a sampled row is guided, only the forward and the logits
+        are enqueued; ``LaunchedStep.sample`` fills the token bitmask and samples later (once the
+        guided rows' previous tokens are accepted)."""
         if is_prefill:
             input_ids, positions, ctx = self.prepare_prefill(seqs)
         else:
@@ -285,16 +250,15 @@ class ModelRunner:
             with forward_context(ctx):
                 hidden = self.model(input_ids, positions)
 
-        if sampled:
-            out = self.sampler(self.model.compute_logits(hidden), self._sampling_batch(sampled))
-            launched = LaunchedStep(out.token_ids, out.logprobs, self.device, sampled, out.top_token_ids,
-                                    out.top_logprobs, prompt)
-        else:
-            launched = LaunchedStep(hidden.new_empty(0, dtype=torch.int64), None, self.device, sampled,
-                                    prompt=prompt)
-        if is_prefill:
-            for seq in sampled:   # a KV sender waits for this step only
-                seq.kv_ready = launched.event
+        if not sampled:
+            launched = LaunchedStep(self.device, sampled, prompt, kv_rows=is_prefill)
+            launched.land(hidden.new_empty(0, dtype=torch.int64))
+            return launched
+        logits, batch = self.model.compute_logits(hidden), self._sampling_batch(sampled)
+        launched = LaunchedStep(self.device, sampled, prompt, lambda: self._sample(logits, batch, sampled),
+                                kv_rows=is_prefill)
+        if not (defer_guided and any(s.guide is not None for s in sampled)):
+            launched.sample()
         return launched
 
     def _forward_prefill(self, input_ids: torch.Tensor, positions: torch.Tensor, ctx: ForwardContext,
@@ -321,21 +285,26 @@ class ModelRunner:
         return hidden[rows], plan.launch(self.model.compute_logits, hidden)
 
     def _sampling_batch(self, seqs: list[Sequence]) -> SamplingBatch:
-        """The batch's sampling tensors; reused while the same sequences decode together
-        (their parameters never change; batches with penalties depend on tokens: rebuilt). A
-        batch with guided sequences gets this step's token bitmask, filled on the host while the
-        forward runs on the device."""
+        """The batch's sampling tensors, without a token bitmask; reused while the same sequences
+        decode together (their parameters never change; batches with penalties depend on
+        tokens: rebuilt)."""
         key = tuple(s.seq_id for s in seqs)
         if key == self._sampling_key and self._sampling_cache is not None:
-            batch = self._sampling_cache
-        else:
-            batch = prepare_sampling(seqs, self.model_config.vocab_size, self.device, self.generators,
-                                     self.eos_token_ids)
-            self._sampling_key, self._sampling_cache = (key, batch) if not batch.per_step else (None, None)
+            return self._sampling_cache
+        batch = prepare_sampling(seqs, self.model_config.vocab_size, self.device, self.generators,
+                                 self.eos_token_ids)
+        self._sampling_key, self._sampling_cache = (key, batch) if not batch.per_step else (None, None)
+        return batch
+
+    @torch.inference_mode()
+    def _sample(self, logits: torch.Tensor, batch: SamplingBatch, seqs: list[Sequence]) -> SamplerOutput:
+        """Sample ``logits``; a batch with guided sequences first gets their token bitmask,
+        filled on the host (after the forward is enqueued: it overlaps the forward on CUDA) from
+        each guide caught up with its sequence's known tokens."""
         bitmask = self.bitmask.fill(seqs)
-        if bitmask is None:
-            return batch
-        return dataclasses.replace(batch, token_bitmask=self.bitmask.upload(bitmask, self.device))
+        if bitmask is not None:
+            batch = dataclasses.replace(batch, token_bitmask=self.bitmask.upload(bitmask, self.device))
+        return self.sampler(logits, batch)
 
     @torch.inference_mode()
     def copy_blocks(self, pairs: list[tuple[int, int]]) -> None:

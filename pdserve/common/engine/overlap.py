@@ -3,8 +3,18 @@ decode rows take their input token on the device), so the host prepares while th
 
 Exactness: a launched sequence holds a PLACEHOLDER until its step resolves (in order); one that
 stops on a token value is found a step late and its extra token dropped; a full block reaches
-the prefix cache only once its tokens are known; no overlap with penalties (host history) or
-guided sequences (a step's token bitmask needs the previous token accepted by the grammar).
+the prefix cache only once its tokens are known; no overlap with penalties (host history).
+
+Guided sequences overlap too. Step N+1's mask needs step N's token accepted by the grammar, so
+a step with a guided row that was in step N is launched without its sampling
+(``ModelRunner.launch(defer_guided=True)``): its forward and logits are enqueued, then the host
+resolves step N (reads its tokens, accepts them into the grammars, finishes what stops, a
+grammar's termination included), and only then fills step N+1's bitmask and enqueues its
+sampling (``sample``), all while the device runs step N+1's forward. A grammar only ever
+accepts known tokens (never a placeholder), so nothing is rolled back: a guided sequence that
+finishes on step N has its row of step N+1 sampled under an all-allowing (terminated) or
+harmless mask and the token dropped, as for any sequence that stops a step late. Unguided steps
+keep one launch that samples.
 """
 from __future__ import annotations
 
@@ -29,19 +39,23 @@ def can_overlap(engine) -> bool:
     """May a decode step be launched before the previous step's tokens are read?"""
     sched = engine.scheduler
     return (engine.overlap_enabled and sched.running
-            and not any(s.sampling_params.has_penalties or s.guide is not None for s in sched.running))
+            and not any(s.sampling_params.has_penalties for s in sched.running))
 
 
 def launch(engine, seqs: list[Sequence], is_prefill: bool, prev: PendingStep | None) -> PendingStep:
-    """Launch a step; decode rows that were in ``prev`` take their input token on the device."""
+    """Launch a step; decode rows that were in ``prev`` take their input token on the device. A
+    guided row that was in ``prev`` defers the step's sampling to ``sample`` (after ``prev``
+    resolves)."""
     src_rows = prev_tokens = None
+    defer = False
     if prev is not None and prev.seqs:
         row = {s.seq_id: i for i, s in enumerate(prev.seqs)}
         src_rows = [row.get(s.seq_id, -1) for s in seqs]
         prev_tokens = prev.launched.token_ids
+        defer = any(s.guide is not None and r >= 0 for s, r in zip(seqs, src_rows))
     computed = sum(s.num_scheduled_tokens for s in seqs)
-    launched = engine.model_runner.launch(seqs, is_prefill, src_rows, prev_tokens)
-    if is_prefill:
+    launched = engine.model_runner.launch(seqs, is_prefill, src_rows, prev_tokens, defer_guided=defer)
+    if is_prefill and launched.sampled:
         engine.prefill_launched(launched.seqs, launched)
     positions = []
     for s in seqs:
@@ -53,6 +67,16 @@ def launch(engine, seqs: list[Sequence], is_prefill: bool, prev: PendingStep | N
     return PendingStep(launched.seqs, launched, positions, is_prefill, computed, num_decode)
 
 
+def sample(engine, step: PendingStep | None) -> None:
+    """Enqueue ``step``'s deferred sampling (the step before it resolved: every guided row's
+    previous token accepted); a no-op for a step launched with its sampling."""
+    if step is None or step.launched.sampled:
+        return
+    step.launched.sample()
+    if step.is_prefill:
+        engine.prefill_launched(step.launched.seqs, step.launched)
+
+
 def count_decode_rows(seqs: list[Sequence]) -> int:
     """Rows of a scheduled step that decode one token (the scheduler puts them first)."""
     return sum(s.num_scheduled_tokens == 1 and s.completes_in_step for s in seqs)
@@ -61,8 +85,8 @@ def count_decode_rows(seqs: list[Sequence]) -> int:
 def schedule_next(engine, prev: PendingStep) -> PendingStep | None:
     """Launch the step after ``prev`` if nothing prevents it: without chunking a prefill of
     waiting sequences first, else a decode; with chunking whatever the scheduler mixes."""
-    if not engine.overlap_enabled or any(s.guide is not None for s in prev.seqs):
-        return None     # a guided sequence's next mask needs this step's token first
+    if not engine.overlap_enabled:
+        return None
     sched = engine.scheduler
     if not sched.config.enable_chunked_prefill and sched.waiting:
         seqs = sched._schedule_prefill()
@@ -78,7 +102,15 @@ def schedule_next(engine, prev: PendingStep) -> PendingStep | None:
 
 
 def resolve(engine, step: PendingStep, out) -> None:
-    """Write the step's tokens into its sequences, finish those that stop; fills ``out``."""
+    """Write the step's tokens into its sequences, finish those that stop (fills ``out``); then
+    enqueue the deferred sampling of the step launched after it (``engine.pending``), whose
+    token bitmask needed these tokens."""
+    _write_tokens(engine, step, out)
+    sample(engine, engine.pending)
+
+
+def _write_tokens(engine, step: PendingStep, out) -> None:
+    """Each sequence's token of ``step`` in place of its placeholder; stops found and finished."""
     token_ids, logprobs = step.launched.result()
     top = step.launched.top()
     bm, sched = engine.block_manager, engine.scheduler
