@@ -25,7 +25,9 @@ class SequenceOutput:
     """New tokens of one request since its last output. ``num_prompt_tokens`` is set once, on
     the request's first output; ``finish_reason`` on its last. ``top_logprobs``: one entry per
     token when the request asked for them; ``prompt_logprobs`` / ``prompt_top_logprobs``: prompt
-    tokens 1..n-1, in the first output only (SamplingParams.prompt_logprobs)."""
+    tokens 1..n-1, in the first output only (SamplingParams.prompt_logprobs). ``index``: which
+    sample of the request (SamplingParams.n) the output belongs to; the prompt fields come with
+    sample 0's only."""
     request_id: str = ""
     token_ids: list[int] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)
@@ -36,3 +38,4 @@ class SequenceOutput:
     top_logprobs: list[TopLogprobs] = field(default_factory=list)
     prompt_logprobs: list[float] = field(default_factory=list)
     prompt_top_logprobs: list[TopLogprobs] = field(default_factory=list)
+    index: int = 0

@@ -138,11 +138,11 @@ class DecodeServicer(BaseWorkerServicer):
 
 
 def _merge(items: list[list[SequenceOutput]]) -> list[worker_pb2.SequenceOutput]:
-    """One output per request from the steps that queued up."""
-    merged: dict[str, SequenceOutput] = {}
+    """One output per request and sample from the steps that queued up."""
+    merged: dict[tuple[str, int], SequenceOutput] = {}
     for outputs in items:
         for u in outputs:
-            out = merged.setdefault(u.request_id, SequenceOutput(u.request_id))
+            out = merged.setdefault((u.request_id, u.index), SequenceOutput(u.request_id, index=u.index))
             out.token_ids += u.token_ids
             out.logprobs += u.logprobs
             out.top_logprobs += u.top_logprobs

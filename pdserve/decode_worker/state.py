@@ -176,10 +176,11 @@ class DecodeState:
         t.advance(Phase.ACTIVE)
         self.tracker.ready(request_id)
         if not engine.kv_handoff.admit(t.seq, first_token, logprob):
-            reason = _finish_reason(t.seq)
-            self.tracker.end(request_id, reason)
-            self._emit(t, finished_output(t.seq, reason))
-            del self.tracked[request_id]
+            # sample 0 ended on its first token (the router has it); its forks, if any, run on
+            self._emit(t, finished_output(t.seq, _finish_reason(t.seq)))
+            if t.seq.all_samples_finished:
+                self.tracker.end(request_id, _finish_reason(t.seq))
+                del self.tracked[request_id]
 
     # ---- endings ---------------------------------------------------------------------
     def cancel(self, engine: LLMEngine, request_id: str, reason: FinishReason = FinishReason.CANCELLED) -> bool:
@@ -216,10 +217,12 @@ class DecodeState:
         return len(ids)
 
     def _drop(self, engine: LLMEngine, t: Tracked, reason: FinishReason, error: str = "") -> None:
+        """End the request, every sample of it still running: one last output each."""
+        live = [s for s in t.seq.samples if not s.is_finished] or [t.seq]
         engine.abort(t.seq.request_id, reason)
         self.tracker.end(t.seq.request_id, reason)
         self.tracked.pop(t.seq.request_id, None)
-        self._emit(t, finished_output(t.seq, reason, error))
+        self.outputs.publish(t.router_id, [finished_output(s, reason, error) for s in live])
 
     def expire(self, engine: LLMEngine) -> None:
         """Before each step: end reservations whose lease ran out and requests past their deadline."""
@@ -237,28 +240,35 @@ class DecodeState:
         self.outputs.publish(t.router_id, [update])
 
     def on_step(self, out: StepOutput) -> None:
-        by_router: dict[str, dict[str, SequenceOutput]] = {}
+        """Publish a step's tokens and endings: one output per (request, sample) and router; a
+        request is forgotten once all its samples finished."""
+        by_router: dict[str, dict[tuple[str, int], SequenceOutput]] = {}
         for seq, token in zip(out.seqs, out.new_token_ids):
             t = self.tracked.get(seq.request_id)
             if t is None:
                 continue
             u = SequenceOutput(seq.request_id, [token],
-                          [seq.output_logprobs[-1]] if seq.sampling_params.logprobs and seq.output_logprobs else [])
+                          [seq.output_logprobs[-1]] if seq.sampling_params.logprobs and seq.output_logprobs else [],
+                          index=seq.index)
             if seq.sampling_params.top_logprobs and seq.output_top_logprobs:
                 u.top_logprobs = [seq.output_top_logprobs[-1]]
-            if not t.first_sent:
+            if not t.first_sent and seq.index == 0:
                 u.num_prompt_tokens, u.num_cached_tokens = seq.num_prompt_tokens, seq.num_prefix_hit_tokens
                 u.prompt_logprobs = list(seq.prompt_logprobs or ())      # co-located: computed here
                 u.prompt_top_logprobs = list(seq.prompt_top_logprobs or ())
                 t.first_sent = True
-            by_router.setdefault(t.router_id, {})[seq.request_id] = u
+            by_router.setdefault(t.router_id, {})[(seq.request_id, seq.index)] = u
         for seq in out.finished:
-            t = self.tracked.pop(seq.request_id, None)
+            t = self.tracked.get(seq.request_id)
             if t is None:
                 continue
             reason = _finish_reason(seq)
-            u = by_router.setdefault(t.router_id, {}).setdefault(seq.request_id, finished_output(seq, reason))
+            key = (seq.request_id, seq.index)
+            u = by_router.setdefault(t.router_id, {}).setdefault(key, finished_output(seq, reason))
             u.finish_reason = reason
+        for seq in out.finished:          # after all: samples of one request may end in one step
+            if seq.all_samples_finished:
+                self.tracked.pop(seq.request_id, None)
         for router_id, updates in by_router.items():
             self.outputs.publish(router_id, list(updates.values()))
 
@@ -286,4 +296,4 @@ def resolve_receive(loop: EngineLoop, state: DecodeState, request_id: str, first
 
 def finished_output(seq: Sequence, reason: FinishReason, error: str = "") -> SequenceOutput:
     return SequenceOutput(seq.request_id, finish_reason=reason, num_prompt_tokens=seq.num_prompt_tokens,
-                          num_cached_tokens=seq.num_prefix_hit_tokens, error=error)
+                          num_cached_tokens=seq.num_prefix_hit_tokens, error=error, index=seq.index)

@@ -56,6 +56,7 @@ class Attempt:
         self.prefill_call: PrefillStream | None = None
         self._prefill_task: asyncio.Task | None = None
         self._pending: BaseException | None = None
+        self._held: list = []            # outputs of another sample than the last step's (n > 1)
         self._decode_broken: BaseException | None = None   # decode stream error before the first token
         self._admit_call: grpc.aio.UnaryUnaryCall | None = None   # Reserve / Submit in flight
         self._lease_held = False         # the decode worker's LeaseKeeper renews this reservation
@@ -240,7 +241,9 @@ class Attempt:
         q = self.queue
         if q is None:
             raise RuntimeError(f"request {self.rid}: next() before start()")
-        if type(q) is OutputBuffer:
+        if self._held:                     # another sample's outputs, left by the last call
+            items, self._held = self._held, []
+        elif type(q) is OutputBuffer:
             if not q.items:
                 await q.wait()
             items = q.take_all()           # everything that came since the last step
@@ -249,7 +252,11 @@ class Attempt:
             while not q.empty():
                 items.append(q.get_nowait())
         step = SequenceOutput(self.rid)
-        for item in items:                 # merged into one step (one client message)
+        step.index = next((x.index for x in items if not isinstance(x, BaseException)), 0)
+        for k, item in enumerate(items):   # merged into one step (one client message) per sample
+            if not isinstance(item, BaseException) and item.index != step.index:
+                self._held = items[k:]     # the next call's (n > 1: one sample per step)
+                break
             if isinstance(item, BaseException):
                 if step.token_ids:         # deliver the tokens first, fail on the next call
                     self.first_seen = True     # (so as a Cut, not a Retry: tokens went out)
@@ -258,6 +265,7 @@ class Attempt:
                 raise self._fail(item, self.decode, "output stream")
             self._merge(step, item)
             if step.finish_reason is not None or self._pending is not None:
+                self._held = items[k + 1:]
                 break
         n = len(step.token_ids)
         if n:

@@ -174,6 +174,11 @@ class Flow:
             self.metrics.prompt_tokens.inc(len(job.prompt.token_ids))
         return job.output
 
+    def _new_output(self, job: Job) -> OutputProcessor:
+        """The OutputProcessor of another sample of ``job`` (SamplingParams.n > 1)."""
+        return OutputProcessor(self.tokenizer, job.stop, job.include_stop, job.skip_special_tokens,
+                               job.sampling.min_tokens)
+
     def _arm_deadline(self, job: Job, att: Attempt) -> asyncio.TimerHandle | None:
         remaining = job.remaining()
         if remaining is None:
@@ -197,12 +202,18 @@ class Flow:
             run.att, step = await self._start(job)
             waiting.close()
             self.mover.track(run)
-            out = self._open_output(job)     # made by _after_send, normally
+            outs = {0: self._open_output(job)}     # per sample; sample 0's made by _after_send, normally
+            ended: set[int] = set()
+            stopped = False
             first = True
             while True:
-                answer = self._respond(job, out, run.att.cached_tokens if run.cached is None else run.cached, step)
+                i = step.index
+                out = outs.get(i) or outs.setdefault(i, self._new_output(job))
+                answer = None if i in ended else self._respond(
+                    job, out, run.att.cached_tokens if run.cached is None else run.cached, step)
                 if answer is not None:
                     resp, done, stop_hit = answer
+                    resp.index = i
                     if first:       # observed after the yield: the message goes out first
                         first = False
                         ttft = time.monotonic() - started
@@ -211,9 +222,12 @@ class Flow:
                     else:
                         yield resp
                     if done:
-                        run.cancel_workers = stop_hit
+                        ended.add(i)
+                        stopped = stopped or stop_hit     # the worker may still run that sample
                         self._count_finish(resp)
-                        break
+                        if len(ended) == job.sampling.n:
+                            run.cancel_workers = stopped
+                            break
                 run.generated.extend(step.token_ids)
                 step = await self._next_step(job, run)
             status = "OK"
@@ -348,7 +362,8 @@ def _continuation(job: Job, generated: list[int]) -> Job:
 def _can_continue(job: Job, generated: list[int]) -> bool:
     """Whether ``job`` may go on from its prompt + ``generated`` elsewhere: within the deadline,
     with tokens left to make, and only when that is the same request (presence / frequency
-    penalties count output tokens only; a guide's grammar would start again from the new prompt)."""
+    penalties count output tokens only; a guide's grammar would start again from the new prompt;
+    the samples of an n > 1 request went on from one prefill)."""
     s = job.sampling
-    return (not job.expired() and len(generated) < s.max_tokens
+    return (not job.expired() and len(generated) < s.max_tokens and s.n == 1
             and s.presence_penalty == 0.0 and s.frequency_penalty == 0.0 and s.guide is None)

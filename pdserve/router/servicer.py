@@ -14,7 +14,7 @@ from typing import Any
 
 import pdserve
 from pdserve.common import telemetry
-from pdserve.common.grpc_utils import Service
+from pdserve.common.grpc_utils import InvalidArgument, Service
 from pdserve.common.grpc_utils.convert import finish_reason_to_proto, top_logprobs_to_proto, worker_info_to_proto
 from pdserve.common.grpc_utils.protocol import PROTOCOL_VERSION
 from pdserve.common.worker_types import DECODE_ROLES, PREFILL_CAPABLE, Role, WorkerInfo
@@ -67,7 +67,7 @@ def generate_response(out: TextOutput) -> router_pb2.GenerateResponse:
     resp = router_pb2.GenerateResponse(
         request_id=out.request_id, token_ids=out.token_ids, text=out.text, logprobs=out.logprobs,
         top_logprobs=top_logprobs_to_proto(out.top_logprobs), prompt_logprobs=out.prompt_logprobs,
-        prompt_top_logprobs=top_logprobs_to_proto(out.prompt_top_logprobs))
+        prompt_top_logprobs=top_logprobs_to_proto(out.prompt_top_logprobs), index=out.index)
     if out.finish_reason is not None:
         resp.finish_reason = finish_reason_to_proto(out.finish_reason, out.matched_stop is not None)
         resp.usage.prompt_tokens = out.num_prompt_tokens
@@ -133,6 +133,8 @@ class GenerationServicer(router_pb2_grpc.GenerationServicer):
 
     async def GenerateUnary(self, request: router_pb2.GenerateRequest, context: Any) -> router_pb2.GenerateResult:
         job = self._job(request, context, "GenerateUnary")
+        if job.sampling.n > 1:
+            raise InvalidArgument("params.n", "n > 1 needs the streaming Generate (one result per sample)")
         result = router_pb2.GenerateResult(request_id=job.request_id)
         texts: list[str] = []
         async for out in self.flow.generate(job, "GenerateUnary"):

@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x17pdserve/v1/common.proto\x12\npdserve.v1\"\xf5\x03\n\x0eSamplingParams\x12\x13\n\x0btemperature\x18\x01 \x01(\x02\x12\r\n\x05top_p\x18\x02 \x01(\x02\x12\r\n\x05top_k\x18\x03 \x01(\x05\x12\r\n\x05min_p\x18\x04 \x01(\x02\x12\x1a\n\x12repetition_penalty\x18\x05 \x01(\x02\x12\x18\n\x10presence_penalty\x18\x06 \x01(\x02\x12\x19\n\x11\x66requency_penalty\x18\x07 \x01(\x02\x12\x11\n\x04seed\x18\x08 \x01(\x04H\x00\x88\x01\x01\x12\x12\n\nmax_tokens\x18\t \x01(\r\x12\x16\n\x0estop_token_ids\x18\n \x03(\r\x12\x12\n\nignore_eos\x18\x0b \x01(\x08\x12\x10\n\x08logprobs\x18\x0c \x01(\x08\x12\x0c\n\x04stop\x18\r \x03(\t\x12 \n\x05guide\x18\x0e \x01(\x0b\x32\x11.pdserve.v1.Guide\x12\x14\n\x0ctop_logprobs\x18\x0f \x01(\r\x12\x17\n\x0fprompt_logprobs\x18\x10 \x01(\x08\x12=\n\nlogit_bias\x18\x11 \x03(\x0b\x32).pdserve.v1.SamplingParams.LogitBiasEntry\x12\x12\n\nmin_tokens\x18\x12 \x01(\r\x1a\x30\n\x0eLogitBiasEntry\x12\x0b\n\x03key\x18\x01 \x01(\r\x12\r\n\x05value\x18\x02 \x01(\x02:\x02\x38\x01\x42\x07\n\x05_seed\"2\n\x0bTopLogprobs\x12\x11\n\ttoken_ids\x18\x01 \x03(\r\x12\x10\n\x08logprobs\x18\x02 \x03(\x02\"\x8d\x01\n\x05Guide\x12\x15\n\x0bjson_schema\x18\x01 \x01(\tH\x00\x12\x15\n\x0bjson_object\x18\x02 \x01(\x08H\x00\x12\x0f\n\x05regex\x18\x03 \x01(\tH\x00\x12*\n\x06\x63hoice\x18\x04 \x01(\x0b\x32\x18.pdserve.v1.GuideChoicesH\x00\x12\x11\n\x07grammar\x18\x05 \x01(\tH\x00\x42\x06\n\x04kind\"\x1f\n\x0cGuideChoices\x12\x0f\n\x07\x63hoices\x18\x01 \x03(\t\"P\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\r\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\r\x12\x15\n\rcached_tokens\x18\x03 \x01(\r\"\r\n\x0bInfoRequest\"\x94\x02\n\nServerInfo\x12\x18\n\x10protocol_version\x18\x01 \x01(\t\x12\x1e\n\x04role\x18\x02 \x01(\x0e\x32\x10.pdserve.v1.Role\x12\r\n\x05model\x18\x03 \x01(\t\x12\r\n\x05\x64type\x18\x04 \x01(\t\x12\x12\n\nblock_size\x18\x05 \x01(\r\x12\x15\n\rmax_model_len\x18\x06 \x01(\r\x12\x15\n\rnum_kv_blocks\x18\x07 \x01(\r\x12\x11\n\tworker_id\x18\x08 \x01(\t\x12\x0f\n\x07version\x18\t \x01(\t\x12\x12\n\nvocab_size\x18\n \x01(\r\x12\x16\n\x0ekv_cache_dtype\x18\x0b \x01(\t\x12\x1c\n\x14tensor_parallel_size\x18\x0c \x01(\r*\xd0\x01\n\x0c\x46inishReason\x12\x1d\n\x19\x46INISH_REASON_UNSPECIFIED\x10\x00\x12\x16\n\x12\x46INISH_REASON_STOP\x10\x01\x12\x18\n\x14\x46INISH_REASON_LENGTH\x10\x02\x12\x1d\n\x19\x46INISH_REASON_STOP_STRING\x10\x03\x12\x1b\n\x17\x46INISH_REASON_CANCELLED\x10\x04\x12\x1a\n\x16\x46INISH_REASON_DEADLINE\x10\x05\x12\x17\n\x13\x46INISH_REASON_ERROR\x10\x06*_\n\x04Role\x12\x14\n\x10ROLE_UNSPECIFIED\x10\x00\x12\x0f\n\x0bROLE_ROUTER\x10\x01\x12\x10\n\x0cROLE_PREFILL\x10\x02\x12\x0f\n\x0bROLE_DECODE\x10\x03\x12\r\n\tROLE_BOTH\x10\x04\x32\x46\n\x0bInfoService\x12\x37\n\x04Info\x12\x17.pdserve.v1.InfoRequest\x1a\x16.pdserve.v1.ServerInfob\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x17pdserve/v1/common.proto\x12\npdserve.v1\"\x80\x04\n\x0eSamplingParams\x12\x13\n\x0btemperature\x18\x01 \x01(\x02\x12\r\n\x05top_p\x18\x02 \x01(\x02\x12\r\n\x05top_k\x18\x03 \x01(\x05\x12\r\n\x05min_p\x18\x04 \x01(\x02\x12\x1a\n\x12repetition_penalty\x18\x05 \x01(\x02\x12\x18\n\x10presence_penalty\x18\x06 \x01(\x02\x12\x19\n\x11\x66requency_penalty\x18\x07 \x01(\x02\x12\x11\n\x04seed\x18\x08 \x01(\x04H\x00\x88\x01\x01\x12\x12\n\nmax_tokens\x18\t \x01(\r\x12\x16\n\x0estop_token_ids\x18\n \x03(\r\x12\x12\n\nignore_eos\x18\x0b \x01(\x08\x12\x10\n\x08logprobs\x18\x0c \x01(\x08\x12\x0c\n\x04stop\x18\r \x03(\t\x12 \n\x05guide\x18\x0e \x01(\x0b\x32\x11.pdserve.v1.Guide\x12\x14\n\x0ctop_logprobs\x18\x0f \x01(\r\x12\x17\n\x0fprompt_logprobs\x18\x10 \x01(\x08\x12=\n\nlogit_bias\x18\x11 \x03(\x0b\x32).pdserve.v1.SamplingParams.LogitBiasEntry\x12\x12\n\nmin_tokens\x18\x12 \x01(\r\x12\t\n\x01n\x18\x13 \x01(\r\x1a\x30\n\x0eLogitBiasEntry\x12\x0b\n\x03key\x18\x01 \x01(\r\x12\r\n\x05value\x18\x02 \x01(\x02:\x02\x38\x01\x42\x07\n\x05_seed\"2\n\x0bTopLogprobs\x12\x11\n\ttoken_ids\x18\x01 \x03(\r\x12\x10\n\x08logprobs\x18\x02 \x03(\x02\"\x8d\x01\n\x05Guide\x12\x15\n\x0bjson_schema\x18\x01 \x01(\tH\x00\x12\x15\n\x0bjson_object\x18\x02 \x01(\x08H\x00\x12\x0f\n\x05regex\x18\x03 \x01(\tH\x00\x12*\n\x06\x63hoice\x18\x04 \x01(\x0b\x32\x18.pdserve.v1.GuideChoicesH\x00\x12\x11\n\x07grammar\x18\x05 \x01(\tH\x00\x42\x06\n\x04kind\"\x1f\n\x0cGuideChoices\x12\x0f\n\x07\x63hoices\x18\x01 \x03(\t\"P\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\r\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\r\x12\x15\n\rcached_tokens\x18\x03 \x01(\r\"\r\n\x0bInfoRequest\"\x94\x02\n\nServerInfo\x12\x18\n\x10protocol_version\x18\x01 \x01(\t\x12\x1e\n\x04role\x18\x02 \x01(\x0e\x32\x10.pdserve.v1.Role\x12\r\n\x05model\x18\x03 \x01(\t\x12\r\n\x05\x64type\x18\x04 \x01(\t\x12\x12\n\nblock_size\x18\x05 \x01(\r\x12\x15\n\rmax_model_len\x18\x06 \x01(\r\x12\x15\n\rnum_kv_blocks\x18\x07 \x01(\r\x12\x11\n\tworker_id\x18\x08 \x01(\t\x12\x0f\n\x07version\x18\t \x01(\t\x12\x12\n\nvocab_size\x18\n \x01(\r\x12\x16\n\x0ekv_cache_dtype\x18\x0b \x01(\t\x12\x1c\n\x14tensor_parallel_size\x18\x0c \x01(\r*\xd0\x01\n\x0c\x46inishReason\x12\x1d\n\x19\x46INISH_REASON_UNSPECIFIED\x10\x00\x12\x16\n\x12\x46INISH_REASON_STOP\x10\x01\x12\x18\n\x14\x46INISH_REASON_LENGTH\x10\x02\x12\x1d\n\x19\x46INISH_REASON_STOP_STRING\x10\x03\x12\x1b\n\x17\x46INISH_REASON_CANCELLED\x10\x04\x12\x1a\n\x16\x46INISH_REASON_DEADLINE\x10\x05\x12\x17\n\x13\x46INISH_REASON_ERROR\x10\x06*_\n\x04Role\x12\x14\n\x10ROLE_UNSPECIFIED\x10\x00\x12\x0f\n\x0bROLE_ROUTER\x10\x01\x12\x10\n\x0cROLE_PREFILL\x10\x02\x12\x0f\n\x0bROLE_DECODE\x10\x03\x12\r\n\tROLE_BOTH\x10\x04\x32\x46\n\x0bInfoService\x12\x37\n\x04Info\x12\x17.pdserve.v1.InfoRequest\x1a\x16.pdserve.v1.ServerInfob\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -33,26 +33,26 @@ if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
   _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._loaded_options = None
   _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_options = b'8\001'
-  _globals['_FINISHREASON']._serialized_start=1149
-  _globals['_FINISHREASON']._serialized_end=1357
-  _globals['_ROLE']._serialized_start=1359
-  _globals['_ROLE']._serialized_end=1454
+  _globals['_FINISHREASON']._serialized_start=1160
+  _globals['_FINISHREASON']._serialized_end=1368
+  _globals['_ROLE']._serialized_start=1370
+  _globals['_ROLE']._serialized_end=1465
   _globals['_SAMPLINGPARAMS']._serialized_start=40
-  _globals['_SAMPLINGPARAMS']._serialized_end=541
-  _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_start=484
-  _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_end=532
-  _globals['_TOPLOGPROBS']._serialized_start=543
-  _globals['_TOPLOGPROBS']._serialized_end=593
-  _globals['_GUIDE']._serialized_start=596
-  _globals['_GUIDE']._serialized_end=737
-  _globals['_GUIDECHOICES']._serialized_start=739
-  _globals['_GUIDECHOICES']._serialized_end=770
-  _globals['_USAGE']._serialized_start=772
-  _globals['_USAGE']._serialized_end=852
-  _globals['_INFOREQUEST']._serialized_start=854
-  _globals['_INFOREQUEST']._serialized_end=867
-  _globals['_SERVERINFO']._serialized_start=870
-  _globals['_SERVERINFO']._serialized_end=1146
-  _globals['_INFOSERVICE']._serialized_start=1456
-  _globals['_INFOSERVICE']._serialized_end=1526
+  _globals['_SAMPLINGPARAMS']._serialized_end=552
+  _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_start=495
+  _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_end=543
+  _globals['_TOPLOGPROBS']._serialized_start=554
+  _globals['_TOPLOGPROBS']._serialized_end=604
+  _globals['_GUIDE']._serialized_start=607
+  _globals['_GUIDE']._serialized_end=748
+  _globals['_GUIDECHOICES']._serialized_start=750
+  _globals['_GUIDECHOICES']._serialized_end=781
+  _globals['_USAGE']._serialized_start=783
+  _globals['_USAGE']._serialized_end=863
+  _globals['_INFOREQUEST']._serialized_start=865
+  _globals['_INFOREQUEST']._serialized_end=878
+  _globals['_SERVERINFO']._serialized_start=881
+  _globals['_SERVERINFO']._serialized_end=1157
+  _globals['_INFOSERVICE']._serialized_start=1467
+  _globals['_INFOSERVICE']._serialized_end=1537
 # @@protoc_insertion_point(module_scope)

@@ -7,8 +7,8 @@ it, the decode worker continues it).
   every one of 20 prompts (sampled, seeded);
 - a streamed tool call (named and required tool_choice) assembled by the SDK's stream helper has
   a name and arguments that parse and match the tool's schema;
-- ``n=4`` with a seed: four samples, reproducible, the other three prefills hit the prefix cache
-  (the workers' prefix-hit counters and the response's cached tokens show it);
+- ``n=4`` with a seed: four samples, reproducible, from one prefill (each worker looks the prompt
+  up once; the fork itself: tests/integration/test_openai_n.py);
 - cancelling an n=4 or a guided stream mid-way leaves both block pools whole, and so does a
   deadline passing mid-way (gRPC: four streams of one prompt, or one guided stream).
 """
@@ -151,22 +151,20 @@ def test_tool_turns_in_the_history_are_rendered(client, model):
     assert r.choices[0].message.content and not r.choices[0].message.tool_calls
 
 
-def _hits(dep) -> int:
-    return sum(dep.stats(a).prefix_cache_hit_tokens for a in (*dep.prefill, *dep.decode))
+def _queries(dep) -> int:
+    return sum(dep.stats(a).prefix_cache_query_tokens for a in (*dep.prefill, *dep.decode))
 
 
 def test_n4_with_a_seed_is_one_prefill_and_reproducible(dep, client, model):
     nonce = uuid.uuid4().hex      # a prompt no earlier test cached
     content = f"Request {nonce}. Write one short sentence about the sea, the wind and the old lighthouse."
-    before = _hits(dep)
+    before = _queries(dep)
     r = client.chat.completions.create(model=model, messages=[{"role": "user", "content": content}], n=4,
                                        seed=7, temperature=1.0, max_tokens=12)
-    after = _hits(dep)
+    after = _queries(dep)
     assert [c.index for c in r.choices] == [0, 1, 2, 3]
-    full_blocks = r.usage.prompt_tokens // 4 // BLOCK * BLOCK
-    assert full_blocks >= BLOCK
-    assert r.usage.prompt_tokens_details.cached_tokens >= 3 * full_blocks
-    assert after - before >= 3 * full_blocks
+    prompt_tokens = r.usage.prompt_tokens // 4            # counted once per choice
+    assert after - before == 2 * prompt_tokens             # one lookup on each of the two workers
     texts = [c.message.content for c in r.choices]
     assert len(set(texts)) > 1                                   # four samples, not one
     again = client.chat.completions.create(model=model, messages=[{"role": "user", "content": content}], n=4,

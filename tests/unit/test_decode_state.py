@@ -88,3 +88,44 @@ def test_deadline_and_router_departure(env):
     assert outputs.items[-1][1][0].finish_reason == FinishReason.DEADLINE
     assert state.cancel_router(engine, "other") == 1
     assert not engine.has_unfinished() and engine.block_manager.is_whole()
+
+
+def _ends(outputs) -> dict[int, list]:
+    """Per sample index, the finish reasons published."""
+    ends: dict[int, list] = {}
+    for _, items in outputs.items:
+        for u in (items if isinstance(items, list) else [items]):
+            if u.finish_reason is not None:
+                ends.setdefault(u.index, []).append(u.finish_reason)
+    return ends
+
+
+def test_n_samples_each_end_once_even_in_one_step(env):
+    """Imported KV of an n = 3 request: the samples fork on admit and end in the same step (same
+    length); each gets exactly one last output, and the request is forgotten after the last."""
+    engine, state, outputs = env
+    params = SamplingParams(temperature=0.8, seed=1, max_tokens=4, ignore_eos=True, n=3)
+    blocks, _ = state.reserve(engine, "r1", PROMPT, params, 0, None, "router")
+    assert engine.block_manager.num_used_blocks == 3 + 2            # the forks' last blocks too
+    state.start_receive(engine, "r1", blocks)
+    state.finish_receive(engine, "r1", 7, 0.0, None, None)
+    tokens: dict[int, int] = {}
+    while engine.has_unfinished():
+        out = engine.step()
+        state.on_step(out)
+        for seq in out.seqs:
+            tokens[seq.index] = tokens.get(seq.index, 0) + 1
+    assert tokens == {0: 3, 1: 4, 2: 4}            # sample 0's first token came with the KV
+    assert _ends(outputs) == {i: [FinishReason.LENGTH] for i in range(3)}
+    assert "r1" not in state.tracked and engine.block_manager.is_whole()
+
+
+def test_cancel_of_an_n_request_ends_every_sample(env):
+    engine, state, outputs = env
+    state.submit(engine, "r1", PROMPT, SamplingParams(temperature=0, max_tokens=50, ignore_eos=True, n=3), None,
+                 "router")
+    for _ in range(3):
+        state.on_step(engine.step())
+    assert state.cancel(engine, "r1")
+    assert _ends(outputs) == {i: [FinishReason.CANCELLED] for i in range(3)}
+    assert "r1" not in state.tracked and engine.block_manager.is_whole()

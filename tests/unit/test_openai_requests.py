@@ -112,14 +112,16 @@ def test_request_path_errors_get_openai_names_and_statuses():
                                      "param": None, "code": "unavailable"}}
 
 
-def test_n_fans_out_with_seeds_and_unique_ids():
+def test_n_is_one_request_of_n_samples_per_prompt():
     api = parse_completion({"prompt": ["a", "b"], "n": 3, "seed": 7})
     assert api.n == 3 and len(api.inputs) == 6 and api.input_fields == ("prompt[0]",) * 3 + ("prompt[1]",) * 3
-    assert [r.params.seed for r in api.inputs] == [7, 8, 9, 7, 8, 9]
+    assert [r.params.seed for r in api.inputs] == [7] * 6          # the workers seed sample i with 7 + i
+    assert [r.params.n for r in api.inputs] == [3] * 6
     assert [r.text for r in api.inputs] == ["a"] * 3 + ["b"] * 3
-    assert len({r.request_id for r in api.inputs}) == 6
+    assert len({r.request_id for r in api.inputs}) == 2 and len({id(r) for r in api.inputs}) == 2
     unseeded = parse_chat({"messages": [{"role": "user", "content": "hi"}], "n": 2})
     assert not any(r.params.HasField("seed") for r in unseeded.inputs) and len(unseeded.inputs) == 2
+    assert parse_chat({"messages": [{"role": "user", "content": "hi"}]}).inputs[0].params.n == 0   # one
 
 
 def test_structured_outputs_become_a_guide():
@@ -167,7 +169,7 @@ def test_best_of_fans_out_best_of_samples_with_logprobs_and_keeps_n():
     api = parse_completion({"prompt": ["a", "b"], "n": 2, "best_of": 3, "seed": 4})
     assert (api.n, api.keep, len(api.inputs)) == (3, 2, 6)
     assert all(r.params.logprobs for r in api.inputs) and not api.logprobs    # for the ranking only
-    assert [r.params.seed for r in api.inputs] == [4, 5, 6, 4, 5, 6]
+    assert [r.params.seed for r in api.inputs] == [4] * 6 and [r.params.n for r in api.inputs] == [3] * 6
     assert parse_completion({"prompt": "a", "n": 2, "best_of": 2}).keep == 0
 
 

@@ -82,6 +82,7 @@ def sampling_params_from_proto(p: common_pb2.SamplingParams, rest_of_context: in
             logit_bias=tuple(sorted(p.logit_bias.items())),
             min_tokens=p.min_tokens,
             guide=guide,
+            n=p.n or 1,
         )
     except InvalidParameter as e:
         message, prefix = str(e), f"{e.field}: "
@@ -106,7 +107,7 @@ def sampling_params_to_proto(s: SamplingParams, *, max_tokens: int | None = None
         frequency_penalty=s.frequency_penalty, max_tokens=s.max_tokens if max_tokens is None else max_tokens,
         stop_token_ids=list(s.stop_token_ids), ignore_eos=s.ignore_eos, logprobs=s.logprobs, stop=list(stop),
         top_logprobs=s.top_logprobs, prompt_logprobs=s.prompt_logprobs, logit_bias=dict(s.logit_bias),
-        min_tokens=s.min_tokens)
+        min_tokens=s.min_tokens, n=s.n)
     if s.seed is not None:
         p.seed = s.seed
     if s.guide is not None:
@@ -170,7 +171,7 @@ def top_logprobs_from_proto(tops) -> list[TopLogprobs]:
 def sequence_output_from_proto(p: worker_pb2.SequenceOutput) -> SequenceOutput:
     return SequenceOutput(p.request_id, list(p.token_ids), list(p.logprobs), _FINISH_FROM_PROTO.get(p.finish_reason),
                           p.num_prompt_tokens, p.num_cached_tokens, p.error, top_logprobs_from_proto(p.top_logprobs),
-                          list(p.prompt_logprobs), top_logprobs_from_proto(p.prompt_top_logprobs))
+                          list(p.prompt_logprobs), top_logprobs_from_proto(p.prompt_top_logprobs), p.index)
 
 
 def sequence_output_to_proto(out: SequenceOutput) -> worker_pb2.SequenceOutput:
@@ -178,7 +179,8 @@ def sequence_output_to_proto(out: SequenceOutput) -> worker_pb2.SequenceOutput:
         request_id=out.request_id, token_ids=out.token_ids, logprobs=out.logprobs,
         finish_reason=finish_reason_to_proto(out.finish_reason), num_prompt_tokens=out.num_prompt_tokens,
         num_cached_tokens=out.num_cached_tokens, error=out.error, top_logprobs=top_logprobs_to_proto(out.top_logprobs),
-        prompt_logprobs=out.prompt_logprobs, prompt_top_logprobs=top_logprobs_to_proto(out.prompt_top_logprobs))
+        prompt_logprobs=out.prompt_logprobs, prompt_top_logprobs=top_logprobs_to_proto(out.prompt_top_logprobs),
+        index=out.index)
 
 
 def first_token_from_proto(p: worker_pb2.FirstToken, request_id: str, logprobs: bool) -> SequenceOutput:

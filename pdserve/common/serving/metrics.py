@@ -266,7 +266,8 @@ class RequestTracker:
                     m.ttft.observe(now - t.arrival)
             t.last_token = now
         for seq in out.finished:
-            self.end(seq.request_id, seq.finish_reason)
+            if seq.all_samples_finished:     # a request of n samples ends with its last
+                self.end(seq.request_id, seq.finish_reason)
 
     def end(self, request_id: str, reason) -> None:
         """The request ended here (finished, cancelled, failed, or handed over by a prefill worker)."""

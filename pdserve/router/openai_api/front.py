@@ -4,9 +4,9 @@
 Each choice's input goes through :meth:`GenerationServicer.job` (validation, tokenization,
 the context check), exactly as a gRPC ``Generate`` does, then through ``Flow.generate`` (the one
 routing decision, the workers, stop strings, detokenization). Closing the generators here
-(client gone) closes the flow's, which cancels the request on every worker. With ``n`` > 1 the
-other samples of a prompt start once its first one has its first token: its prefill is done and
-its blocks are in the prefix caches, so theirs is mostly hits. A chat with tools is rendered
+(client gone) closes the flow's, which cancels the request on every worker. With ``n`` > 1 a
+prompt is one request of n samples (``params.n``): one prefill, the samples forked on the worker
+that decodes, their outputs told apart by ``TextOutput.index`` (choice ``k * n + index``). A chat with tools is rendered
 here (tools.render) and its output shaped into ``tool_calls`` (tools.py, tool_stream.py).
 """
 from __future__ import annotations
@@ -60,11 +60,15 @@ class OpenAIFront:
 
     # ---- jobs -----------------------------------------------------------------------------
     def jobs(self, api: ApiRequest) -> list[Job]:
-        """One job per input, all validated before any runs; errors name the body's fields."""
+        """One job per choice (the n samples of a prompt share one), all validated before any
+        runs; errors name the body's fields."""
         if api.chat_messages:
             self._render_chat(api)
-        out = []
-        for req, name in zip(api.inputs, api.input_fields):
+        out: list[Job] = []
+        for k, (req, name) in enumerate(zip(api.inputs, api.input_fields)):
+            if k % api.n:
+                out.append(out[-1])      # another sample of the prompt's request
+                continue
             try:
                 out.append(self.servicer.job(req, None))
             except Exception as e:  # noqa: BLE001 - mapped to OpenAI's shape, field renamed
@@ -92,18 +96,29 @@ class OpenAIFront:
     # ---- generation -----------------------------------------------------------------------
     async def steps(self, api: ApiRequest, jobs: list[Job]
                     ) -> AsyncGenerator[tuple[int, TextOutput], None]:
-        """(choice index, output) as the flow produces them; several choices interleave."""
-        method = METHODS[api.kind]
-        if len(jobs) == 1:
-            gen = self.flow.generate(jobs[0], method)
+        """(choice index, output) as the flow produces them; several choices interleave. One flow
+        per prompt; its sample ``index`` is choice ``k * n + index``. An echo without generation
+        (``echo_only``) has its one token dropped here."""
+        async with contextlib.aclosing(self._steps(api, jobs)) as steps:    # closed: the flows too
+            async for k, resp in steps:
+                if api.echo_only:
+                    resp = dataclasses.replace(resp, token_ids=[], logprobs=[], top_logprobs=[], text="",
+                                               num_output_tokens=0)
+                yield k, resp
+
+    async def _steps(self, api: ApiRequest, jobs: list[Job]) -> AsyncGenerator[tuple[int, TextOutput], None]:
+        method, n = METHODS[api.kind], api.n
+        requests = jobs[::n]
+        if len(requests) == 1:
+            gen = self.flow.generate(requests[0], method)
             try:
                 async for resp in gen:
-                    yield 0, resp
+                    yield resp.index, resp
             finally:
                 await gen.aclose()
             return
-        async for item in _merge([self.flow.generate(j, method) for j in jobs], api.n):
-            yield item
+        async for k, resp in _merge([self.flow.generate(j, method) for j in requests]):
+            yield k * n + resp.index, resp
 
     async def complete(self, api: ApiRequest, jobs: list[Job], model: str) -> dict:
         """The whole response of a non-streamed request."""
@@ -111,6 +126,8 @@ class OpenAIFront:
         async with contextlib.aclosing(self.steps(api, jobs)) as steps:
             async for k, resp in steps:
                 _add(choices[k], resp)
+        for c in choices:
+            _share_prompt(choices, c.index, api.n)
         lps = []
         for c, job in zip(choices, jobs):
             lps.append(self._logprobs(api, c, job, c.token_ids, c.logprobs, c.top_logprobs, 0, api.echo))
@@ -135,6 +152,7 @@ class OpenAIFront:
                 c = choices[k]
                 offset = sum(len(t) for t in c.texts)
                 _add(c, resp)
+                _share_prompt(choices, k, api.n)
                 echo = api.echo and first[k]
                 lp = self._logprobs(api, c, jobs[k], list(resp.token_ids), list(resp.logprobs), resp.top_logprobs,
                                     offset, echo)
@@ -190,6 +208,14 @@ def _add(c: R.Choice, resp: TextOutput) -> None:
         c.prompt_tokens = resp.num_prompt_tokens or c.prompt_tokens
 
 
+def _share_prompt(choices: list[R.Choice], k: int, n: int) -> None:
+    """Choice ``k``'s prompt logprobs from the first sample of its prompt (the workers send
+    them with sample 0 only; sample 0's first token comes before any other sample's)."""
+    c, first = choices[k], choices[k - k % n]
+    if c is not first and not c.prompt_logprobs:
+        c.prompt_logprobs, c.prompt_top_logprobs = first.prompt_logprobs, first.prompt_top_logprobs
+
+
 def _uses_tools(api: ApiRequest) -> bool:
     return api.kind == CHAT and api.tools is not None and api.tools.choice != "none"
 
@@ -230,38 +256,22 @@ def _tool_chunks(api: ApiRequest, created: int, model: str, c: R.Choice, stream:
     return out
 
 
-async def _merge(gens: list[AsyncGenerator[T, None]], n: int = 1) -> AsyncGenerator[tuple[int, T], None]:
-    """(index, item) from several async generators at once; the first error ends all of them.
-    In each group of ``n`` (k, k+1, ... k+n-1 with k % n == 0) the others start once the first
-    has yielded its first item (or ended)."""
+async def _merge(gens: list[AsyncGenerator[T, None]]) -> AsyncGenerator[tuple[int, T], None]:
+    """(index, item) from several async generators at once; the first error ends all of them."""
     queue: asyncio.Queue = asyncio.Queue()
     end = object()
-    tasks: dict[int, asyncio.Future] = {}
-
-    def start(k: int) -> None:
-        tasks[k] = asyncio.ensure_future(pump(k, gens[k]))
-
-    def release_group(k: int) -> None:
-        for j in range(k + 1, min(k + n, len(gens))):
-            if j not in tasks:
-                start(j)
 
     async def pump(k: int, gen: AsyncGenerator[T, None]) -> None:
         try:
             async for item in gen:
                 await queue.put((k, item, None))
-                if k % n == 0:
-                    release_group(k)
-            if k % n == 0:
-                release_group(k)
             await queue.put((k, end, None))
         except Exception as e:  # noqa: BLE001 - handed to the consumer
             await queue.put((k, end, e))
         finally:
             await gen.aclose()
 
-    for k in range(0, len(gens), n):
-        start(k)
+    tasks = {k: asyncio.ensure_future(pump(k, gen)) for k, gen in enumerate(gens)}
     try:
         running = len(gens)
         while running:
@@ -276,6 +286,3 @@ async def _merge(gens: list[AsyncGenerator[T, None]], n: int = 1) -> AsyncGenera
         for t in tasks.values():
             t.cancel()
         await asyncio.gather(*tasks.values(), return_exceptions=True)
-        for k, gen in enumerate(gens):
-            if k not in tasks:
-                await gen.aclose()      # never started: nothing to cancel on a worker

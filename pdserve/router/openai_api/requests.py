@@ -2,12 +2,14 @@
 
 Only the JSON is checked here (types, and 0 for ``max_tokens``, ``top_p``, ``repetition_penalty``);
 ranges, the prompt and the context are checked once by
-:meth:`pdserve.router.servicer.GenerationServicer.job`. ``n`` > 1 becomes n GenerateRequests per
-prompt (seeds ``seed + i``), which the front runs after the first one's prefill (so the others
-hit the prefix cache); structured outputs (structured.py) and tools (tools.py) become a guide.
+:meth:`pdserve.router.servicer.GenerationServicer.job`. ``n`` > 1 becomes one GenerateRequest per
+prompt asking for n samples (``params.n``: the workers prefill once and fork, sample i seeded
+``seed + i``), listed once per choice in ``inputs``; structured outputs (structured.py) and
+tools (tools.py) become a guide.
 Log-probabilities: chat ``logprobs`` + ``top_logprobs`` (0..20), completions ``logprobs`` (an
 integer 0..20: the top count); completions ``echo`` returns the prompt first, with its
-logprobs (SamplingParams.prompt_logprobs) when ``logprobs`` is set. ``logit_bias`` (token id
+logprobs (SamplingParams.prompt_logprobs) when ``logprobs`` is set; with ``max_tokens`` 0 only
+the prompt (as vLLM: one token is generated and dropped, finish reason ``length``). ``logit_bias`` (token id
 string -> bias) and vLLM's ``min_tokens`` go to the sampler. ``best_of`` > n samples best_of per
 prompt (their logprobs computed for the ranking) and answers the n with the highest cumulative
 logprob (not streamed, as OpenAI). Unsupported fields (suffix) are refused with a 400 naming the
@@ -53,6 +55,7 @@ class ApiRequest:
     top_logprobs: int = 0                       # most likely tokens per position (logprobs only)
     echo: bool = False                          # completions: the prompt comes first
     keep: int = 0                               # best_of > n: the n samples answered per prompt
+    echo_only: bool = False                     # echo with max_tokens 0: the prompt, no generated token
 
 
 def parse_chat(body: dict) -> ApiRequest:
@@ -80,10 +83,13 @@ def parse_chat(body: dict) -> ApiRequest:
 
 
 def parse_completion(body: dict) -> ApiRequest:
-    params, max_field = _sampling(body, COMPLETION_DEFAULT_MAX_TOKENS)
+    echo = fields.boolean(body, "echo", False)
+    params, max_field = _sampling(body, COMPLETION_DEFAULT_MAX_TOKENS, 0 if echo else 1)
+    echo_only = echo and body.get(max_field) == 0
+    if echo_only:          # the prompt alone: one token is sampled (a prefill makes one) and dropped
+        params.max_tokens = 1
     guide = _guide(params, parse_guide(body))
     n_logprobs = fields.integer(body, "logprobs", None, 0, MAX_TOP_LOGPROBS)
-    echo = fields.boolean(body, "echo", False)
     fields.only(body, "suffix", ("",), "suffix is not supported")
     params.logprobs = n_logprobs is not None
     params.top_logprobs = n_logprobs or 0
@@ -102,7 +108,8 @@ def parse_completion(body: dict) -> ApiRequest:
     single = isinstance(body["prompt"], str) or not isinstance(body["prompt"][0], (str, list))   # text or ids
     names = ("prompt",) if single else tuple(f"prompt[{k}]" for k in range(len(prompts)))
     api = _finish(body, COMPLETION, api_id, tuple(inputs), params.logprobs, max_field, names)
-    return dataclasses.replace(api, guide_param=guide, top_logprobs=params.top_logprobs, echo=echo)
+    return dataclasses.replace(api, guide_param=guide, top_logprobs=params.top_logprobs, echo=echo,
+                               echo_only=echo_only)
 
 
 def _finish(body: dict, kind: str, api_id: str, inputs: tuple, logprobs: bool, max_field: str,
@@ -125,27 +132,20 @@ def _finish(body: dict, kind: str, api_id: str, inputs: tuple, logprobs: bool, m
     if best_of > n:
         for req in inputs:
             req.params.logprobs = True          # the ranking's; answered only when asked
-    inputs, names = _fan_out(inputs, names, best_of, api_id)
+    inputs, names = _fan_out(inputs, names, best_of)
     return ApiRequest(kind, api_id, fields.string(body, "model"), inputs, stream, stream and include_usage,
                       stream and continuous, logprobs, max_field, names, best_of,
                       keep=n if best_of > n else 0)
 
 
-def _fan_out(inputs: tuple, names: tuple[str, ...], n: int, api_id: str) -> tuple[tuple, tuple[str, ...]]:
-    """n requests per input (choice ``k * n + i``), sample ``i`` seeded ``seed + i`` when seeded."""
+def _fan_out(inputs: tuple, names: tuple[str, ...], n: int) -> tuple[tuple, tuple[str, ...]]:
+    """Each input asks for ``n`` samples (``params.n``) and stands for choices ``k * n`` ..
+    ``k * n + n - 1`` (the same message n times: one request per input reaches the router)."""
     if n == 1:
         return inputs, names
-    out, out_names = [], []
-    for k, (req, name) in enumerate(zip(inputs, names)):
-        for i in range(n):
-            copy = router_pb2.GenerateRequest()
-            copy.CopyFrom(req)
-            copy.request_id = f"{api_id}-{k * n + i}"
-            if req.params.HasField("seed"):
-                copy.params.seed = (req.params.seed + i) % 2**64
-            out.append(copy)
-            out_names.append(name)
-    return tuple(out), tuple(out_names)
+    for req in inputs:
+        req.params.n = n
+    return tuple(r for r in inputs for _ in range(n)), tuple(nm for nm in names for _ in range(n))
 
 
 def _guide(params: common_pb2.SamplingParams, *found: GuideRequest | None) -> str:
@@ -159,8 +159,10 @@ def _guide(params: common_pb2.SamplingParams, *found: GuideRequest | None) -> st
     return guides[0].param
 
 
-def _sampling(body: dict, default_max_tokens: int | None) -> tuple[common_pb2.SamplingParams, str]:
-    """The sampling parameters; their ranges are checked by the request path."""
+def _sampling(body: dict, default_max_tokens: int | None, min_max_tokens: int = 1
+              ) -> tuple[common_pb2.SamplingParams, str]:
+    """The sampling parameters; their ranges are checked by the request path (``max_tokens``
+    here: at least ``min_max_tokens``)."""
     p = common_pb2.SamplingParams(
         temperature=fields.number(body, "temperature", 1.0),
         top_p=fields.number(body, "top_p", 1.0, 0.0, lo_open=True),
@@ -175,7 +177,7 @@ def _sampling(body: dict, default_max_tokens: int | None) -> tuple[common_pb2.Sa
     if seed is not None:
         p.seed = seed
     max_field = "max_completion_tokens" if body.get("max_completion_tokens") is not None else "max_tokens"
-    p.max_tokens = fields.integer(body, max_field, default_max_tokens, 1, 2**32 - 1) or 0
+    p.max_tokens = fields.integer(body, max_field, default_max_tokens, min_max_tokens, 2**32 - 1) or 0
     p.stop.extend(fields.string_list(body, "stop"))
     p.stop_token_ids.extend(fields.int_list(body, "stop_token_ids"))
     p.min_tokens = fields.integer(body, "min_tokens", 0, 0, 2**32 - 1) or 0
