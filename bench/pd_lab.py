@@ -224,6 +224,16 @@ class Lab:
             room = min(room, w.guard.budget(w.rows, room))
         return room
 
+    def kv_tokens(self, rows: list[Req]) -> float:
+        """Context tokens a decode step reads from DRAM: every row its whole context, but a
+        shared prefix's other readers in the same step only ``GpuModel.prefix_reread`` of it (its
+        blocks, a few MB a layer, are partly served from L2)."""
+        f = self.gpu.prefix_reread
+        with_prefix = [x for x in rows if x.prefix is not None]
+        shared = len({x.prefix for x in with_prefix})
+        total = sum(x.prompt_len + len(x.tokens) for x in rows)
+        return total - (1.0 - f) * self.prefix_len * (len(with_prefix) - shared)
+
     def start_step(self, w: Worker, now: float) -> None:
         if w.busy:
             return
@@ -243,7 +253,7 @@ class Lab:
         rows = list(w.rows)
         if not rows and not chunk:
             return
-        ctx = sum(x.prompt_len + len(x.tokens) for x in rows)     # KV read: every row its whole context
+        ctx = self.kv_tokens(rows)
         tokens = sum(n for _, n in chunk)
         ms = self.gpu.step_ms(len(rows), ctx, tokens, w.role != "prefill" and (bool(rows) or tokens < 2048))
         w.busy = True

@@ -42,15 +42,19 @@ class GpuModel:
     transfer_ms: float = 2.0
     transfer_us_per_token: float = 1.0
     linear_mixed: bool = False
+    prefix_reread: float = 1.0             # of a shared prefix, what its other readers in a step read
 
     @classmethod
     def named(cls, gpu: str) -> GpuModel:
         """``h200`` (the fitted model) or ``h100``: the reads at 3.0 TB/s instead of 4.8 (16.4 GB of
         weights: 5.5 ms; KV 0.043 ms per 1,000 tokens), mixed steps linear at 0.017 ms a prompt
         token and a prefill worker's 0.0275 (fitted to the device's prefill-heavy runs of 1P1D at
-        8/11/13 req/s and co-location at 8/11: bench/notes/placement.md, "Fifth session")."""
+        8/11/13 req/s and co-location at 8/11), a shared prefix's other readers in a step
+        reading 0.6 of it (fitted to co-location's shared-prefix phase of `phases` at base 8:
+        bench/notes/placement.md, "Fifth session")."""
         return cls() if gpu == "h200" else cls(weights_ms=5.5, kv_ms_per_ktok=0.043, linear_mixed=True,
-                                               ms_per_chunk_token=0.017, ms_per_prompt_token=0.0275)
+                                               ms_per_chunk_token=0.017, ms_per_prompt_token=0.0275,
+                                               prefix_reread=0.6)
 
     def step_ms(self, rows: int, context_tokens: int, prompt_tokens: int, chunked: bool) -> float:
         per_token = self.ms_per_chunk_token if chunked else self.ms_per_prompt_token

@@ -18,6 +18,17 @@ def test_step_model_by_hand():
     assert gpu.step_ms(0, 0, 16384, chunked=False) == pytest.approx(2 + 16384 * 0.025)
 
 
+def test_a_shared_prefix_is_read_again_at_its_reread_share():
+    # two rows on prefix "p" (2,100-token prompts, 10 tokens out) and one without (500, 5): 4,725
+    # context tokens; the second reader of "p" reads 0.6 of its 2,000 shared tokens: 4,725 - 800
+    rows = [pd_lab.Req(0.0, 2100, 50, "p", tokens=[0.0] * 10), pd_lab.Req(0.0, 2100, 50, "p", tokens=[0.0] * 10),
+            pd_lab.Req(0.0, 500, 50, None, tokens=[0.0] * 5)]
+    lab = pd_lab.Lab(("both",), "never", pd_lab.GpuModel(prefix_reread=0.6), 1000.0, 12.0, 512, prefix_len=2000)
+    assert lab.kv_tokens(rows) == pytest.approx(3925.0)
+    lab.gpu = pd_lab.GpuModel()                         # the H200 model: every row reads its whole context
+    assert lab.kv_tokens(rows) == pytest.approx(4725.0)
+
+
 @pytest.mark.parametrize("deploy", ["disagg", "colocated", "adaptive", "adaptive2"])
 def test_every_request_gets_its_tokens_where_the_mode_says(deploy):
     roles, mode = pd_lab.DEPLOYS[deploy]
