@@ -330,10 +330,10 @@ class Attempt:
         self.cached_tokens = step.num_cached_tokens
         self._decode_load += 1
         self.decode.add_load(tokens=1)
-        if step.finish_reason is not None:
+        if step.finish_reason is not None and self.job.sampling.n == 1:
             self._release_prefill()
             self._release_lease()
-            self._cancel(self.decode)          # the reservation is not needed
+            self._cancel(self.decode)          # the reservation is not needed (n > 1: the forks need it)
         else:
             self._prefill_task = asyncio.create_task(self._rest_of_prefill(call))
         return step

@@ -8,7 +8,8 @@ official ``openai`` SDK (unmodified), on the embedded model (CPU).
   whole after.
 - Co-located (one role-both worker): the same, the fork on that worker.
 - gRPC ``Generate`` with ``params.n = 3``: every message names its sample (``index``), each
-  sample has its own last message with a finish reason and usage.
+  sample has its own last message with a finish reason and usage (also when the prefill
+  worker's first token ends sample 0: the decode worker's reservation still forks).
 - Completions ``echo`` with ``max_tokens 0``: the prompt (and its logprobs) and no completion.
 """
 from __future__ import annotations
@@ -75,17 +76,19 @@ def test_n4_with_a_seed_is_one_prefill_and_equals_seeded_requests(request, layou
     _whole(dep)
 
 
-def test_grpc_stream_names_each_sample(disagg):
-    params = common_pb2.SamplingParams(temperature=1.0, seed=3, max_tokens=6, ignore_eos=True, n=3)
+@pytest.mark.parametrize("max_tokens", [6, 1])     # 1: sample 0 ends with the prefill worker's token
+def test_grpc_stream_names_each_sample(disagg, max_tokens):
+    params = common_pb2.SamplingParams(temperature=1.0, seed=3, max_tokens=max_tokens, ignore_eos=True, n=3)
     msgs = list(disagg.router_stub().Generate(router_pb2.GenerateRequest(text=_prompt(), params=params), timeout=120))
     by_index: dict[int, list] = {}
     for m in msgs:
         by_index.setdefault(m.index, []).append(m)
     assert sorted(by_index) == [0, 1, 2]
     for ms in by_index.values():
-        assert sum(len(m.token_ids) for m in ms) == 6
+        assert sum(len(m.token_ids) for m in ms) == max_tokens
         assert [m.finish_reason for m in ms].count(common_pb2.FINISH_REASON_LENGTH) == 1
-        assert ms[-1].finish_reason == common_pb2.FINISH_REASON_LENGTH and ms[-1].usage.completion_tokens == 6
+        assert ms[-1].finish_reason == common_pb2.FINISH_REASON_LENGTH
+        assert ms[-1].usage.completion_tokens == max_tokens
     _whole(disagg)
 
 
