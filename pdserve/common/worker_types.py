@@ -44,6 +44,8 @@ class WorkerInfo:
     vocab_size: int = 0
     kv_cache_dtype: str = ""          # the KV pool's element type ("bfloat16", "float8_e4m3fn"); "" = unknown
     tensor_parallel_size: int = 0     # ranks the model is split over; 0 = unknown (one)
+    num_kv_heads: int = 0             # the model's KV heads (all ranks); 0 = unknown
+    head_dim: int = 0                 # elements of one KV head of one token; 0 = unknown
 
 
 @dataclass(frozen=True, slots=True)
@@ -89,3 +91,4 @@ class Reservation:
     kv_store_address: str = ""
     worker_id: str = ""
     lease_expires_unix_ms: int = 0
+    tensor_parallel_size: int = 0     # the decode worker's ranks (0 = one)

@@ -14,12 +14,16 @@ import asyncio
 import logging
 import time
 from collections.abc import Callable
+from concurrent.futures import Future
 from typing import TypeVar
 
 from pdserve.common.engine.handoff import OutOfBlocks
 from pdserve.common.engine.llm_engine import DuplicateRequest, LLMEngine
 from pdserve.common.grpc_utils.errors import AlreadyExists, Cancelled, FailedPrecondition, NotFound, ResourceExhausted
-from pdserve.common.kv_transfer import KvTransferError
+from pdserve.common.kv_transfer import KvReceiver, KvTransferError, rank_fanout
+from pdserve.common.kv_transfer.layout import KvLayout, routes
+from pdserve.common.kv_transfer.rank_agent import RankPlan
+from pdserve.common.kv_transfer.rank_fanout import RankReports
 from pdserve.common.kv_transfer.transport import Receiver
 from pdserve.common.sampling_params import SamplingParams
 from pdserve.common.serving.engine_loop import EngineHooks
@@ -35,7 +39,8 @@ class KvImport:
                  kv_store_address: str) -> None:
         self.runtime = runtime
         self.state = state
-        self.receiver = receiver
+        self.receiver = receiver            # rank 0's, named layout.rank_name(worker id, 0, its ranks)
+        self.reports = RankReports(runtime.engine.model_runner.leader)
         self.kv_store_address = kv_store_address
         self._background: set[asyncio.Future] = set()
 
@@ -45,6 +50,7 @@ class KvImport:
 
     def close(self) -> None:
         self.receiver.close()
+        self.reports.close()
 
     async def _now(self, fn: Callable[[LLMEngine], T], request_id: str = "") -> T:
         """``fn`` under the state lock, off the step. A caller that goes away (its rpc
@@ -91,16 +97,34 @@ class KvImport:
         return await self._now(lambda e: self.state.renew(e, router_id, request_ids))
 
     async def push_kv(self, request_id: str, block_ids: list[int], first_token: int, logprob: float,
-                      prefill_worker_id: str, epoch: int, on_channel: bool, secret: str) -> None:
+                      prefill_worker_id: str, epoch: int, on_channel: bool, secret: str,
+                      prefill_tp: int = 1) -> None:
         """Post the receive of a reservation's blocks; the request joins the batch when they land.
         A PushKV that does not match its reservation ends it (FAILED_PRECONDITION, blocks freed).
         The move to RECEIVING and the post are one step under the state lock: a PushKV whose
-        caller gave up never leaves a reservation receiving with no receive posted."""
+        caller gave up never leaves a reservation receiving with no receive posted. ``prefill_tp``:
+        the prefill worker's ranks; when either side has several, each rank receives its KV heads
+        from the ranks that hold them (kv_transfer/rank_fanout.py)."""
         await self._now(lambda e: self._start_receive(e, request_id, block_ids, first_token, logprob,
-                                                      prefill_worker_id, epoch, on_channel, secret))
+                                                      prefill_worker_id, epoch, on_channel, secret, prefill_tp))
+
+    def _post(self, prefill_worker_id: str, epoch: int, block_ids: list[int], on_channel: bool, secret: str,
+              prefill_tp: int) -> Future:
+        """Post the receive: on the one channel of a pair of one-rank workers, else on every route."""
+        layout = self.runtime.kv_layout()
+        if prefill_tp == 1 and layout.tensor_parallel_size == 1:
+            return self.receiver.post(prefill_worker_id, epoch, block_ids, with_first_token=on_channel, secret=secret)
+        if not isinstance(self.receiver, KvReceiver):
+            raise KvTransferError(f"this KV transport ({type(self.receiver).__name__}) moves no KV between "
+                                  "tensor-parallel workers")
+        plan = RankPlan(prefill_worker_id, prefill_tp, self.runtime.worker_id, layout.tensor_parallel_size,
+                        tuple(routes(KvLayout(prefill_tp, layout.num_kv_heads, layout.head_dim), layout)),
+                        self.receiver.store_address, epoch, secret, tuple(block_ids), self.receiver.timeout)
+        return rank_fanout.post(self.receiver, self.reports, plan, with_first_token=on_channel)
 
     def _start_receive(self, engine: LLMEngine, request_id: str, block_ids: list[int], first_token: int,
-                       logprob: float, prefill_worker_id: str, epoch: int, on_channel: bool, secret: str) -> None:
+                       logprob: float, prefill_worker_id: str, epoch: int, on_channel: bool, secret: str,
+                       prefill_tp: int = 1) -> None:
         """Under the state lock: move the reservation to RECEIVING and post its receive, or end it
         if the PushKV does not match it (BadTransfer re-raised) or the post is refused."""
         try:
@@ -113,8 +137,7 @@ class KvImport:
             loop.call(lambda e: self.state.finish_receive(e, request_id, first_token, logprob, None, None))
             return
         try:
-            future = self.receiver.post(prefill_worker_id, epoch, block_ids, with_first_token=on_channel,
-                                        secret=secret)
+            future = self._post(prefill_worker_id, epoch, block_ids, on_channel, secret, prefill_tp)
         except KvTransferError as e:   # nothing was posted: the reservation ends here
             self.runtime.metrics.kv_failures.labels("recv").inc()
             self.state.finish_receive(engine, request_id, first_token, logprob, None, e)

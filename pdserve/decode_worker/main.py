@@ -37,6 +37,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 async def _main(args: argparse.Namespace) -> None:
     from pdserve.common.engine.model_runner import resolve_device
     from pdserve.common.kv_transfer import get_transport, resolve_transport_name
+    from pdserve.common.kv_transfer.layout import rank_name
 
     worker_id = worker_id_from_args(args, args.role)
     transport = get_transport(resolve_transport_name(args.kv_transport, resolve_device(args.device).type))
@@ -52,7 +53,9 @@ async def _main(args: argparse.Namespace) -> None:
         from pdserve.decode_worker.state import DecodeState
 
         runtime = await WorkerRuntime.create(args.role, worker_id, engine_config_from_args(args, args.role))
-        receiver = transport.receiver(runtime.engine.model_runner.kv_cache, worker_id, store, args.kv_timeout_s)
+        # rank 0's receiver: a tensor-parallel worker's ranks each receive their own KV heads
+        name = rank_name(worker_id, 0, runtime.engine_config.tensor_parallel_size)
+        receiver = transport.receiver(runtime.engine.model_runner.kv_cache, name, store, args.kv_timeout_s)
         state = DecodeState(runtime.outputs, args.lease_ms, runtime.requests, runtime.loop, runtime.cancelled)
         kv_import = KvImport(runtime, state, receiver, kv_address)
         export = None

@@ -70,7 +70,8 @@ class DecodeServicer(BaseWorkerServicer):
             request.router_id, request.tpot_slo_ms)
         return worker_pb2.ReserveResponse(block_ids=block_ids, num_cached_tokens=cached,
                                           kv_store_address=self.kv_import.kv_store_address,
-                                          worker_id=self.runtime.worker_id, lease_expires_unix_ms=lease_expires)
+                                          worker_id=self.runtime.worker_id, lease_expires_unix_ms=lease_expires,
+                                          tensor_parallel_size=self.runtime.engine_config.tensor_parallel_size)
 
     async def RenewLeases(self, request, context) -> worker_pb2.RenewLeasesResponse:
         if not request.router_id:
@@ -87,7 +88,8 @@ class DecodeServicer(BaseWorkerServicer):
             raise
         await self.kv_import.push_kv(request.request_id, list(request.block_ids), request.first_token_id,
                                      request.first_token_logprob, request.prefill_worker_id, request.channel_epoch,
-                                     request.first_token_on_channel, request.pair_secret)
+                                     request.first_token_on_channel, request.pair_secret,
+                                     request.prefill_tensor_parallel_size or 1)
         return worker_pb2.PushKVResponse()
 
     async def Submit(self, request, context) -> worker_pb2.SubmitResponse:

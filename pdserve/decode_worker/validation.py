@@ -8,19 +8,23 @@ from __future__ import annotations
 import math
 
 from pdserve.common.grpc_utils.errors import FailedPrecondition, InvalidArgument
+from pdserve.common.kv_transfer.layout import KvLayout, Route, pair_error, routes
 from pdserve.prefill_worker.validation import Limits, check_params, check_token_id, check_token_ids, check_worker_id
 
 #: Longest reservation lease accepted (ms): blocks pinned longer than this are a bug or an attack.
 MAX_LEASE_MS = 3_600_000
 #: Largest per-request TPOT objective accepted (ms), as the router's (pdserve.router.slo).
 MAX_TPOT_SLO_MS = 3_600_000.0
+#: Largest tensor-parallel size a peer may announce (its ranks name channels and threads here).
+MAX_TENSOR_PARALLEL_SIZE = 64
 
 
 def check_reserve(request, limits: Limits) -> None:
     """A ReserveRequest: prompt, params, lease, and the prefill worker's KV cache dtype, which
     must be this worker's (FailedPrecondition naming both: its blocks would not read back here)."""
     check_kv_cache_dtype(request.kv_cache_dtype, limits)
-    check_kv_layout(request.prefill_tensor_parallel_size or 1, limits)
+    check_kv_layout(KvLayout(request.prefill_tensor_parallel_size or 1, request.prefill_num_kv_heads,
+                             request.prefill_head_dim, request.kv_cache_dtype), limits)
     check_token_ids("token_ids", request.token_ids, limits)
     check_params(request.params, limits)
     check_tpot_slo(request.tpot_slo_ms)
@@ -36,15 +40,33 @@ def check_kv_cache_dtype(sender: str, limits: Limits) -> None:
                                  f"with the same --kv-cache-dtype (and --dtype)")
 
 
-def check_kv_layout(prefill_tp: int, limits: Limits) -> None:
-    """The prefill worker's tensor-parallel size against this worker's: KV crosses between
-    workers of one rank only (FailedPrecondition naming both layouts otherwise)."""
-    if prefill_tp == 1 and limits.tensor_parallel_size == 1:
-        return
-    raise FailedPrecondition(f"KV layouts cannot be paired: the prefill worker's KV is split over {prefill_tp} "
-                             f"rank(s) (tensor parallelism), this decode worker's over {limits.tensor_parallel_size}; "
-                             "KV transfer between tensor-parallel workers is not supported yet: serve them co-located "
-                             "(role both) or with one rank on each side")
+def decode_layout(limits: Limits) -> KvLayout:
+    """This worker's KV layout (what a prefill worker's must pair with)."""
+    return KvLayout(limits.tensor_parallel_size, limits.num_kv_heads, limits.head_dim, limits.kv_cache_dtype)
+
+
+def check_kv_layout(prefill: KvLayout, limits: Limits) -> None:
+    """The prefill worker's KV layout against this worker's: any split over ranks pairs with any
+    other (each rank ships its heads to the ranks that hold them), but the KV heads, their size
+    and the cache dtype must agree (FailedPrecondition naming both layouts otherwise)."""
+    why = pair_error(prefill, decode_layout(limits))
+    if why is not None:
+        raise FailedPrecondition(why)
+
+
+def push_routes(request, limits: Limits) -> list[Route]:
+    """The routes of a PushKV's transfer from its prefill worker's ranks to this worker's
+    (InvalidArgument for a tensor-parallel size the model's KV heads cannot be split over)."""
+    tp = request.prefill_tensor_parallel_size or 1
+    if tp == 1 and limits.tensor_parallel_size == 1:
+        return [Route(0, 0, (0, limits.num_kv_heads), (0, limits.num_kv_heads))]
+    if tp > MAX_TENSOR_PARALLEL_SIZE:
+        raise InvalidArgument("prefill_tensor_parallel_size", f"{tp} is over {MAX_TENSOR_PARALLEL_SIZE}")
+    layout = decode_layout(limits)
+    try:
+        return routes(KvLayout(tp, layout.num_kv_heads, layout.head_dim), layout)
+    except ValueError as e:
+        raise InvalidArgument("prefill_tensor_parallel_size", str(e)) from e
 
 
 def check_submit(request, limits: Limits) -> None:
@@ -73,7 +95,8 @@ def check_push_kv(request, limits: Limits) -> None:
         raise InvalidArgument("block_ids", f"{len(block_ids)} ids for a pool of {limits.num_blocks} blocks")
     if block_ids and max(block_ids) >= limits.num_blocks:
         raise InvalidArgument("block_ids", f"id {max(block_ids)} is outside the pool [0, {limits.num_blocks})")
-    expected_bytes = len(block_ids) * limits.block_bytes
+    push_routes(request, limits)
+    expected_bytes = len(block_ids) * (limits.model_block_bytes or limits.block_bytes)
     if request.num_bytes and request.num_bytes != expected_bytes:
         raise InvalidArgument("num_bytes", f"{request.num_bytes} != {expected_bytes} for {len(block_ids)} "
                                            f"blocks of this worker's geometry")

@@ -65,14 +65,10 @@ def worker_gpus(gpus: str, index: int, tp: int) -> str | None:
 
 
 def check_tensor_parallel(args: argparse.Namespace) -> None:
-    """SystemExit when a layout would ship KV between workers of which one has several ranks:
-    not built yet (a decode worker refuses such a Reserve), so such workers run co-located."""
-    tp = {kind: tensor_parallel_size(args, kind) for kind in ("prefill", "decode")}
-    fleet = bool(getattr(args, "gpus", "")) and args.placement == "fleet" and args.decode > 1
-    ships = args.prefill > 0 or fleet
-    if ships and (tp["decode"] > 1 or (args.prefill > 0 and tp["prefill"] > 1)):
-        raise SystemExit("pdserve up: KV is not shipped between tensor-parallel workers yet; run them co-located "
-                         "(--prefill 0 --role both, or --gpus ... --placement colocated)")
+    """SystemExit when a side's tensor-parallel size is not a size. Any pair of sizes may ship KV
+    (each prefill rank sends its KV heads straight to the decode ranks that hold them)."""
+    for kind in ("prefill", "decode"):
+        tensor_parallel_size(args, kind)
 
 
 def _workers(ids: list[str], tp: int, what: str) -> int:

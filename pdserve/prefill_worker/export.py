@@ -28,8 +28,11 @@ from pdserve.common.grpc_utils.errors import (
     InvalidArgument,
     PeerUnavailable,
 )
-from pdserve.common.kv_transfer import KvTransferError, get_transport, resolve_transport_name
-from pdserve.common.kv_transfer.transport import Sender
+from pdserve.common.kv_transfer import KvSender, KvTransferError, get_transport, rank_fanout, resolve_transport_name
+from pdserve.common.kv_transfer.layout import KvLayout, rank_name, routes
+from pdserve.common.kv_transfer.rank_agent import RankPlan
+from pdserve.common.kv_transfer.rank_fanout import RankReports
+from pdserve.common.kv_transfer.transport import Pending, Sender
 from pdserve.common.outputs import FinishReason
 from pdserve.common.serving.engine_loop import EngineHooks
 from pdserve.common.serving.worker_runtime import WorkerRuntime
@@ -54,6 +57,7 @@ class KvExport:
         self.in_flight = 0
         self._decode_channels = RenewingChannels()      # to decode workers, for PushKV
         self._pair_locks: dict[str, asyncio.Lock] = {}
+        self.reports = RankReports(runtime.engine.model_runner.leader)
         self.num_transfers = 0
         self.transfer_bytes = 0
 
@@ -62,7 +66,9 @@ class KvExport:
         """Its state (on the runtime's request tracker) and the KV sender of ``transport`` (a
         registered name, or auto: by the pool's device)."""
         name = resolve_transport_name(transport, runtime.engine.model_runner.kv_cache.device.type)
-        sender = get_transport(name).sender(runtime.worker_id, kv_timeout_s)
+        # rank 0's sender: a tensor-parallel worker's ranks each ship their own KV heads
+        sender = get_transport(name).sender(rank_name(runtime.worker_id, 0, runtime.engine_config.tensor_parallel_size),
+                                            kv_timeout_s)
         return cls(runtime, PrefillState(runtime.aio_loop, runtime.requests, runtime.loop, runtime.cancelled), sender)
 
     @property
@@ -71,6 +77,7 @@ class KvExport:
 
     def close(self) -> None:
         self.sender.close()
+        self.reports.close()
 
     # ---- handoff side (pdserve.common.serving.worker_servicer.Handoff) -----------------------
     def num_in_flight(self) -> int:
@@ -165,42 +172,60 @@ class KvExport:
         block_size = self.runtime.engine_config.block_size
         first_block = t.num_cached_tokens // block_size
         src, dst = launched.block_table[first_block:], list(t.block_ids)[first_block:]
-        block_bytes = self.runtime.engine.model_runner.block_bytes
+        decode_tp = t.decode_tensor_parallel_size or 1
+        pair = rank_name(t.decode_worker_id, 0, decode_tp)     # route (0, 0): the pair's epoch and secret
         lock = self._pair_locks.setdefault(t.decode_worker_id, asyncio.Lock())
-        async with lock:            # PushKV order == send order on the channel
-            epoch = self.sender.next_epoch(t.decode_worker_id)
-            await self._push_kv(request, epoch, dst, block_bytes)
+        async with lock:            # PushKV order == send order on the channel(s)
+            epoch = self.sender.next_epoch(pair)
+            await self._push_kv(request, epoch, dst, pair)
             started = time.perf_counter()
             try:
-                pending = await asyncio.to_thread(
-                    self.sender.start_send, t.decode_worker_id, t.kv_store_address, epoch,
-                    self.runtime.engine.model_runner.kv_cache, src, ready_event=launched.kv_ready,
-                    first_token=launched.first_token)
+                pending = await asyncio.to_thread(self._start_send, request, pair, epoch, src, decode_tp, launched)
             except KvTransferError as e:
                 raise PeerUnavailable(f"KV transfer to {t.decode_worker_id} failed: {e}", t.decode_address) from e
         try:                        # the next request's PushKV may go out meanwhile
-            await asyncio.to_thread(pending.wait)
+            num_bytes, _ = await asyncio.to_thread(pending.wait)
         except KvTransferError as e:
             raise PeerUnavailable(f"KV transfer to {t.decode_worker_id} failed: {e}", t.decode_address) from e
         elapsed_ms = (time.perf_counter() - started) * 1000
         self.num_transfers += 1
-        self.transfer_bytes += len(src) * block_bytes
-        return worker_pb2.TransferDone(bytes=len(src) * block_bytes, transfer_ms=elapsed_ms, num_blocks=len(src))
+        self.transfer_bytes += num_bytes
+        return worker_pb2.TransferDone(bytes=num_bytes, transfer_ms=elapsed_ms, num_blocks=len(src))
 
-    async def _push_kv(self, request, epoch: int, dst: list[int], block_bytes: int) -> None:
-        """Announce the send (the first token follows the blocks on the channel)."""
+    def _start_send(self, request, pair: str, epoch: int, src: list[int], decode_tp: int,
+                    launched: LaunchedPrefill) -> Pending:
+        """Start the send: on the one channel of a pair of one-rank workers, else every rank of this
+        worker ships its KV heads to the decode ranks that hold them (kv_transfer/rank_fanout.py)."""
+        t, layout = request.kv_target, self.runtime.kv_layout()
+        kv_cache = self.runtime.engine.model_runner.kv_cache
+        if decode_tp == 1 and layout.tensor_parallel_size == 1:
+            return self.sender.start_send(pair, t.kv_store_address, epoch, kv_cache, src,
+                                          ready_event=launched.kv_ready, first_token=launched.first_token)
+        if not isinstance(self.sender, KvSender):
+            raise KvTransferError(f"this KV transport ({type(self.sender).__name__}) moves no KV between "
+                                  "tensor-parallel workers")
+        decode = KvLayout(decode_tp, layout.num_kv_heads, layout.head_dim)
+        plan = RankPlan(self.runtime.worker_id, layout.tensor_parallel_size, t.decode_worker_id, decode_tp,
+                        tuple(routes(layout, decode)), t.kv_store_address, epoch, self.sender.pair_secret(pair),
+                        tuple(src), self.sender.timeout)
+        return rank_fanout.start_send(self.sender, self.reports, plan, kv_cache, ready_event=launched.kv_ready,
+                                      first_token=launched.first_token)
+
+    async def _push_kv(self, request, epoch: int, dst: list[int], pair: str) -> None:
+        """Announce the send (the first token follows the blocks on the channel of route (0, 0))."""
         t = request.kv_target
         try:
             await self._decode_stub(t.decode_address).PushKV(worker_pb2.PushKVRequest(
                 request_id=request.request_id, prefill_worker_id=self.runtime.worker_id, channel_epoch=epoch,
-                num_blocks=len(dst), block_ids=dst, num_bytes=len(dst) * block_bytes,
-                first_token_on_channel=True, pair_secret=self.sender.pair_secret(t.decode_worker_id)),
+                num_blocks=len(dst), block_ids=dst, num_bytes=len(dst) * self.runtime.model_block_bytes(),
+                first_token_on_channel=True, pair_secret=self.sender.pair_secret(pair),
+                prefill_tensor_parallel_size=self.runtime.engine_config.tensor_parallel_size),
                 timeout=PUSH_KV_TIMEOUT_S)
         except grpc.aio.AioRpcError as e:
             if e.code() not in (grpc.StatusCode.NOT_FOUND, grpc.StatusCode.INVALID_ARGUMENT):
                 # the receive may have been posted, or the decode worker refused this epoch:
                 # either way the pair starts a new epoch
-                await asyncio.to_thread(self.sender.mark_broken, t.decode_worker_id, f"PushKV {e.code().name}")
+                await asyncio.to_thread(self.sender.mark_broken, pair, f"PushKV {e.code().name}")
             raise PeerUnavailable(f"decode worker {t.decode_worker_id} refused the KV: "
                                   f"{e.code().name}: {e.details()}", t.decode_address) from e
 

@@ -34,12 +34,16 @@ class Limits:
     block_bytes: int       # bytes of one KV block (all layers)
     kv_cache_dtype: str = ""   # the pool's element type (config.dtype_name); "" = not checked
     tensor_parallel_size: int = 1   # ranks the model (and each KV block) is split over
+    num_kv_heads: int = 0       # the model's KV heads (all ranks); 0 = not checked
+    head_dim: int = 0           # elements of one KV head of one token; 0 = not checked
+    model_block_bytes: int = 0  # bytes of one block over every KV head (all ranks); 0 = block_bytes
 
     @classmethod
     def of(cls, engine: LLMEngine) -> Limits:
-        return cls(engine.source.config.vocab_size, engine.max_model_len, engine.block_manager.num_blocks,
-                   engine.model_runner.block_bytes, dtype_name(engine.model_runner.kv_cache_dtype),
-                   engine.config.tensor_parallel_size)
+        c, runner = engine.source.config, engine.model_runner
+        return cls(c.vocab_size, engine.max_model_len, engine.block_manager.num_blocks, runner.block_bytes,
+                   dtype_name(runner.kv_cache_dtype), engine.config.tensor_parallel_size, c.num_key_value_heads,
+                   c.head_dim, runner.block_bytes // runner.model.num_local_kv_heads * c.num_key_value_heads)
 
 
 def check_token_ids(field: str, token_ids: Sequence[int], limits: Limits) -> None:

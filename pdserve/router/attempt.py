@@ -113,9 +113,10 @@ class Attempt:
         settings = self.flow.settings
         info = self.prefill.info
         kv_dtype = info.kv_cache_dtype if info is not None else ""
+        tp, kv_heads, head_dim = (info.tensor_parallel_size, info.num_kv_heads, info.head_dim) if info else (0, 0, 0)
         call = self.decode.reserve(self.rid, job.prompt.wire_ids, job.sampling, settings.lease_ms,
                                    job.deadline_unix_ms, settings.router_id, self._admit_timeout(), job.slo.tpot_ms,
-                                   kv_dtype, info.tensor_parallel_size if info is not None else 0)
+                                   kv_dtype, tp, kv_heads, head_dim)
         self.flow.dispatched(self)
         try:
             res = self.decode.reservation(await self._admitted(call))

@@ -340,16 +340,17 @@ class WorkerClient(WorkerLoad):
     # runs): the caller does its own work, then awaits the answer.
     def reserve(self, request_id: str, token_ids, params: SamplingParams, lease_ms: int, deadline_unix_ms: int,
                 router_id: str, timeout: float, tpot_slo_ms: float = 0.0,
-                kv_cache_dtype: str = "", prefill_tensor_parallel_size: int = 0) -> grpc.aio.UnaryUnaryCall:
+                kv_cache_dtype: str = "", prefill_tensor_parallel_size: int = 0, prefill_num_kv_heads: int = 0,
+                prefill_head_dim: int = 0) -> grpc.aio.UnaryUnaryCall:
         """Reserve KV blocks for the prompt ``token_ids`` (a list or the client's repeated field):
         the call (cancellable); :meth:`reservation` of its answer is the Reservation.
         ``tpot_slo_ms``: the request's own TPOT objective for the worker's guard (0 = the worker's);
-        ``kv_cache_dtype``: the KV cache dtype of the prefill worker that ships the KV ("" = unknown);
-        ``prefill_tensor_parallel_size``: its tensor-parallel size (0 = unknown)."""
+        ``kv_cache_dtype``, ``prefill_*``: the KV layout of the prefill worker that ships the KV ("", 0: unknown)."""
         req = worker_pb2.ReserveRequest(request_id=request_id, token_ids=token_ids, params=wire_params(params),
                                         lease_ms=lease_ms, deadline_unix_ms=deadline_unix_ms, router_id=router_id,
                                         tpot_slo_ms=tpot_slo_ms, kv_cache_dtype=kv_cache_dtype,
-                                        prefill_tensor_parallel_size=prefill_tensor_parallel_size)
+                                        prefill_tensor_parallel_size=prefill_tensor_parallel_size,
+                                        prefill_num_kv_heads=prefill_num_kv_heads, prefill_head_dim=prefill_head_dim)
         return self.stub.Reserve(req, timeout=timeout, wait_for_ready=False)
 
     @staticmethod
@@ -374,6 +375,7 @@ class WorkerClient(WorkerLoad):
         kv.decode_address = decode_address
         kv.block_ids.extend(target.block_ids)
         kv.num_cached_tokens = target.num_cached_tokens
+        kv.decode_tensor_parallel_size = target.tensor_parallel_size
         return PrefillStream(self.stub.Prefill(req, timeout=timeout, wait_for_ready=False), req.request_id, logprobs)
 
     async def cancel(self, request_id: str) -> None:

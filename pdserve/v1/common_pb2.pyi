@@ -129,7 +129,7 @@ class InfoRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class ServerInfo(_message.Message):
-    __slots__ = ("protocol_version", "role", "model", "dtype", "block_size", "max_model_len", "num_kv_blocks", "worker_id", "version", "vocab_size", "kv_cache_dtype", "tensor_parallel_size")
+    __slots__ = ("protocol_version", "role", "model", "dtype", "block_size", "max_model_len", "num_kv_blocks", "worker_id", "version", "vocab_size", "kv_cache_dtype", "tensor_parallel_size", "num_kv_heads", "head_dim")
     PROTOCOL_VERSION_FIELD_NUMBER: _ClassVar[int]
     ROLE_FIELD_NUMBER: _ClassVar[int]
     MODEL_FIELD_NUMBER: _ClassVar[int]
@@ -142,6 +142,8 @@ class ServerInfo(_message.Message):
     VOCAB_SIZE_FIELD_NUMBER: _ClassVar[int]
     KV_CACHE_DTYPE_FIELD_NUMBER: _ClassVar[int]
     TENSOR_PARALLEL_SIZE_FIELD_NUMBER: _ClassVar[int]
+    NUM_KV_HEADS_FIELD_NUMBER: _ClassVar[int]
+    HEAD_DIM_FIELD_NUMBER: _ClassVar[int]
     protocol_version: str
     role: Role
     model: str
@@ -154,4 +156,6 @@ class ServerInfo(_message.Message):
     vocab_size: int
     kv_cache_dtype: str
     tensor_parallel_size: int
-    def __init__(self, protocol_version: _Optional[str] = ..., role: _Optional[_Union[Role, str]] = ..., model: _Optional[str] = ..., dtype: _Optional[str] = ..., block_size: _Optional[int] = ..., max_model_len: _Optional[int] = ..., num_kv_blocks: _Optional[int] = ..., worker_id: _Optional[str] = ..., version: _Optional[str] = ..., vocab_size: _Optional[int] = ..., kv_cache_dtype: _Optional[str] = ..., tensor_parallel_size: _Optional[int] = ...) -> None: ...
+    num_kv_heads: int
+    head_dim: int
+    def __init__(self, protocol_version: _Optional[str] = ..., role: _Optional[_Union[Role, str]] = ..., model: _Optional[str] = ..., dtype: _Optional[str] = ..., block_size: _Optional[int] = ..., max_model_len: _Optional[int] = ..., num_kv_blocks: _Optional[int] = ..., worker_id: _Optional[str] = ..., version: _Optional[str] = ..., vocab_size: _Optional[int] = ..., kv_cache_dtype: _Optional[str] = ..., tensor_parallel_size: _Optional[int] = ..., num_kv_heads: _Optional[int] = ..., head_dim: _Optional[int] = ...) -> None: ...

@@ -8,7 +8,7 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class ReserveRequest(_message.Message):
-    __slots__ = ("request_id", "token_ids", "params", "lease_ms", "deadline_unix_ms", "router_id", "tpot_slo_ms", "kv_cache_dtype", "prefill_tensor_parallel_size")
+    __slots__ = ("request_id", "token_ids", "params", "lease_ms", "deadline_unix_ms", "router_id", "tpot_slo_ms", "kv_cache_dtype", "prefill_tensor_parallel_size", "prefill_num_kv_heads", "prefill_head_dim")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     PARAMS_FIELD_NUMBER: _ClassVar[int]
@@ -18,6 +18,8 @@ class ReserveRequest(_message.Message):
     TPOT_SLO_MS_FIELD_NUMBER: _ClassVar[int]
     KV_CACHE_DTYPE_FIELD_NUMBER: _ClassVar[int]
     PREFILL_TENSOR_PARALLEL_SIZE_FIELD_NUMBER: _ClassVar[int]
+    PREFILL_NUM_KV_HEADS_FIELD_NUMBER: _ClassVar[int]
+    PREFILL_HEAD_DIM_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     token_ids: _containers.RepeatedScalarFieldContainer[int]
     params: _common_pb2.SamplingParams
@@ -27,35 +29,41 @@ class ReserveRequest(_message.Message):
     tpot_slo_ms: float
     kv_cache_dtype: str
     prefill_tensor_parallel_size: int
-    def __init__(self, request_id: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., params: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., lease_ms: _Optional[int] = ..., deadline_unix_ms: _Optional[int] = ..., router_id: _Optional[str] = ..., tpot_slo_ms: _Optional[float] = ..., kv_cache_dtype: _Optional[str] = ..., prefill_tensor_parallel_size: _Optional[int] = ...) -> None: ...
+    prefill_num_kv_heads: int
+    prefill_head_dim: int
+    def __init__(self, request_id: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., params: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., lease_ms: _Optional[int] = ..., deadline_unix_ms: _Optional[int] = ..., router_id: _Optional[str] = ..., tpot_slo_ms: _Optional[float] = ..., kv_cache_dtype: _Optional[str] = ..., prefill_tensor_parallel_size: _Optional[int] = ..., prefill_num_kv_heads: _Optional[int] = ..., prefill_head_dim: _Optional[int] = ...) -> None: ...
 
 class ReserveResponse(_message.Message):
-    __slots__ = ("block_ids", "num_cached_tokens", "kv_store_address", "worker_id", "lease_expires_unix_ms")
+    __slots__ = ("block_ids", "num_cached_tokens", "kv_store_address", "worker_id", "lease_expires_unix_ms", "tensor_parallel_size")
     BLOCK_IDS_FIELD_NUMBER: _ClassVar[int]
     NUM_CACHED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     KV_STORE_ADDRESS_FIELD_NUMBER: _ClassVar[int]
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]
     LEASE_EXPIRES_UNIX_MS_FIELD_NUMBER: _ClassVar[int]
+    TENSOR_PARALLEL_SIZE_FIELD_NUMBER: _ClassVar[int]
     block_ids: _containers.RepeatedScalarFieldContainer[int]
     num_cached_tokens: int
     kv_store_address: str
     worker_id: str
     lease_expires_unix_ms: int
-    def __init__(self, block_ids: _Optional[_Iterable[int]] = ..., num_cached_tokens: _Optional[int] = ..., kv_store_address: _Optional[str] = ..., worker_id: _Optional[str] = ..., lease_expires_unix_ms: _Optional[int] = ...) -> None: ...
+    tensor_parallel_size: int
+    def __init__(self, block_ids: _Optional[_Iterable[int]] = ..., num_cached_tokens: _Optional[int] = ..., kv_store_address: _Optional[str] = ..., worker_id: _Optional[str] = ..., lease_expires_unix_ms: _Optional[int] = ..., tensor_parallel_size: _Optional[int] = ...) -> None: ...
 
 class KvTarget(_message.Message):
-    __slots__ = ("decode_worker_id", "kv_store_address", "decode_address", "block_ids", "num_cached_tokens")
+    __slots__ = ("decode_worker_id", "kv_store_address", "decode_address", "block_ids", "num_cached_tokens", "decode_tensor_parallel_size")
     DECODE_WORKER_ID_FIELD_NUMBER: _ClassVar[int]
     KV_STORE_ADDRESS_FIELD_NUMBER: _ClassVar[int]
     DECODE_ADDRESS_FIELD_NUMBER: _ClassVar[int]
     BLOCK_IDS_FIELD_NUMBER: _ClassVar[int]
     NUM_CACHED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    DECODE_TENSOR_PARALLEL_SIZE_FIELD_NUMBER: _ClassVar[int]
     decode_worker_id: str
     kv_store_address: str
     decode_address: str
     block_ids: _containers.RepeatedScalarFieldContainer[int]
     num_cached_tokens: int
-    def __init__(self, decode_worker_id: _Optional[str] = ..., kv_store_address: _Optional[str] = ..., decode_address: _Optional[str] = ..., block_ids: _Optional[_Iterable[int]] = ..., num_cached_tokens: _Optional[int] = ...) -> None: ...
+    decode_tensor_parallel_size: int
+    def __init__(self, decode_worker_id: _Optional[str] = ..., kv_store_address: _Optional[str] = ..., decode_address: _Optional[str] = ..., block_ids: _Optional[_Iterable[int]] = ..., num_cached_tokens: _Optional[int] = ..., decode_tensor_parallel_size: _Optional[int] = ...) -> None: ...
 
 class PrefillRequest(_message.Message):
     __slots__ = ("request_id", "token_ids", "params", "deadline_unix_ms", "kv_target")
@@ -108,7 +116,7 @@ class PrefillResponse(_message.Message):
     def __init__(self, first_token: _Optional[_Union[FirstToken, _Mapping]] = ..., transfer_done: _Optional[_Union[TransferDone, _Mapping]] = ...) -> None: ...
 
 class PushKVRequest(_message.Message):
-    __slots__ = ("request_id", "prefill_worker_id", "channel_epoch", "first_token_id", "first_token_logprob", "num_blocks", "block_ids", "num_bytes", "first_token_on_channel", "pair_secret")
+    __slots__ = ("request_id", "prefill_worker_id", "channel_epoch", "first_token_id", "first_token_logprob", "num_blocks", "block_ids", "num_bytes", "first_token_on_channel", "pair_secret", "prefill_tensor_parallel_size")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     PREFILL_WORKER_ID_FIELD_NUMBER: _ClassVar[int]
     CHANNEL_EPOCH_FIELD_NUMBER: _ClassVar[int]
@@ -119,6 +127,7 @@ class PushKVRequest(_message.Message):
     NUM_BYTES_FIELD_NUMBER: _ClassVar[int]
     FIRST_TOKEN_ON_CHANNEL_FIELD_NUMBER: _ClassVar[int]
     PAIR_SECRET_FIELD_NUMBER: _ClassVar[int]
+    PREFILL_TENSOR_PARALLEL_SIZE_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     prefill_worker_id: str
     channel_epoch: int
@@ -129,7 +138,8 @@ class PushKVRequest(_message.Message):
     num_bytes: int
     first_token_on_channel: bool
     pair_secret: str
-    def __init__(self, request_id: _Optional[str] = ..., prefill_worker_id: _Optional[str] = ..., channel_epoch: _Optional[int] = ..., first_token_id: _Optional[int] = ..., first_token_logprob: _Optional[float] = ..., num_blocks: _Optional[int] = ..., block_ids: _Optional[_Iterable[int]] = ..., num_bytes: _Optional[int] = ..., first_token_on_channel: _Optional[bool] = ..., pair_secret: _Optional[str] = ...) -> None: ...
+    prefill_tensor_parallel_size: int
+    def __init__(self, request_id: _Optional[str] = ..., prefill_worker_id: _Optional[str] = ..., channel_epoch: _Optional[int] = ..., first_token_id: _Optional[int] = ..., first_token_logprob: _Optional[float] = ..., num_blocks: _Optional[int] = ..., block_ids: _Optional[_Iterable[int]] = ..., num_bytes: _Optional[int] = ..., first_token_on_channel: _Optional[bool] = ..., pair_secret: _Optional[str] = ..., prefill_tensor_parallel_size: _Optional[int] = ...) -> None: ...
 
 class PushKVResponse(_message.Message):
     __slots__ = ()

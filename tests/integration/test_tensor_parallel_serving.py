@@ -1,7 +1,8 @@
 """Tensor-parallel workers served the way users start them, on the CPU (Gloo, real rank
 processes): ``pdserve up -tp 2`` with a co-located worker answers exactly what the one-rank
 engine generates, and says it runs 2 ranks (Info, GetStats, /metrics); a Reserve from a
-prefill worker of another layout is refused with FAILED_PRECONDITION naming both; a rank
+prefill worker whose KV cannot pair (other KV heads) is refused with FAILED_PRECONDITION
+naming both layouts (test_tensor_parallel_disagg.py ships KV between other splits); a rank
 killed mid-stream takes its whole worker down, which the router sees as one dead worker."""
 from __future__ import annotations
 
@@ -72,15 +73,19 @@ def test_up_tp2_worker_equals_one_rank(up, prompts, expected):
     assert len(ranks) == 1
 
 
-def test_reserve_from_another_layout_is_refused(up, prompts):
+def test_reserve_from_a_layout_that_cannot_pair_is_refused(up, prompts):
+    """Another split over ranks pairs (its ranks ship to this worker's); other KV heads do not."""
+    info = _info(up.decode[0], up.internal_token)
     req = worker_pb2.ReserveRequest(request_id="tp-layout", token_ids=prompts[0],
                                     params=common_pb2.SamplingParams(temperature=0, max_tokens=4),
-                                    prefill_tensor_parallel_size=1)
+                                    prefill_tensor_parallel_size=1, prefill_num_kv_heads=info.num_kv_heads + 1,
+                                    prefill_head_dim=info.head_dim)
     with grpc.insecure_channel(up.decode[0]) as ch, pytest.raises(grpc.RpcError) as e:
         worker_pb2_grpc.WorkerStub(ch).Reserve(req, timeout=10,
                                                metadata=(("authorization", f"Bearer {up.internal_token}"),))
     assert e.value.code() == grpc.StatusCode.FAILED_PRECONDITION
-    assert "over 1 rank" in e.value.details() and "over 2" in e.value.details()
+    assert f"TP1 ({info.num_kv_heads + 1} KV heads" in e.value.details()
+    assert f"TP2 ({info.num_kv_heads} KV heads" in e.value.details()
     up.wait_whole(up.decode[0])
 
 

@@ -30,18 +30,18 @@ def test_up_gives_each_worker_its_gpus():
     *workers, _ = _plan("--gpus", "0,1,2,3", "-tp", "2", "--placement", "colocated")
     assert [(c.name, c.gpu, _value(c.cmd, "--tensor-parallel-size")) for c in workers] == [
         ("decode worker 0", "0,1", "2"), ("decode worker 1", "2,3", "2")]
-    # prefill at TP1 on GPU 0, decode at TP2 on GPUs 1 and 2: laid out, but refused until KV
-    # crosses between layouts
+    # prefill at TP1 on GPU 0, decode at TP2 on GPUs 1 and 2: KV crosses rank to rank
     args = cli.build_parser().parse_args(["up", "--gpus", "0,1,2", "--placement", "disagg",
                                           "--decode-tensor-parallel-size", "2"])
     up_layout.apply(args)
     assert (args.prefill, args.prefill_gpus, args.decode, args.decode_gpus) == (1, "0", 1, "1,2")
     assert up_layout.worker_gpus(args.decode_gpus, 0, 2) == "1,2"
-    for flags in (["--gpus", "0,1,2", "--placement", "disagg", "--decode-tensor-parallel-size", "2"],
-                  ["--gpus", "0,1,2,3", "--placement", "fleet", "-tp", "2"], ["-tp", "2"],
-                  ["--prefill-tensor-parallel-size", "2"]):
-        with pytest.raises(SystemExit, match="not shipped between tensor-parallel workers"):
-            _plan(*flags)
+    *workers, _ = _plan("--gpus", "0,1,2", "--placement", "disagg", "--decode-tensor-parallel-size", "2")
+    assert [(c.gpu, _value(c.cmd, "--tensor-parallel-size")) for c in workers] == [("1,2", "2"), ("0", None)]
+    *workers, _ = _plan("--prefill-tensor-parallel-size", "2")          # CPU: P TP2 -> D TP1
+    assert sorted(_value(c.cmd, "--tensor-parallel-size") or "1" for c in workers) == ["1", "2"]
+    with pytest.raises(SystemExit, match="tensor-parallel size must be >= 1"):
+        _plan("--prefill-tensor-parallel-size", "-1")
     *workers, _ = _plan("--decode-gpus", "0,1,2,3", "--decode", "2", "--prefill", "0", "--role", "both",
                         "--decode-tensor-parallel-size", "2")
     assert [c.gpu for c in workers] == ["0,1", "2,3"]

@@ -208,7 +208,7 @@ def role_from_proto(value: int) -> Role | None:
 def worker_info_from_proto(p: common_pb2.ServerInfo) -> WorkerInfo:
     return WorkerInfo(p.protocol_version, role_from_proto(p.role), p.model, p.dtype, p.block_size, p.max_model_len,
                       p.num_kv_blocks, p.worker_id, p.version, p.vocab_size, p.kv_cache_dtype,
-                      p.tensor_parallel_size)
+                      p.tensor_parallel_size, p.num_kv_heads, p.head_dim)
 
 
 def worker_info_to_proto(info: WorkerInfo) -> common_pb2.ServerInfo:
@@ -216,7 +216,8 @@ def worker_info_to_proto(info: WorkerInfo) -> common_pb2.ServerInfo:
         protocol_version=info.protocol_version, role=role_to_proto(info.role), model=info.model, dtype=info.dtype,
         block_size=info.block_size, max_model_len=info.max_model_len, num_kv_blocks=info.num_kv_blocks,
         worker_id=info.worker_id, version=info.version, vocab_size=info.vocab_size,
-        kv_cache_dtype=info.kv_cache_dtype, tensor_parallel_size=info.tensor_parallel_size)
+        kv_cache_dtype=info.kv_cache_dtype, tensor_parallel_size=info.tensor_parallel_size,
+        num_kv_heads=info.num_kv_heads, head_dim=info.head_dim)
 
 
 def worker_stats_from_proto(p: worker_pb2.WorkerStats) -> WorkerStats:
@@ -225,7 +226,7 @@ def worker_stats_from_proto(p: worker_pb2.WorkerStats) -> WorkerStats:
 
 def reservation_from_proto(p: worker_pb2.ReserveResponse) -> Reservation:
     return Reservation(list(p.block_ids), p.num_cached_tokens, p.kv_store_address, p.worker_id,
-                       p.lease_expires_unix_ms)
+                       p.lease_expires_unix_ms, p.tensor_parallel_size)
 
 
 def deadline_from_proto(deadline_unix_ms: int) -> float | None:

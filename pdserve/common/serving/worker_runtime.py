@@ -11,8 +11,9 @@ from typing import TypeVar
 
 from pdserve.common.config import EngineConfig, dtype_name
 from pdserve.common.engine.llm_engine import LLMEngine, StepOutput
-from pdserve.common.engine.ranks import exit_on_rank_failure
+from pdserve.common.engine.ranks import exit_on_rank_failure, register_rank_extension
 from pdserve.common.grpc_utils.protocol import PROTOCOL_VERSION
+from pdserve.common.kv_transfer.layout import KvLayout, model_block_bytes
 from pdserve.common.serving.broadcast import Broadcast
 from pdserve.common.serving.cancels import Tombstones
 from pdserve.common.serving.engine_loop import EngineHooks, EngineLoop
@@ -21,6 +22,7 @@ from pdserve.common.serving.metrics import RequestTracker, WorkerMetrics
 
 logger = logging.getLogger(__name__)
 T = TypeVar("T")
+KV_RANK_AGENT = "pdserve.common.kv_transfer.rank_agent:RankKvAgent"   # a rank's share of KV transfers
 
 
 class WorkerRuntime:
@@ -50,6 +52,7 @@ class WorkerRuntime:
         """Load the model (off the event loop) and build the runtime around it."""
         kv_log = KvEventLog(asyncio.get_running_loop())
         exit_on_rank_failure()          # a tensor-parallel rank's death ends this worker
+        register_rank_extension(KV_RANK_AGENT)   # each rank ships / receives its own KV heads
         engine = await asyncio.to_thread(LLMEngine, engine_config, None, kv_log.record)
         logger.info("%s worker %s loaded %s: %d KV blocks of %d tokens", role, worker_id,
                     engine.source.config.name, engine.block_manager.num_blocks, engine_config.block_size)
@@ -109,7 +112,20 @@ class WorkerRuntime:
                 "max_model_len": e.max_model_len, "num_kv_blocks": e.block_manager.num_blocks,
                 "worker_id": self.worker_id, "vocab_size": e.source.config.vocab_size,
                 "kv_cache_dtype": dtype_name(e.model_runner.kv_cache_dtype),
-                "tensor_parallel_size": e.config.tensor_parallel_size}
+                "tensor_parallel_size": e.config.tensor_parallel_size,
+                "num_kv_heads": e.source.config.num_key_value_heads, "head_dim": e.source.config.head_dim}
+
+    def kv_layout(self) -> KvLayout:
+        """This worker's KV layout, as peers that exchange KV with it see it."""
+        e, c = self.engine, self.engine.source.config
+        return KvLayout(e.config.tensor_parallel_size, c.num_key_value_heads, c.head_dim,
+                        dtype_name(e.model_runner.kv_cache_dtype))
+
+    def model_block_bytes(self) -> int:
+        """Bytes of one KV block over every KV head of the model (PushKV.num_bytes per block)."""
+        runner = self.engine.model_runner
+        return model_block_bytes(runner.block_bytes, runner.model.num_local_kv_heads,
+                                 self.engine.source.config.num_key_value_heads)
 
     def stats(self, num_reserved: int) -> dict:
         """The engine's counters as of its last step (never waits for the engine thread)."""
