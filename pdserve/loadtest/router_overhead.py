@@ -5,7 +5,7 @@ the difference of the TTFT/E2E distributions (and of paired requests) is what th
 with its CPU time per request from /proc net of idle use. ``fanout``: C concurrent streams on a
 ``both`` worker stepping every ``--fanout-step-ms``, tokens/s and messages/s delivered through
 the router against the ideal and a direct subscriber, with each process's CPU use.
-Writes ``--output`` (default bench/results/router_overhead.json).
+Writes ``--output`` (default router_overhead.json, in the working directory).
 """
 from __future__ import annotations
 
