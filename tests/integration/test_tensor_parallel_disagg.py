@@ -1,8 +1,8 @@
 """KV shipped between workers of different tensor-parallel layouts, started as users start them
 (``pdserve up --prefill 1 --decode 1`` with ``--prefill-/--decode-tensor-parallel-size``), on
 the CPU over Gloo with real rank processes: each prefill rank sends its KV heads straight to the
-decode rank(s) holding them. P TP1 -> D TP2 and P TP2 -> D TP1 answer exactly what the one-rank
-engine generates (the tiny fp32 model), every request's KV crossed, both pools are whole after;
+decode rank(s) holding them. P TP1 -> D TP2, P TP2 -> D TP1 and P TP2 -> D TP2 answer exactly what
+the one-rank engine generates (the tiny fp32 models), every request's KV crossed, both pools are whole;
 and transfers land on the TP2 decode worker while its ranks run decode steps (their
 all-reduces) for a long stream, with no deadlock and that stream unchanged."""
 from __future__ import annotations
@@ -49,9 +49,11 @@ def one_rank(model: str, prompts: list[list[int]]) -> tuple:
 
 
 # tiny-qwen3: 2 KV heads, one a rank at TP2 (each rank's heads go to, or come from, another
-# rank); tiny-llama: 1 KV head, replicated on both decode ranks (each gets it whole)
-@pytest.fixture(scope="module", params=[("tiny-qwen3", 1, 2), ("tiny-qwen3", 2, 1), ("tiny-llama", 1, 2)],
-                ids=["P1-D2", "P2-D1", "P1-D2-replicated"])
+# rank; at P2 -> D2 rank 1 sends to rank 1, past both rank 0s); tiny-llama: 1 KV head,
+# replicated on both decode ranks (each gets it whole)
+@pytest.fixture(scope="module", params=[("tiny-qwen3", 1, 2), ("tiny-qwen3", 2, 1), ("tiny-qwen3", 2, 2),
+                                        ("tiny-llama", 1, 2)],
+                ids=["P1-D2", "P2-D1", "P2-D2", "P1-D2-replicated"])
 def pair(request, tmp_path_factory):
     model, p, d = request.param
     dep = deployment.start_up(tmp_path_factory.mktemp(f"tp-p{p}d{d}"), [
