@@ -49,7 +49,14 @@ def check_kv_layout(prefill: KvLayout, limits: Limits) -> None:
     """The prefill worker's KV layout against this worker's: any split over ranks pairs with any
     other (each rank ships its heads to the ranks that hold them), but the KV heads, their size
     and the cache dtype must agree (FailedPrecondition naming both layouts otherwise)."""
-    why = pair_error(prefill, decode_layout(limits))
+    decode = decode_layout(limits)
+    why = pair_error(prefill, decode)
+    if why is None and prefill.tensor_parallel_size != 1 and decode.num_kv_heads:
+        try:    # the prefill worker's ranks must split this model's KV heads
+            routes(KvLayout(prefill.tensor_parallel_size, decode.num_kv_heads, decode.head_dim), decode)
+        except ValueError as e:
+            why = (f"KV layouts cannot be paired: the prefill worker's {prefill.tensor_parallel_size} ranks cannot "
+                   f"split the KV heads of this decode worker's {decode} ({e})")
     if why is not None:
         raise FailedPrecondition(why)
 

@@ -8,8 +8,11 @@ import pytest
 import torch
 from kv_pools import GEOM, NUM_BLOCKS, POISON, poisoned_pool, same_bits, source_pool
 
+from pdserve.common.grpc_utils.errors import FailedPrecondition
 from pdserve.common.kv_transfer import FirstTokenRef, KvReceiver, KvSender, KvStoreServer, KvTransferError
 from pdserve.common.kv_transfer.layout import KvLayout, pair_error, rank_name, routes
+from pdserve.decode_worker.validation import check_kv_layout
+from pdserve.prefill_worker.validation import Limits
 
 pytestmark = pytest.mark.timeout(120)
 HEADS = GEOM[3]          # the tiny pools' KV heads (2)
@@ -114,3 +117,16 @@ def test_a_head_range_outside_the_pool_is_refused():
     finally:
         receiver.close()
         store.close()
+
+
+def test_reserve_refuses_a_layout_that_cannot_pair_naming_both():
+    """The decode worker's Reserve check: any split pairs; other heads, head_dim, dtype, or a
+    prefill split the model's heads do not allow, are FAILED_PRECONDITION naming both layouts."""
+    limits = Limits(512, 256, 64, 4096, "float32", 2, 2, 16, 8192)
+    for ok in (KvLayout(1, 2, 16, "float32"), KvLayout(2, 2, 16, ""), KvLayout(4, 0, 0, "")):
+        check_kv_layout(ok, limits)
+    mine = str(KvLayout(2, 2, 16, "float32"))
+    for bad in (KvLayout(1, 4, 16, ""), KvLayout(1, 2, 32, ""), KvLayout(1, 2, 16, "bfloat16"), KvLayout(3, 2, 16, "")):
+        with pytest.raises(FailedPrecondition) as e:
+            check_kv_layout(bad, limits)
+        assert mine in str(e.value) and str(bad.tensor_parallel_size) in str(e.value)
