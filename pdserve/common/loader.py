@@ -14,7 +14,7 @@ from safetensors import safe_open
 from pdserve.common.config import ModelConfig
 from pdserve.common.models import fp8_checkpoint
 from pdserve.common.models.decoder import DecoderForCausalLM
-from pdserve.common.models.quantize import quantize_fp8, set_kv_scales
+from pdserve.common.models.quantize import DEFAULT_WEIGHT_SCHEME, quantize_fp8, set_kv_scales
 from pdserve.common.parallel import RankGroup
 
 logger = logging.getLogger(__name__)
@@ -96,6 +96,7 @@ def build_model(source: ModelSource, dtype: torch.dtype, device: torch.device,
             model = DecoderForCausalLM(source.config, attention_backend, group)
     finally:
         torch.set_default_dtype(previous)
+    quant_cfg = None
     if source.checkpoint_dir is None:
         _init_dummy(model, seed)
         logger.info("model %s: dummy weights (seed %d)", source.config.name, seed)
@@ -111,10 +112,10 @@ def build_model(source: ModelSource, dtype: torch.dtype, device: torch.device,
         logger.info("model %s: weights from %s%s", source.config.name, source.checkpoint_dir,
                     f" (FP8 checkpoint, {quant_cfg['quant_method']})" if quant_cfg else "")
     if quantization == "fp8":
-        quantize_fp8(model)
+        scheme = fp8_checkpoint.weight_scheme(quant_cfg) or DEFAULT_WEIGHT_SCHEME
+        quantize_fp8(model, scheme)
         if device.type == "cuda":
             torch.cuda.empty_cache()        # the bf16 weights' memory back to the KV pool's sizing
-        logger.info("model %s: projections in FP8 (per-channel weight scales, per-token activations)",
-                    source.config.name)
+        logger.info("model %s: projections in FP8 (%s weight scales)", source.config.name, scheme)
     model.eval()
     return model

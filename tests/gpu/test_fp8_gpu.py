@@ -1,7 +1,9 @@
 """FP8 on CUDA against the dequantized torch references, on fresh random inputs: the KV store
 kernels' rounding of arbitrary values (the Triton interpreter cannot check it), decode and
 prefill attention over bf16 queries and an FP8 cache, Fp8Linear's ``torch._scaled_mm`` at decode
-and prefill row counts, and the engine with both flags: CUDA graphs equal eager, pools whole."""
+and prefill row counts, Fp8BlockLinear's block-scaled ``torch._scaled_mm`` (1x128 activation and
+128x128 weight scales) against its fp32 per-block reference, and the engine with both flags: CUDA
+graphs equal eager, pools whole."""
 from __future__ import annotations
 
 import random
@@ -10,6 +12,13 @@ import pytest
 import torch
 
 from pdserve.common.engine import LLM, SamplingParams
+from pdserve.common.layers.fp8_block_linear import (
+    Fp8BlockLinear,
+    _quantize_groups_cuda,
+    blockwise_mm_supported,
+    fp8_block_linear_ref,
+    quantize_act_groups,
+)
 from pdserve.common.layers.fp8_linear import Fp8Linear, fp8_linear_ref
 from pdserve.common.ops import kv_store, paged_attention, paged_attention_prefill
 from pdserve.common.ops.fp8 import FP8_DTYPE, per_row_scales, quantize_fp8
@@ -115,6 +124,42 @@ def test_fp8_linear_scaled_mm_matches_dequantized(rows):
         out = fp8(x)
         ref = fp8_linear_ref(x, fp8.weight, fp8.weight_scale) + lin.bias
     torch.testing.assert_close(out, ref, rtol=2e-2, atol=2e-2)
+
+
+def test_block_scaled_mm_on_hopper():
+    """The shapes of Qwen3-8B's projections take the block-scaled GEMM on an H100/H200."""
+    assert blockwise_mm_supported(torch.device("cuda"), 6144, 4096)
+    assert not blockwise_mm_supported(torch.device("cuda"), 960, 576)        # SmolLM2's qkv: the reference
+
+
+@pytest.mark.parametrize("shape", [(5, 4096), (300, 12288)])
+def test_group_quantization_matches_reference(shape):
+    x = (torch.randn(*shape, device="cuda") * torch.logspace(-3, 3, shape[1], device="cuda")).to(torch.bfloat16)
+    q, s = _quantize_groups_cuda(x)
+    q_ref, s_ref = quantize_act_groups(x)
+    assert s.stride() == (1, shape[0])                                 # outer-dim-major, as _scaled_mm takes it
+    torch.testing.assert_close(s, s_ref, rtol=1e-6, atol=0)
+    assert (q.view(torch.uint8) != q_ref.view(torch.uint8)).float().mean().item() < 1e-3
+
+
+@pytest.mark.parametrize("tile_rows", [128, 1])
+@pytest.mark.parametrize("rows", [1, 7, 64, 256, 1000])
+@pytest.mark.parametrize("shape", [(4096, 6144), (12288, 4096), (576, 960)])
+def test_fp8_block_linear_matches_reference(rows, shape, tile_rows):
+    """128x128 weight tiles (the 1x128 x 128x128 GEMM) and 1x128 ones (1x128 x 1x128); SmolLM2's
+    qkv shape takes the reference on every device."""
+    k, n = shape
+    lin = torch.nn.Linear(k, n, bias=True, device="cuda", dtype=torch.bfloat16)
+    with torch.no_grad():                                              # tiles of different ranges
+        lin.weight.mul_(torch.logspace(-2, 1, k, device="cuda", dtype=torch.bfloat16))
+    fp8 = Fp8BlockLinear.from_linear(lin, tile_rows=tile_rows)
+    x = torch.randn(rows, k, device="cuda", dtype=torch.bfloat16) * torch.logspace(1, -1, k, device="cuda")
+    x = x.to(torch.bfloat16)
+    with torch.no_grad():
+        out = fp8(x)
+        ref = fp8_block_linear_ref(x, fp8.weight, fp8.weight_scale) + lin.bias
+    assert fp8._fused == blockwise_mm_supported(x.device, n, k)
+    torch.testing.assert_close(out, ref, rtol=2e-2, atol=2e-2 * float(ref.abs().max()))
 
 
 @pytest.mark.parametrize("model", ["tiny-qwen3", "tiny-llama"])

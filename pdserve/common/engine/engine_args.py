@@ -53,9 +53,9 @@ def add_fp8_arguments(p: argparse.ArgumentParser) -> None:
                         "twice the blocks in the same memory); every worker of a deployment must agree "
                         "(env PDSERVE_KV_CACHE_DTYPE)")
     p.add_argument("--quantization", choices=("fp8",), default=env.get("QUANTIZATION", d.quantization),
-                   help="fp8: FP8 weights (an FP8 checkpoint as published, or a bf16 one quantized at load "
-                        "with per-channel scales) and dynamic per-token activation scales; default: none "
-                        "(env PDSERVE_QUANTIZATION)")
+                   help="fp8: FP8 weights (an FP8 checkpoint in its own scales, or a bf16 one quantized at "
+                        "load with a scale per output channel and 128-wide block) and dynamic activation "
+                        "scales; default: none (env PDSERVE_QUANTIZATION)")
 
 
 def fp8_kwargs(args: argparse.Namespace) -> dict:

@@ -10,9 +10,13 @@ Two formats, told apart by ``config.json``'s ``quantization_config``:
   ``*.k_scale`` / ``*.v_scale`` (a kv_cache_scheme) become the layer's FP8 KV cache scales.
 
 Each FP8 weight is dequantized as it meets its scale and handed on in the model's dtype; with
-``--quantization fp8`` the model then quantizes it again per channel (models/quantize.py): the
-same numbers for per-channel checkpoints, a rounding of the block-scaled ones onto per-channel
-scales. Errors: a format or block shape this reader does not know, a weight without its scale.
+``--quantization fp8`` the model then quantizes it again in the checkpoint's own scheme
+(``weight_scheme``; models/quantize.py): per channel, the same numbers; in 128x128 tiles, the same
+e4m3 values and (to the model dtype's rounding) the same scales wherever the checkpoint's tiles are
+the model's (each tile's largest value at +-448, as ``scale = amax / 448`` makes it; the merged
+qkv and gate_up tile as their parts do when each part's rows are a multiple of 128). Other block
+shapes are rounded onto 128x128 tiles. Errors: a format or block shape this reader does not know,
+a weight without its scale.
 """
 from __future__ import annotations
 
@@ -22,7 +26,7 @@ from pathlib import Path
 
 import torch
 
-__all__ = ["read_quant_config", "dequantized"]
+__all__ = ["read_quant_config", "weight_scheme", "dequantized"]
 
 KNOWN_METHODS = ("fp8", "compressed-tensors")
 _SCALE_SUFFIXES = (".weight_scale_inv", ".weight_scale")
@@ -45,6 +49,15 @@ def read_quant_config(checkpoint_dir: Path) -> dict | None:
     if method == "fp8" and cfg.get("fmt", "e4m3") != "e4m3":
         raise ValueError(f"FP8 checkpoint format {cfg.get('fmt')!r} is not supported (e4m3 only)")
     return cfg
+
+
+def weight_scheme(cfg: dict | None) -> str | None:
+    """The FP8 weight scheme (models/quantize.py) that serves a checkpoint of ``cfg`` as published:
+    "block" for block-scaled ``quant_method: fp8``, "channel" for per-channel or per-tensor scales;
+    None for a checkpoint that is not FP8 (the default scheme applies)."""
+    if cfg is None:
+        return None
+    return "block" if cfg.get("quant_method") == "fp8" and cfg.get("weight_block_size") else "channel"
 
 
 def _block_dequant(q: torch.Tensor, scale: torch.Tensor, block: tuple[int, int], dtype: torch.dtype) -> torch.Tensor:

@@ -1,37 +1,57 @@
 """``--quantization fp8``: the decoder's projections (qkv, o, gate_up, down of every layer) swapped
-for Fp8Linear once the weights are loaded, each weight quantized per output channel. The
-embedding, the LM head and the norms stay in the model's dtype. A row-parallel projection keeps
-its all-reduce (applied before the bias). The small-batch decode chain, which reads bf16
-weights, is then off for this model (``DecoderForCausalLM.fp8_weights``).
+for FP8 ones once the weights are loaded, in one of three weight schemes (activations are scaled
+at run time, per token or per token and 128-wide group):
+
+* ``block1x128`` (the default for a bf16/fp32 checkpoint): Fp8BlockLinear, a weight scale per
+  output channel and 128-wide K block, activations per 1x128 group (``torch._scaled_mm``'s 1x128 x
+  1x128 recipe on Hopper); the least perplexity of the schemes measured on the embedded SmolLM2-135M
+  (bench/notes/fp8.md);
+* ``block``: Fp8BlockLinear, a weight scale per 128x128 tile, activations per 1x128 group, as
+  DeepSeek-V3 and the Qwen3-*-FP8 checkpoints;
+* ``channel``: Fp8Linear, a weight scale per output channel, activations per token.
+
+A published FP8 checkpoint keeps its own scheme (models/fp8_checkpoint.py ``weight_scheme``): a
+block-scaled one is read back into the same e4m3 values and tile scales, a per-channel one into
+the same per-channel numbers. The embedding, the LM head and the norms stay in the model's dtype.
+A row-parallel projection keeps its all-reduce (applied before the bias). The small-batch decode
+chain, which reads bf16 weights, is then off for this model (``DecoderForCausalLM.fp8_weights``).
 """
 from __future__ import annotations
 
 from torch import nn
 
+from pdserve.common.layers.fp8_block_linear import BLOCK, Fp8BlockLinear
 from pdserve.common.layers.fp8_linear import Fp8Linear
 from pdserve.common.models.decoder import DecoderForCausalLM, DecoderLayer
 from pdserve.common.parallel.linear import RowParallelLinear
 
-__all__ = ["quantize_fp8", "PROJECTIONS", "set_kv_scales"]
+__all__ = ["quantize_fp8", "PROJECTIONS", "WEIGHT_SCHEMES", "DEFAULT_WEIGHT_SCHEME", "set_kv_scales"]
 
 PROJECTIONS = (("self_attn", "qkv_proj"), ("self_attn", "o_proj"), ("mlp", "gate_up_proj"), ("mlp", "down_proj"))
+WEIGHT_SCHEMES = ("block1x128", "block", "channel")
+DEFAULT_WEIGHT_SCHEME = "block1x128"
 
 
-def _fp8(linear: nn.Module) -> Fp8Linear:
+def _fp8(linear: nn.Module, scheme: str) -> nn.Module:
     if not isinstance(linear, nn.Linear):
         raise TypeError(f"cannot quantize a {type(linear).__name__} to FP8")
     reduce = None
     if isinstance(linear, RowParallelLinear) and linear.group is not None:
         reduce = linear.group.all_reduce
-    return Fp8Linear.from_linear(linear, reduce)
+    if scheme == "channel":
+        return Fp8Linear.from_linear(linear, reduce)
+    return Fp8BlockLinear.from_linear(linear, reduce, tile_rows=1 if scheme == "block1x128" else BLOCK)
 
 
-def quantize_fp8(model: DecoderForCausalLM) -> None:
-    """Swap every layer's projections for FP8 ones (in place; the bf16 weights are freed)."""
+def quantize_fp8(model: DecoderForCausalLM, scheme: str = DEFAULT_WEIGHT_SCHEME) -> None:
+    """Swap every layer's projections for FP8 ones of ``scheme`` (one of WEIGHT_SCHEMES; in place,
+    the bf16 weights freed); ValueError for another scheme."""
+    if scheme not in WEIGHT_SCHEMES:
+        raise ValueError(f"FP8 weight scheme must be one of {', '.join(WEIGHT_SCHEMES)}, got {scheme!r}")
     for layer in model.layers:
         for owner_name, attr in PROJECTIONS:
             owner = getattr(layer, owner_name)
-            setattr(owner, attr, _fp8(getattr(owner, attr)))
+            setattr(owner, attr, _fp8(getattr(owner, attr), scheme))
     model.fp8_weights = True
 
 
