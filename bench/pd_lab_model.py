@@ -12,11 +12,12 @@ from pdserve.common.engine.tpot_guard import TpotGuard
 from pdserve.loadtest import arrivals, datasets, phases
 from pdserve.router import pd_policy as pd
 
-WORKLOADS: dict[str, dict[str, Any]] = {     # bench/gpu_capacity.sh's three workloads
+WORKLOADS: dict[str, dict[str, Any]] = {     # bench/gpu_capacity.sh's three workloads, and a mix
     "prefill-heavy": dict(name="prefill-heavy", input_len="2000:4000", output_len="100:300"),
     "decode-heavy": dict(name="decode-heavy", input_len="200:800", output_len="500:1500"),
     "shared-prefix": dict(name="shared-prefix", num_prefixes=16, prefix_len=2000, input_len="100:500",
                           output_len="100:500"),
+    "mixed": dict(name="random", input_len="200:4000", output_len="100:1000"),   # a lab-only check, none named
 }
 
 

@@ -18,7 +18,12 @@ Two regimes, chosen per request from the whole fleet's figures:
   other worker keeps the objective, every GPU's decode bandwidth is needed and the rows balance
   again (co-location). That test is against the objective itself, not the guard's goal that the
   other choices use: beside a dedicated lean a worker computes no prompts, and the margin made a
-  busy lean flap in and out as the others' steps moved around it.
+  busy lean flap in and out as the others' steps moved around it. Also, where the GPUs have decode
+  bandwidth to spare (their rows' steps under ROOMY_SHARE of the objective, or the lean already
+  free of rows), a lean busy prefilling (given LEAN_BUSY_SHARE of its prefill-sized rate lately)
+  is dedicated before co-location is at risk: prompts in prefill-sized steps on one GPU cost less
+  than the same prompts in every GPU's mixed steps (the decode step far under the objective, as
+  on an H200 with this project's 8B geometry).
 
 A worker may run the TPOT guard (pdserve/common/engine/tpot_guard.py) or not (a chunk of its step
 budget every step, as co-location runs); the router models either. Pure functions over snapshots
@@ -35,11 +40,14 @@ mixed steps, ``W_w`` the prompt tokens this router gave it lately, ``B_w`` its s
                   workers' share of the recent prompt tokens), c = the mean measured c_w
                   (co-location's TPOT: a step stretched by its share of mixed-step prompt time)
     lean        = the decode-capable worker with the fewest rows (then the largest W), *dedicated*
-                  while tpot_co > DEDICATE_AT * slo_tpot, the prompts are the cause (t_co <=
-                  DEDICATE_CAUSE * slo_tpot, or rows_lean == 0 and 1 - t_co / tpot_co >= 1 -
-                  DEDICATE_CAUSE / DEDICATE_AT), and another decode-capable worker keeps the objective itself (rows 0
-                  or t <= slo_tpot: a worker beside a dedicated lean prefills nothing, so its decode
-                  step is its TPOT; two or more only)
+                  while another decode-capable worker keeps the objective itself (rows 0 or t <=
+                  slo_tpot: a worker beside a dedicated lean prefills nothing, so its decode step
+                  is its TPOT; two or more only) and either
+                  - at risk: tpot_co > DEDICATE_AT * slo_tpot and the prompts are the cause:
+                    t_co <= DEDICATE_CAUSE * slo_tpot, or rows_lean == 0 and
+                    1 - t_co / tpot_co >= 1 - DEDICATE_CAUSE / DEDICATE_AT, or
+                  - busy with headroom: W_lean / window >= LEAN_BUSY_SHARE * full_lean and
+                    (rows_lean == 0 or t_co <= ROOMY_SHARE * slo_tpot)
     D           = among the decode-capable workers but a dedicated lean:
                   home                              if room_home (or nobody has room)
                 = the fewest rows among those with room, fewer U breaking ties; none: the fewest rows
@@ -82,6 +90,8 @@ GUARD_MARGIN = 0.05  # the workers' default --tpot-margin (the budget the router
 MAX_MOVES_PER_ROUND = 4   # decodes one worker gives away per round of pick_moves
 DEDICATE_AT = 0.9         # a lean is dedicated while co-location's TPOT estimate is over this share of the SLO ...
 DEDICATE_CAUSE = 0.85     # ... and, to begin, the decode rows alone keep under this share (the prompts are the cause)
+LEAN_BUSY_SHARE = 0.25    # or while given this share of its prefill rate ...
+ROOMY_SHARE = 0.7         # ... where, to begin, the decode rows take under this share of the objective
 
 
 @dataclass(frozen=True, slots=True)
@@ -121,8 +131,9 @@ def has_room(w: FleetWorker, slo_tpot_ms: float) -> bool:
 
 def dedicated_lean(workers: Sequence[FleetWorker], slo_tpot_ms: float, window_s: float) -> FleetWorker | None:
     """The lean worker, kept free of decode rows, while the prompts put co-location's TPOT at risk
-    and another's decode rows keep the TPOT objective without it (module docstring); None
-    otherwise (or with fewer than two decode-capable workers)."""
+    or keep it busy where the GPUs have decode bandwidth to spare, and another's decode rows keep
+    the TPOT objective without it (module docstring); None otherwise (or with fewer than two
+    decode-capable workers)."""
     decoders = [w for w in workers if w.can_decode]
     if len(decoders) < 2:
         return None
@@ -133,7 +144,10 @@ def dedicated_lean(workers: Sequence[FleetWorker], slo_tpot_ms: float, window_s:
     caused = (t_co <= DEDICATE_CAUSE * slo_tpot_ms
               or (lean.decode_rows == 0 and share >= 1.0 - DEDICATE_CAUSE / DEDICATE_AT))
     keeps = any(w is not lean and (w.decode_rows == 0 or _step_ms(w) <= slo_tpot_ms) for w in decoders)
-    return lean if at_risk and caused and keeps else None
+    full = full_rate(lean, _mean_measured([w.tokens_per_s for w in workers]))
+    busy = lean.recent_tokens / window_s >= LEAN_BUSY_SHARE * full
+    roomy = lean.decode_rows == 0 or t_co <= ROOMY_SHARE * slo_tpot_ms
+    return lean if keeps and ((at_risk and caused) or (busy and roomy)) else None
 
 
 def colocated_tpot_ms(decoders: Sequence[FleetWorker], window_s: float) -> tuple[float, float]:

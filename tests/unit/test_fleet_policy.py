@@ -2,6 +2,8 @@
 with hand-computed cases of the module docstring's formulas."""
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 
 from pdserve.router.fleet_policy import (
@@ -81,8 +83,26 @@ def test_a_lean_is_dedicated_when_the_prompts_put_colocations_tpot_at_risk():
     # b: 20 rows at 9 ms leave (11.4 - 9) / (0.02 * 11.4) = 10,526 tokens/s: 95 ms + 20 * 1000 * 0.02 ms
     assert d == "b" and dec.kind == REMOTE and dec.prefill_key == "a"
     assert dec.ttft_ms == pytest.approx(28.0)
-    # fewer prompts: 5k/s each, 9 / 0.9 = 10 ms <= 10.8: co-location keeps it, no lean
-    assert dedicated_lean([w("a", recent_tokens=20_000.0), b], 12.0, 2.0) is None
+    # fewer prompts: 4k/s each, 9 / 0.92 = 9.8 ms <= 10.8: co-location keeps it; a given 8k/s is
+    # under LEAN_BUSY_SHARE (0.25) of its 40k/s: no lean
+    assert dedicated_lean([w("a", recent_tokens=16_000.0), b], 12.0, 2.0) is None
+
+
+def test_a_busy_lean_is_dedicated_where_the_others_have_headroom():
+    # co-location not at risk (7 / (1 - 10k/s * 0.02) = 8.75 ms), but a is given 20k/s (>= 0.25 of
+    # 40k/s) and the rows' steps (7 ms) are under ROOMY_SHARE (0.7) of the objective, 8.4 ms: a
+    # GPU's decode bandwidth is to spare, so a prefills in prefill-sized steps (a leaves its rows)
+    a = w("a", decode_rows=10, decode_step_ms=7.0, ms_per_prompt_token=0.02, recent_tokens=BUSY)
+    b = w("b", decode_rows=20, decode_step_ms=7.0, ms_per_prompt_token=0.02)
+    assert dedicated_lean([a, b], 12.0, 2.0) is a
+    # at 9.5 ms the rows have no such headroom (> 8.4), but co-location's 9.5 / 0.8 = 11.9 ms is at
+    # risk and the rows alone keep under 0.85 * 12 = 10.2: the prompts are the cause, a leans
+    a9, b9 = replace(a, decode_step_ms=9.5), replace(b, decode_step_ms=9.5)
+    assert dedicated_lean([a9, b9], 12.0, 2.0) is a9
+    # 10.5 ms: neither headroom nor the prompts as the cause
+    assert dedicated_lean([replace(a, decode_step_ms=10.5), replace(b, decode_step_ms=10.5)], 12.0, 2.0) is None
+    # not busy (4.5k/s), and co-location at 7 / (1 - 2,250/s * 0.02) = 7.3 ms: no lean
+    assert dedicated_lean([replace(a, recent_tokens=9000.0), b], 12.0, 2.0) is None
 
 
 def test_a_lean_begins_only_where_the_prompts_are_the_cause():
