@@ -207,3 +207,12 @@ def test_imported_kv_forks_on_the_decode_side():
     assert prefill == 0                                          # the decode side prefills nothing
     assert [s.completion_token_ids for s in seq.samples] == [s.completion_token_ids for s in want.samples]
     assert dec.block_manager.is_whole() and not dec.requests
+
+
+def test_offline_generate_returns_every_sample():
+    llm = LLM("tiny-qwen3", device="cpu", dtype="float32", block_size=BS, num_kv_blocks=64, max_model_len=256)
+    out, = llm.generate([_prompt(20)], SamplingParams(n=3, seed=5, max_tokens=6, ignore_eos=True), use_tqdm=False)
+    assert [s.index for s in (out, *out.samples)] == [0, 1, 2]
+    one = llm.generate([_prompt(20)], SamplingParams(seed=7, max_tokens=6, ignore_eos=True), use_tqdm=False)[0]
+    assert out.samples[1].token_ids == one.token_ids          # sample 2 = a request seeded 5 + 2
+    assert llm.engine.block_manager.is_whole()

@@ -38,6 +38,8 @@ class RequestOutput:
     top_logprobs: list[tuple[list[int], list[float]]] = field(default_factory=list)   # per token
     prompt_logprobs: list[float] = field(default_factory=list)      # prompt tokens 1..n-1
     prompt_top_logprobs: list[tuple[list[int], list[float]]] = field(default_factory=list)
+    index: int = 0                 # the sample (SamplingParams.n)
+    samples: list[RequestOutput] = field(default_factory=list)   # samples 1..n-1 (on sample 0's output)
 
 
 class LLM:
@@ -99,7 +101,7 @@ class LLM:
             for seq in seqs:
                 self.engine.abort(seq.request_id)
             raise
-        return [self._output(seq) for seq in seqs]
+        return [self._output(seq) for seq in seqs]     # n > 1: the other samples in .samples
 
     def stream(self, prompt: Prompt, sampling_params: SamplingParams | None = None,
                skip_special_tokens: bool = True) -> Iterator[str]:
@@ -141,6 +143,11 @@ class LLM:
         bar.close()
 
     def _output(self, seq) -> RequestOutput:
+        out = self._sample_output(seq)
+        out.samples = [self._sample_output(s) for s in seq.samples[1:]]
+        return out
+
+    def _sample_output(self, seq) -> RequestOutput:
         ids = seq.completion_token_ids
         text = self.tokenizer.decode(ids, skip_special_tokens=True) if self.tokenizer is not None else ""
         return RequestOutput(request_id=seq.request_id, prompt_token_ids=seq.prompt_token_ids, token_ids=ids,
@@ -148,7 +155,7 @@ class LLM:
                              num_cached_tokens=seq.num_prefix_hit_tokens,
                              top_logprobs=list(seq.output_top_logprobs),
                              prompt_logprobs=list(seq.prompt_logprobs or ()),
-                             prompt_top_logprobs=list(seq.prompt_top_logprobs or ()))
+                             prompt_top_logprobs=list(seq.prompt_top_logprobs or ()), index=seq.index)
 
 
 def _is_token_ids(prompts: Prompt | Seq[Prompt]) -> TypeIs[list[int]]:
