@@ -52,9 +52,11 @@ mixed steps, ``W_w`` the prompt tokens this router gave it lately, ``B_w`` its s
                   home                              if room_home (or nobody has room)
                 = the fewest rows among those with room, fewer U breaking ties; none: the fewest rows
     rate_w      = full_w                           if rows_w == 0
-                = 1000 * (goal - t_w) / (c_w * goal)   a guarded worker with rows: the slack of each
-                  step, on average (the guard's floor of MIN_CHUNK_TOKENS a step, when the slack holds fewer)
-                = 1000 * k / (t_w + c_w * k), k = B_w - rows_w   a worker without the guard with rows
+                = min(R_w, 1000 * k / (t_w + c_w * k)), k = max(B_w - rows_w, MIN_CHUNK_TOKENS)
+                                                   a worker without the guard with rows and B_w known
+                = min(R_w, 1000 * (goal - t_w) / (c_w * goal))   otherwise with rows (guarded): the
+                  slack of each step, on average; where the slack holds fewer than MIN_CHUNK_TOKENS,
+                  the guard's floor: min(R_w, 1000 * MIN_CHUNK_TOKENS / (t_w + c_w * MIN_CHUNK_TOKENS))
     ttft_w      = 1000 * (Q_w + U_w) / rate_w  (+ remote_overhead_ms + U_D * transfer_us / 1000 if w != D)
     cost_w      = ttft_w + rows_w * U_w * c_w     (this request's wait + each decode row's wait)
     candidates  = the workers that can prefill (a role-decode D only where none can)
@@ -65,12 +67,13 @@ mixed steps, ``W_w`` the prompt tokens this router gave it lately, ``B_w`` its s
                 = the lowest cost among keeps     otherwise (a dedicated lean: no decode rows wait on it);
                   none: the lowest ttft (ties: the key)
 
-Moving decodes (:func:`pick_moves`, run every ``--pd-move-interval-s``): a worker whose decode
-rows alone break the objective itself (``t_w > slo_tpot``: a move stalls its stream for a few
-hundred ms, which only rows already over the objective gain back) and that holds at least two rows
-more than the decode-capable worker with the fewest rows moves
-``min((rows_src - rows_dst) // 2, MAX_MOVES_PER_ROUND)`` of them there, when that worker has room
-and is not the dedicated lean. A moved decode is continued on ``dst`` from its prompt and
+Moving decodes (:func:`pick_moves`, run every ``--pd-move-interval-s``), the most loaded sources
+first: a worker whose decode rows alone break the objective itself (``t_w > slo_tpot``: a move
+stalls its stream for a few hundred ms, which only rows already over the objective gain back)
+moves ``min((rows_src - rows_dst) // 2, MAX_MOVES_PER_ROUND)`` of them to ``dst``, the worker
+with the fewest rows among the decode-capable ones with room that hold at least two rows fewer,
+are not the dedicated lean and are not yet in a move this round (each worker in one move a round).
+A moved decode is continued on ``dst`` from its prompt and
 the tokens already sent, prefilled on ``src`` (whose prefix cache holds all of its full blocks) and
 its KV shipped like any remote prefill.
 

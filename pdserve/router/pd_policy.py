@@ -90,8 +90,8 @@ class PdConfig:
         if not self.mode:
             raise ValueError("pd policy must name a placement policy (pdserve/router/placement_policies.py)")
         for name in ("slo_ttft_ms", "slo_tpot_ms", "rate_window_s"):
-            if not getattr(self, name) > 0:
-                raise ValueError(f"{name} must be > 0, not {getattr(self, name)}")
+            if not 0 < getattr(self, name) < math.inf:
+                raise ValueError(f"{name} must be finite and > 0, not {getattr(self, name)}")
         for name in ("local_max_tokens", "remote_overhead_ms", "transfer_us_per_token", "move_interval_s"):
             if getattr(self, name) < 0:
                 raise ValueError(f"{name} must be >= 0, not {getattr(self, name)}")

@@ -151,6 +151,8 @@ def test_config_is_validated_and_rates_decay() -> None:
         PdConfig(mode="")           # names are checked by pdserve/router/placement_policies.py
     with pytest.raises(ValueError, match="slo_tpot_ms"):
         PdConfig(slo_tpot_ms=0)
+    with pytest.raises(ValueError, match="slo_ttft_ms must be finite"):
+        PdConfig(slo_ttft_ms=math.inf)
     assert decayed_rate(2000.0, 10.0, 12.0, 2.0) == approx(2000 / math.e)
     assert decayed_rate(2000.0, 10.0, 9.0, 2.0) == 2000.0
 
