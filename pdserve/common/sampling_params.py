@@ -104,8 +104,9 @@ class SamplingParams:
 
     def for_sample(self, index: int) -> SamplingParams:
         """The parameters of sample ``index`` of an ``n``-sample request: one sample (n 1), its
-        own seed stream (``seed + index``), no prompt logprobs (sample 0 carries them)."""
-        seed = None if self.seed is None else self.seed + index
+        own seed stream (``seed + index``, modulo 2**64: a seed may be any uint64), no prompt
+        logprobs (sample 0 carries them)."""
+        seed = None if self.seed is None else (self.seed + index) % 2**64
         return replace(self, n=1, seed=seed, prompt_logprobs=self.prompt_logprobs and index == 0)
 
     @property

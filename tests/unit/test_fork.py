@@ -216,3 +216,32 @@ def test_offline_generate_returns_every_sample():
     one = llm.generate([_prompt(20)], SamplingParams(seed=7, max_tokens=6, ignore_eos=True), use_tqdm=False)[0]
     assert out.samples[1].token_ids == one.token_ids          # sample 2 = a request seeded 5 + 2
     assert llm.engine.block_manager.is_whole()
+
+
+def test_the_batch_counts_the_samples_a_request_will_still_fork_into():
+    # max_num_seqs 4: an n=4 request still prefilling owes 3 rows, so a request arriving meanwhile
+    # waits; no step ever runs more than 4 rows, and both requests finish with the pool whole
+    eng = LLM("tiny-qwen3", device="cpu", dtype="float32", block_size=BS, num_kv_blocks=64, max_model_len=256,
+              max_num_seqs=4, enable_chunked_prefill=True, max_num_batched_tokens=16).engine
+    first = eng.add_request(_prompt(41), SamplingParams(n=4, max_tokens=6, ignore_eos=True))
+    eng.step()                                          # first chunk of 16: admitted, not forked
+    late = eng.add_request(_prompt(9, salt=1), SamplingParams(max_tokens=6, ignore_eos=True))
+    most = 0
+
+    def watch(e, _steps):
+        nonlocal most
+        most = max(most, len(e.scheduler.running))
+        assert late.num_completion_tokens == 0 or first.forked
+
+    _run(eng, watch)
+    assert most <= 4 and late.num_completion_tokens == 6 and first.num_completion_tokens == 6
+    assert eng.block_manager.is_whole()
+
+
+def test_a_seed_at_the_top_of_uint64_wraps_for_the_next_samples():
+    params = SamplingParams(n=3, seed=2**64 - 1, temperature=0.7, max_tokens=4)
+    assert [params.for_sample(i).seed for i in range(3)] == [2**64 - 1, 0, 1]
+    eng = _engine()
+    eng.add_request(_prompt(5), params)
+    _run(eng)                                           # each sample's generator takes its seed
+    assert eng.block_manager.is_whole()

@@ -131,13 +131,18 @@ class Scheduler:
             chunks.append(seq)
         return chunks
 
+    def rows_owed(self) -> int:
+        """Decode rows the running sequences will take: each one, and the samples those that
+        have not forked yet will fork into."""
+        return len(self.running) + sum(s.num_forks for s in self.running)
+
     def _admit_waiting(self, budget: int, num_rows: int, num_partial: int) -> list[Sequence]:
         """Waiting sequences, first come first served, as whole prompts or a first chunk."""
         admitted: list[Sequence] = []
         max_rows = self.config.max_num_seqs
         while self.waiting and budget > 0 and len(self.running) < max_rows and num_rows + len(admitted) < max_rows:
             seq = self.waiting[0]
-            if len(self.running) + 1 + seq.num_forks > max_rows:
+            if self.rows_owed() + 1 + seq.num_forks > max_rows:
                 break                       # its samples would not fit the batch once forked
             remaining = seq.num_tokens - self.block_manager.prefix_hit_tokens(seq)
             if min(remaining, budget, self.config.chunk_cap) < remaining:
@@ -166,7 +171,7 @@ class Scheduler:
         num_tokens = 0
         while self.waiting and len(self.running) < self.config.max_num_seqs:
             seq = self.waiting[0]
-            if len(self.running) + 1 + seq.num_forks > self.config.max_num_seqs:
+            if self.rows_owed() + 1 + seq.num_forks > self.config.max_num_seqs:
                 break
             if num_tokens + seq.num_tokens > self.config.max_num_batched_tokens:
                 break
