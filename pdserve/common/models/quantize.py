@@ -4,8 +4,8 @@ at run time, per token or per token and 128-wide group):
 
 * ``block1x128`` (the default for a bf16/fp32 checkpoint): Fp8BlockLinear, a weight scale per
   output channel and 128-wide K block, activations per 1x128 group (``torch._scaled_mm``'s 1x128 x
-  1x128 recipe on Hopper); the least perplexity of the schemes measured on the embedded SmolLM2-135M
-  (bench/notes/fp8.md);
+  1x128 recipe on Hopper); the least error of the three on every projection of the embedded
+  SmolLM2-135M, the scales refining both of the others' (bench/notes/fp8.md);
 * ``block``: Fp8BlockLinear, a weight scale per 128x128 tile, activations per 1x128 group, as
   DeepSeek-V3 and the Qwen3-*-FP8 checkpoints;
 * ``channel``: Fp8Linear, a weight scale per output channel, activations per token.
