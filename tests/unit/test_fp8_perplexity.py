@@ -27,8 +27,8 @@ FULL_WINDOW = 1024
 FULL = os.environ.get("PDSERVE_FULL_PERPLEXITY") == "1"
 KV_BOUND, WEIGHTS_BOUND = 0.01, 0.03
 WEIGHTS_GAP = ("W8A8 FP8 costs this 135M model (itself from a 4-bit GGUF) more than 3% perplexity over float32 "
-               "on the whole text: +3.27% with the default 1x128 weight blocks and activation groups, +4.6% "
-               "per channel and per token; e4m3 weights alone about +2.8% (bench/notes/fp8.md)")
+               "on the whole text: +3.27% with 1x128 weight blocks and activation groups, +4.6% with the "
+               "default (per channel and per token); e4m3 weights alone about +2.8% (bench/notes/fp8.md)")
 
 
 @pytest.fixture(scope="module")

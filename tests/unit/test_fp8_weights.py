@@ -177,9 +177,13 @@ def test_block_checkpoint_serves_its_own_blocks(checkpoints):
             torch.testing.assert_close(mod.weight_scale, s, rtol=1e-6, atol=0)
 
 
-def test_bf16_checkpoint_quantizes_to_1x128_blocks_by_default(checkpoints):
+def test_bf16_checkpoint_quantizes_per_channel_by_default_and_to_1x128_blocks_on_request(checkpoints):
     runner = _runner(checkpoints / "bf16", quantization="fp8")
     mods = [getattr(getattr(layer, o), a) for layer in runner.model.layers for o, a in PROJECTIONS]
+    assert all(isinstance(m, Fp8Linear) for m in mods)             # the scheme measured on the GPU
+    model = _runner(checkpoints / "bf16").model
+    quantize_model(model, "block1x128")
+    mods = [getattr(getattr(layer, o), a) for layer in model.layers for o, a in PROJECTIONS]
     assert all(isinstance(m, Fp8BlockLinear) and m.tile_rows == 1 for m in mods)
     assert mods[0].weight_scale.shape == (mods[0].out_features, 1)  # K = 64: one ragged block
     with pytest.raises(ValueError, match="scheme"):

@@ -2,13 +2,14 @@
 for FP8 ones once the weights are loaded, in one of three weight schemes (activations are scaled
 at run time, per token or per token and 128-wide group):
 
-* ``block1x128`` (the default for a bf16/fp32 checkpoint): Fp8BlockLinear, a weight scale per
-  output channel and 128-wide K block, activations per 1x128 group (``torch._scaled_mm``'s 1x128 x
-  1x128 recipe on Hopper); the least error of the three on every projection of the embedded
-  SmolLM2-135M, the scales refining both of the others' (bench/notes/fp8.md);
+* ``block1x128``: Fp8BlockLinear, a weight scale per output channel and 128-wide K block,
+  activations per 1x128 group (``torch._scaled_mm``'s 1x128 x 1x128 recipe on Hopper); the least
+  error of the three on every projection of the embedded SmolLM2-135M (bench/notes/fp8.md), not
+  yet run on a GPU, so not the default;
 * ``block``: Fp8BlockLinear, a weight scale per 128x128 tile, activations per 1x128 group, as
   DeepSeek-V3 and the Qwen3-*-FP8 checkpoints;
-* ``channel``: Fp8Linear, a weight scale per output channel, activations per token.
+* ``channel`` (the default for a bf16/fp32 checkpoint, the scheme measured on the GPU): Fp8Linear,
+  a weight scale per output channel, activations per token.
 
 A published FP8 checkpoint keeps its own scheme (models/fp8_checkpoint.py ``weight_scheme``): a
 block-scaled one is read back into the same e4m3 values and tile scales, a per-channel one into
@@ -29,7 +30,7 @@ __all__ = ["quantize_fp8", "PROJECTIONS", "WEIGHT_SCHEMES", "DEFAULT_WEIGHT_SCHE
 
 PROJECTIONS = (("self_attn", "qkv_proj"), ("self_attn", "o_proj"), ("mlp", "gate_up_proj"), ("mlp", "down_proj"))
 WEIGHT_SCHEMES = ("block1x128", "block", "channel")
-DEFAULT_WEIGHT_SCHEME = "block1x128"
+DEFAULT_WEIGHT_SCHEME = "channel"
 
 
 def _fp8(linear: nn.Module, scheme: str) -> nn.Module:
