@@ -255,9 +255,9 @@ class LLMEngine:
         finished = []
         for i, (seq, token_id) in enumerate(zip(seqs, token_ids)):
             seq.append_token(token_id, logprobs[i] if logprobs is not None else None, seq.top_of_row(top, i))
-            reason = guide_stop.reason(seq) or self.scheduler.stop_reason(seq)
             if seq.num_forks:
                 fork.fork(self, seq)
+            reason = guide_stop.reason(seq) or self.scheduler.stop_reason(seq)
             if seq.prefill_only:
                 self.kv_handoff.hold(seq, reason)
                 finished.append(seq)
@@ -267,8 +267,8 @@ class LLMEngine:
         return finished
 
     def finish(self, seq: Sequence, reason: FinishReason) -> None:
-        self.scheduler.finish(seq, reason)
         """Finish one sample and free its blocks; the request leaves ``requests`` with its last."""
+        self.scheduler.finish(seq, reason)
         if seq.all_samples_finished:
             self.requests.pop(seq.request_id, None)
         self.model_runner.release(seq)
