@@ -21,6 +21,7 @@ from collections.abc import Callable
 import torch
 from torch import nn
 
+from pdserve.common.layers.fp8_linear import finish_rows
 from pdserve.common.ops.fp8 import FP8_DTYPE, FP8_MAX, quantize_fp8
 
 __all__ = ["BLOCK", "TILE_ROWS", "Fp8BlockLinear", "quantize_weight_blocks", "quantize_act_groups",
@@ -145,11 +146,7 @@ class Fp8BlockLinear(nn.Module):
             y = self._scaled_mm(rows.contiguous())
         else:
             y = fp8_block_linear_ref(rows, self.weight, self.weight_scale)
-        if self.reduce is not None:
-            y = self.reduce(y)
-        if self.bias is not None:
-            y = y + self.bias
-        return y.reshape(*x.shape[:-1], self.out_features)
+        return finish_rows(y, x, self.reduce, self.bias, self.out_features)
 
     def extra_repr(self) -> str:
         return (f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}, "

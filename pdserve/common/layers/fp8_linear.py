@@ -87,11 +87,18 @@ class Fp8Linear(nn.Module):
             y = _scaled_mm(rows.contiguous(), self.weight, self.weight_scale_t)
         else:
             y = fp8_linear_ref(rows, self.weight, self.weight_scale)
-        if self.reduce is not None:
-            y = self.reduce(y)
-        if self.bias is not None:
-            y = y + self.bias
-        return y.reshape(*x.shape[:-1], self.out_features)
+        return finish_rows(y, x, self.reduce, self.bias, self.out_features)
 
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}"
+
+
+def finish_rows(y: torch.Tensor, x: torch.Tensor, reduce: Callable[[torch.Tensor], torch.Tensor] | None,
+                bias: torch.Tensor | None, out_features: int) -> torch.Tensor:
+    """A quantized projection's epilogue: ``reduce`` (a row-parallel all-reduce) before ``bias``,
+    then ``y`` [rows, N] back to ``x``'s leading shape."""
+    if reduce is not None:
+        y = reduce(y)
+    if bias is not None:
+        y = y + bias
+    return y.reshape(*x.shape[:-1], out_features)
