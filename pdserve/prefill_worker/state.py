@@ -110,14 +110,17 @@ class PrefillState:
             self._set(p.launched, error=error)   # a no-op once launched
 
     def on_launch(self, seqs: list[Sequence], launched: LaunchedStep) -> None:
-        """Engine hook: a prefill step was launched; its requests may start shipping."""
+        """Engine hook: a prefill step was launched, its sampling enqueued; its requests may
+        start shipping."""
+        token_ids = launched.token_ids
+        assert token_ids is not None, "on_launch comes after the step's sampling is enqueued"
         for row, seq in enumerate(seqs):
             p = self.pending.get(seq.request_id)
             if p is None or p.seq is not seq:
                 continue
             self._set(p.launched, LaunchedPrefill(
                 list(seq.block_table), seq.kv_ready,
-                FirstTokenRef(launched.token_ids, launched.logprobs, row)))
+                FirstTokenRef(token_ids, launched.logprobs, row)))
             p.phase = Phase.LAUNCHED
             self.tracker.launched(seq.request_id)
 
