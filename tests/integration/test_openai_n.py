@@ -11,16 +11,20 @@ official ``openai`` SDK (unmodified), on the embedded model (CPU).
   sample has its own last message with a finish reason and usage (also when the prefill
   worker's first token ends sample 0: the decode worker's reservation still forks).
 - Completions ``echo`` with ``max_tokens 0``: the prompt (and its logprobs) and no completion.
+- Cancel and deadline of n=4 streams with both cores busy: every pool whole.
 """
 from __future__ import annotations
 
 import uuid
+from concurrent.futures import ThreadPoolExecutor
 
+import grpc
 import openai
 import pytest
 
 from bench import deployment as services
 from pdserve.v1 import common_pb2, router_pb2
+from tests.integration.cpu_load import CpuLoad
 
 
 @pytest.fixture(scope="module")
@@ -109,3 +113,23 @@ def test_echo_with_max_tokens_0_returns_the_prompt_only(disagg):
     streamed = list(client.completions.create(model=model, prompt=prompt, echo=True, max_tokens=0, stream=True))
     assert "".join(ch.choices[0].text for ch in streamed if ch.choices) == prompt
     _whole(disagg)
+
+
+@pytest.mark.parametrize("layout", ["disagg", "both"])
+def test_cancel_and_deadline_of_n4_requests_with_the_cpu_loaded_leave_every_pool_whole(request, layout):
+    """n=4 streams cancelled by their clients after a few tokens (some samples forked, some
+    still prefilling), and one that runs into its deadline, with both cores busy: every pool whole."""
+    dep = request.getfixturevalue(layout)
+    params = common_pb2.SamplingParams(temperature=1.0, seed=5, max_tokens=400, ignore_eos=True, n=4)
+    load = CpuLoad(60.0)
+    try:
+        with ThreadPoolExecutor(3) as pool:
+            seen = list(pool.map(lambda _: dep.cancel_after_tokens(
+                router_pb2.GenerateRequest(text=_prompt(), params=params), 3), range(3)))
+        with pytest.raises(grpc.RpcError) as err:
+            list(dep.router_stub().Generate(router_pb2.GenerateRequest(text=_prompt(), params=params), timeout=2.0))
+        assert err.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+    finally:
+        load.stop()
+    assert all(n >= 3 for n in seen)
+    _whole(dep)
